@@ -1,0 +1,84 @@
+"""The contract between the device's worker thread and a training engine."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
+    from transformers import TrainingArguments
+
+    from optuna_rapidfire._trainers._base import TrainerKind
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """Everything an engine needs to build a trial.
+
+    Attributes:
+        number: Optuna trial number.
+        peft_config: The trial's adapter config (the user's own object, copied before use).
+        args: The trial's training args as the user wrote them.
+        kind: The TRL trainer type the args select.
+        adapter_dir: Where the trial's final adapter is written if it completes.
+    """
+
+    number: int
+    peft_config: PeftConfig
+    args: TrainingArguments
+    kind: TrainerKind
+    adapter_dir: str
+
+
+@dataclass
+class ChunkResult:
+    """What one chunk produced.
+
+    Attributes:
+        step: The Optuna step to report (the trial's global chunk count before this chunk).
+        metrics: Evaluation metrics (``eval_*``) and training metrics (``train_*``) of the chunk.
+        last: Whether this was the trial's final chunk.
+        train_seconds: Wall time of the training part.
+        eval_seconds: Wall time of the evaluation part.
+    """
+
+    step: int
+    metrics: dict[str, float]
+    last: bool
+    train_seconds: float = 0.0
+    eval_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(ABC):
+    """Trains trials on one device, one call per chunk.
+
+    All methods run on the device's worker thread. An engine owns the per-trial runtime objects it
+    returns from :meth:`build`; the scheduler only passes them back.
+    """
+
+    @abstractmethod
+    def build(self, spec: TrialSpec) -> Any:
+        """Create the trial's state (adapter, optimizer, schedule, RNG); raise if the config is unusable."""
+
+    @abstractmethod
+    def total_chunks(self, runtime: Any) -> int:
+        """How many chunks the trial trains if nothing stops it."""
+
+    @abstractmethod
+    def run_chunk(self, runtime: Any) -> ChunkResult:
+        """Train the trial's next chunk, then evaluate it."""
+
+    @abstractmethod
+    def evaluate(self, runtime: Any, max_batches: int | None = None) -> dict[str, float]:
+        """Evaluate the trial's adapter now (on the first ``max_batches`` eval batches only, if given)."""
+
+    @abstractmethod
+    def save_adapter(self, runtime: Any, directory: str) -> None:
+        """Write the trial's adapter in PEFT's format."""
+
+    @abstractmethod
+    def release(self, runtime: Any) -> None:
+        """Free the trial's state; safe to call on a half-built or already released trial."""

@@ -1,0 +1,339 @@
+"""Time-sliced engine: one trial on the device at a time, switched by adapter hot-swap.
+
+A switch activates the trial's adapter in the shared ``PeftModel`` and restores its RNG; the base
+weights never move. Each trial trains with its own TRL trainer's loss, optimizer and LR schedule, so
+a chunk here is the same computation TRL's own loop would run on those batches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from optuna_rapidfire._data import rows_of
+from optuna_rapidfire._engines._base import ChunkResult, Engine, TrialSpec
+from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._state import RngState, TrialState
+
+if TYPE_CHECKING:
+    from collections.abc import Hashable
+
+    import numpy as np
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from optuna_rapidfire._data import PreparedData
+    from optuna_rapidfire._model import ResidentModel
+    from optuna_rapidfire._trainers._base import TrainerExtras
+
+_logger = get_logger(__name__)
+
+
+@dataclass(eq=False)
+class TrialRuntime:
+    """A built trial: its spec, TRL trainer, swappable state and chunk plan."""
+
+    spec: TrialSpec
+    args: TrainingArguments
+    trainer: Trainer
+    state: TrialState
+    data_key: Hashable
+    steps_per_chunk: list[int]
+    total_chunks: int
+    last_used: float = field(default_factory=time.monotonic)
+    released: bool = False
+
+    def prepare(self, dataset: Dataset, split: str) -> Dataset:
+        return self.spec.kind.prepare(self.trainer, dataset, split)
+
+
+class TimeSlicedEngine(Engine):
+    """Trains one trial at a time on ``resident``'s device.
+
+    Args:
+        resident: The base model with the live trials' adapters.
+        data: Chunks and eval set, prepared per data key.
+        extras: Executor-wide arguments for the TRL trainers.
+        output_dir: Folder under which each trial's trainer gets its ``output_dir``.
+        state_budget: Bytes of trial state (adapters + optimizer moments) kept on the device; idle
+            trials beyond it are moved to pinned CPU memory. ``None``: no limit.
+    """
+
+    def __init__(
+        self,
+        resident: ResidentModel,
+        data: PreparedData,
+        extras: TrainerExtras,
+        output_dir: str,
+        state_budget: int | None = None,
+    ) -> None:
+        self.resident = resident
+        self.data = data
+        self.extras = extras
+        self.output_dir = output_dir
+        self.state_budget = state_budget
+        self._runtimes: list[TrialRuntime] = []
+        self.switches = 0
+        self._current: TrialRuntime | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.resident.device
+
+    # -- building and releasing ------------------------------------------------------------------
+
+    def build(self, spec: TrialSpec) -> TrialRuntime:
+        kind = spec.kind
+        name = f"trial_{spec.number}"
+        args = kind.effective_args(spec.args, os.path.join(self.output_dir, name), self.device)
+        params = self.resident.add_adapter(name, spec.peft_config, seed=args.seed)
+        try:
+            if not params:
+                raise ValueError(f"The adapter config of trial {spec.number} creates no trainable parameters.")
+            sample = self.data.train.select(self.data.plan.rows(0)[:1].tolist())
+            trainer = kind.build_trainer(self.resident, args, sample, self.extras)
+            key = kind.data_key(args)
+            sizes = self.data.chunk_sizes(key, lambda ds, split: kind.prepare(trainer, ds, split))
+            steps_per_chunk = self._steps_per_chunk(spec.number, args, sizes)
+            total_chunks = kind.total_chunks(args, self.data.plan.num_chunks)
+            total_steps = sum(steps_per_chunk[c % len(sizes)] for c in range(total_chunks))
+            optimizer = trainer.create_optimizer()
+            scheduler = trainer.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
+            state = TrialState(
+                adapter_name=name,
+                params=params,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                scaler=getattr(trainer.accelerator, "scaler", None),
+                rng=RngState.seeded(args.seed, self.device),
+            )
+        except BaseException:
+            self.resident.delete_adapter(name)
+            raise
+        runtime = TrialRuntime(
+            spec=spec,
+            args=args,
+            trainer=trainer,
+            state=state,
+            data_key=key,
+            steps_per_chunk=steps_per_chunk,
+            total_chunks=total_chunks,
+        )
+        self._runtimes.append(runtime)
+        self._fit_budget(keep=runtime)
+        return runtime
+
+    def _steps_per_chunk(self, number: int, args: TrainingArguments, sizes: list[int]) -> list[int]:
+        batch = args.per_device_train_batch_size
+        steps = []
+        for chunk, size in enumerate(sizes):
+            micro = size // batch if args.dataloader_drop_last else math.ceil(size / batch)
+            if micro < 1:
+                raise ValueError(
+                    f"Chunk {chunk} holds {size} examples after preparation, fewer than one batch of "
+                    f"per_device_train_batch_size={batch} (trial {number}). Lower num_chunks or the batch size."
+                )
+            steps.append(math.ceil(micro / args.gradient_accumulation_steps))
+        return steps
+
+    def total_chunks(self, runtime: TrialRuntime) -> int:
+        return runtime.total_chunks
+
+    def release(self, runtime: TrialRuntime) -> None:
+        if runtime.released:
+            return
+        runtime.released = True
+        self.resident.delete_adapter(runtime.state.adapter_name)
+        runtime.state.optimizer.state.clear()
+        runtime.state.params.clear()
+        if runtime in self._runtimes:
+            self._runtimes.remove(runtime)
+        if self._current is runtime:
+            self._current = None
+
+    def save_adapter(self, runtime: TrialRuntime, directory: str) -> None:
+        self.resident.save_adapter(runtime.state.adapter_name, directory)
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def _fit_budget(self, keep: TrialRuntime) -> None:
+        """Offload least recently used idle trials until the resident state fits the budget."""
+        if self.state_budget is None:
+            return
+        resident = [r for r in self._runtimes if r.state.resident]
+        used = sum(r.state.nbytes() for r in resident)
+        for victim in sorted(resident, key=lambda r: r.last_used):
+            if used <= self.state_budget:
+                break
+            if victim is keep:
+                continue
+            used -= victim.state.nbytes()
+            victim.state.offload(self.device)
+
+    def resident_trials(self) -> int:
+        """Number of trials whose state is on the device."""
+        return sum(r.state.resident for r in self._runtimes)
+
+    # -- training --------------------------------------------------------------------------------
+
+    def _switch_to(self, runtime: TrialRuntime) -> None:
+        state = runtime.state
+        if not state.resident:
+            state.onload(self.device)
+        self._fit_budget(keep=runtime)
+        self.resident.activate(state.adapter_name)
+        enabled, kwargs = runtime.spec.kind.checkpointing(runtime.args)
+        self.resident.set_checkpointing(enabled, kwargs)
+        state.rng.restore(self.device)
+        if self._current is not runtime:
+            self.switches += 1
+            self._current = runtime
+        runtime.last_used = time.monotonic()
+
+    def run_chunk(self, runtime: TrialRuntime) -> ChunkResult:
+        self._switch_to(runtime)
+        step = runtime.state.position.chunks_done
+        start = time.perf_counter()
+        train_metrics = self._train_chunk(runtime)
+        runtime.state.rng = RngState.capture(self.device)
+        trained = time.perf_counter()
+        metrics = self.evaluate(runtime)
+        metrics.update(train_metrics)
+        done = time.perf_counter()
+        return ChunkResult(
+            step=step,
+            metrics=metrics,
+            last=runtime.state.position.chunks_done >= runtime.total_chunks,
+            train_seconds=trained - start,
+            eval_seconds=done - trained,
+        )
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        non_blocking = self.device.type == "cuda"
+        return {
+            k: v.to(self.device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()
+        }
+
+    def _train_chunk(self, runtime: TrialRuntime) -> dict[str, float]:
+        kind, trainer, args, state = runtime.spec.kind, runtime.trainer, runtime.args, runtime.state
+        plan = self.data.plan
+        epoch, chunk = state.position.chunk(plan.num_chunks)
+        dataset = self.data.chunk(runtime.data_key, chunk, runtime.prepare)
+        order = plan.visit_order(len(dataset), epoch, chunk)
+        batch = args.per_device_train_batch_size
+        micro = [order[i : i + batch] for i in range(0, len(order), batch)]
+        if args.dataloader_drop_last and len(micro[-1]) < batch:
+            micro.pop()
+        accumulation = args.gradient_accumulation_steps
+        model = self.resident.module
+        model.train()
+        scaler = state.scaler
+        step_losses: list[torch.Tensor] = []
+        grad_norm: torch.Tensor | None = None
+        for first in range(0, len(micro), accumulation):
+            batches = [
+                kind.collate(trainer, rows_of(dataset, _ints(idx))) for idx in micro[first : first + accumulation]
+            ]
+            num_items = trainer._get_num_items_in_batch(batches, self.device)
+            trainer.current_gradient_accumulation_steps = len(batches)
+            step_loss = torch.zeros((), device=self.device)
+            for inputs in batches:
+                with trainer.accelerator.autocast():
+                    loss = kind.loss(trainer, model, self._to_device(inputs), num_items)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+                step_loss += loss.detach()
+            if scaler is not None:
+                scaler.unscale_(state.optimizer)
+            if args.max_grad_norm is not None and args.max_grad_norm > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(state.params, args.max_grad_norm)
+            stepped = True
+            if scaler is not None:
+                scale = scaler.get_scale()
+                scaler.step(state.optimizer)
+                scaler.update()
+                stepped = scaler.get_scale() >= scale
+            else:
+                state.optimizer.step()
+            if stepped:
+                state.lr_scheduler.step()
+            state.optimizer.zero_grad(set_to_none=True)
+            state.position.optimizer_steps += 1
+            trainer.state.global_step = state.position.optimizer_steps
+            step_losses.append(step_loss)
+        state.position.chunks_done += 1
+        metrics = {f"train_{k}": v for k, v in kind.drain_metrics(trainer, "train").items()}
+        metrics["train_loss"] = torch.stack(step_losses).mean().item()
+        metrics["train_learning_rate"] = float(state.lr_scheduler.get_last_lr()[0])
+        if grad_norm is not None:
+            metrics["train_grad_norm"] = float(grad_norm)
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self, runtime: TrialRuntime, max_batches: int | None = None) -> dict[str, float]:
+        """Evaluate the trial's adapter on the (prepared) eval set, as TRL's ``evaluate`` would."""
+        from transformers import EvalPrediction
+        from transformers.trainer_pt_utils import nested_concat, nested_numpify
+
+        kind, trainer, args = runtime.spec.kind, runtime.trainer, runtime.args
+        self.resident.activate(runtime.state.adapter_name)
+        dataset = self.data.eval_set(runtime.data_key, runtime.prepare)
+        model = self.resident.module
+        was_training = model.training
+        model.eval()
+        compute_metrics = self.extras.compute_metrics
+        preprocess = self.extras.preprocess_logits_for_metrics
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        count = 0
+        predictions: Any = None
+        labels: Any = None
+        batch = args.per_device_eval_batch_size
+        stop = len(dataset) if max_batches is None else min(len(dataset), max_batches * batch)
+        try:
+            for first in range(0, stop, batch):
+                inputs = kind.collate(trainer, rows_of(dataset, list(range(first, min(first + batch, stop)))))
+                size = int(inputs["input_ids"].shape[0]) if "input_ids" in inputs else batch
+                with trainer.accelerator.autocast():
+                    loss, logits, batch_labels = kind.eval_batch(
+                        trainer, model, self._to_device(inputs), compute_metrics is not None
+                    )
+                total += loss.detach().double() * size
+                count += size
+                if compute_metrics is not None and logits is not None:
+                    if preprocess is not None:
+                        logits = preprocess(logits, batch_labels)
+                    logits, batch_labels = _cpu(logits), _cpu(batch_labels)
+                    predictions = logits if predictions is None else nested_concat(predictions, logits, -100)
+                    labels = batch_labels if labels is None else nested_concat(labels, batch_labels, -100)
+        finally:
+            if was_training:
+                model.train()
+        metrics = {"eval_loss": (total / max(count, 1)).item()}
+        metrics.update({f"eval_{k}": v for k, v in kind.drain_metrics(trainer, "eval").items()})
+        if compute_metrics is not None:
+            user = compute_metrics(
+                EvalPrediction(predictions=nested_numpify(predictions), label_ids=nested_numpify(labels))
+            )
+            for key, value in user.items():
+                metrics[key if key.startswith("eval_") else f"eval_{key}"] = float(value)
+        return metrics
+
+
+def _ints(indices: np.ndarray) -> list[int]:
+    return [int(i) for i in indices]
+
+
+def _cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cpu(v) for v in value)
+    return value

@@ -1,0 +1,432 @@
+"""``RapidFireExecutor``: many Optuna trials trained chunk by chunk on one resident base model."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import optuna
+import torch
+from optuna.study import StudyDirection
+
+from optuna_rapidfire import _attrs
+from optuna_rapidfire._data import ChunkPlan, PreparedData
+from optuna_rapidfire._engines._base import ChunkResult, TrialSpec
+from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._model import ModelSource, ResidentModel, load_model, resolve_device
+from optuna_rapidfire._progress import Progress
+from optuna_rapidfire._pruning import prune_decision, resolve_auto_resources
+from optuna_rapidfire._scheduler import Entry, Phase, Scheduler
+from optuna_rapidfire._trainers import TrainerExtras, kind_for
+from optuna_rapidfire._worker import Built, DeviceWorker, Failed, Released, Saved, SetupError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from peft import PeftConfig
+    from transformers import PreTrainedTokenizerBase, TrainingArguments
+
+_logger = get_logger(__name__)
+
+Configure = Callable[[optuna.Trial], "tuple[PeftConfig, TrainingArguments]"]
+"""The user's function: suggest hyperparameters on the trial, return ``(peft_config, training_args)``."""
+
+
+class RapidFireExecutor:
+    """Train many Optuna trials together on one resident base model, chunk by chunk.
+
+    The train set is shuffled once with ``seed`` and cut into ``num_chunks`` chunks. Up to
+    ``max_concurrent_trials`` trials are live on the device; the device always goes to the live trial
+    with the least progress, so live trials advance in lock-step rounds. After each chunk a trial is
+    evaluated, reports its metric to Optuna at ``step`` = its global chunk count, and asks the study's
+    pruner whether to stop, with its running peers visible to the pruner. Switching trials swaps only
+    the small per-trial state (LoRA weights, optimizer, LR schedule, RNG, data position): the base
+    model is loaded once.
+
+    Example:
+
+        .. code-block:: python
+
+            import optuna
+            from peft import LoraConfig
+            from trl import SFTConfig
+            from optuna_rapidfire import RapidFireExecutor
+            from optuna_rapidfire.demo import build_tiny_model, load_gsm8k
+
+
+            def configure(trial):
+                lora = LoraConfig(r=trial.suggest_categorical("r", [4, 8]), target_modules=["q_proj", "v_proj"])
+                args = SFTConfig(
+                    learning_rate=trial.suggest_float("learning_rate", 1e-4, 1e-2, log=True),
+                    per_device_train_batch_size=4, num_train_epochs=1, bf16=False, max_length=256,
+                )
+                return lora, args
+
+
+            executor = RapidFireExecutor(
+                model=str(build_tiny_model("tiny-model")),
+                train_dataset=load_gsm8k("train", num_rows=64),
+                eval_dataset=load_gsm8k("test", num_rows=16),
+                num_chunks=4,
+                max_concurrent_trials=4,
+            )
+            study = optuna.create_study()
+            executor.optimize(study, configure, n_trials=8)
+
+    Args:
+        model: A path or hub id (loaded with ``AutoModelForCausalLM.from_pretrained``), a loaded
+            ``PreTrainedModel`` (pass ``tokenizer`` too), or a zero-argument callable returning
+            ``(model, tokenizer)``.
+        train_dataset: A ``datasets.Dataset`` in any format TRL's trainer for the trials takes.
+        eval_dataset: The ``datasets.Dataset`` every chunk's metric is computed on.
+        tokenizer: The tokenizer, when ``model`` is not a path.
+        model_kwargs: Keyword arguments for ``from_pretrained`` (``dtype``, ``attn_implementation``...).
+        num_chunks: Chunks per pass over the train set; each trial reports once per chunk.
+        max_concurrent_trials: Trials live on the device at once (also ``n_jobs`` in :meth:`optimize`).
+        seed: Seed of the train-set shuffle and of the eval subsample. Each trial's own RNG comes from
+            its training args' ``seed``, never from its number or its order.
+        metric: Evaluation metric reported after every chunk and returned as the trial's value
+            (``"eval_loss"`` by default; ``"eval_"`` is prefixed when missing). Metrics of a user
+            ``compute_metrics`` are available under their ``eval_`` names.
+        eval_samples: Evaluate on a fixed random subsample of this many eval rows (same for all trials)
+            instead of the whole eval set.
+        compute_metrics: Forwarded to the TRL trainer, as in ``SFTTrainer(compute_metrics=...)``.
+        preprocess_logits_for_metrics: Forwarded to the TRL trainer.
+        formatting_func: Forwarded to the TRL trainer.
+        output_dir: Where final adapters go: ``output_dir/<study name>/trial-<number>``.
+        devices: ``"auto"`` (the current GPU, else the CPU) or a torch device such as ``"cuda:0"``.
+        state_memory_budget: Bytes of per-trial state (adapters and optimizer moments) kept on the
+            device, or a fraction of the device memory left after loading the base model; idle trials
+            beyond it move to pinned CPU memory. ``"auto"``: half of what is left on a GPU, no limit on
+            the CPU. ``None``: no limit.
+        show_progress_bar: Show per-trial progress on a terminal.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: ModelSource,
+        train_dataset: Dataset,
+        eval_dataset: Dataset,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        num_chunks: int = 8,
+        max_concurrent_trials: int = 8,
+        seed: int = 0,
+        metric: str | None = None,
+        eval_samples: int | None = None,
+        compute_metrics: Callable[..., dict[str, float]] | None = None,
+        preprocess_logits_for_metrics: Callable[..., Any] | None = None,
+        formatting_func: Callable[[dict[str, Any]], str] | None = None,
+        output_dir: str | os.PathLike[str] = "rapidfire-output",
+        devices: str | torch.device = "auto",
+        state_memory_budget: int | float | str | None = "auto",
+        show_progress_bar: bool = True,
+    ) -> None:
+        from datasets import Dataset
+
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if not isinstance(dataset, Dataset):
+                raise TypeError(f"{name} must be a datasets.Dataset, but got {type(dataset).__name__}.")
+            if len(dataset) == 0:
+                raise ValueError(f"{name} is empty.")
+        if not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks must be an integer of at least 1, but got {num_chunks=}.")
+        if not isinstance(max_concurrent_trials, int) or max_concurrent_trials < 1:
+            raise ValueError(
+                f"max_concurrent_trials must be an integer of at least 1, but got {max_concurrent_trials=}."
+            )
+        if eval_samples is not None and (not isinstance(eval_samples, int) or eval_samples < 1):
+            raise ValueError(f"eval_samples must be None or an integer of at least 1, but got {eval_samples=}.")
+        if isinstance(state_memory_budget, str) and state_memory_budget != "auto":
+            raise ValueError(f"state_memory_budget must be 'auto', None or a number, but got {state_memory_budget=}.")
+        if isinstance(state_memory_budget, (int, float)) and state_memory_budget < 0:
+            raise ValueError(f"state_memory_budget must not be negative, but got {state_memory_budget=}.")
+        if metric is not None and not isinstance(metric, str):
+            raise TypeError(f"metric must be a metric name, but got {metric!r}.")
+
+        self._plan = ChunkPlan(num_rows=len(train_dataset), num_chunks=num_chunks, seed=seed)
+        self._model_source = model
+        self._tokenizer = tokenizer
+        self._model_kwargs = dict(model_kwargs or {})
+        self._train = train_dataset
+        self._eval = eval_dataset
+        self.num_chunks = num_chunks
+        self.max_concurrent_trials = max_concurrent_trials
+        self.seed = seed
+        self.metric = _metric_key(metric or "eval_loss")
+        self._eval_samples = eval_samples
+        self._extras = TrainerExtras(compute_metrics, preprocess_logits_for_metrics, formatting_func)
+        self.output_dir = os.fspath(output_dir)
+        self._device = resolve_device(devices)
+        self._budget_setting = state_memory_budget
+        self.show_progress_bar = show_progress_bar
+
+        self._start_lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_concurrent_trials)
+        self._scheduler = Scheduler()
+        self._scheduler.expect(max_concurrent_trials)
+        self._worker: DeviceWorker | None = None
+        self._engine: TimeSlicedEngine | None = None
+        self._fatal: BaseException | None = None
+        self._notes_lock = threading.Lock()
+        self._notes: set[str] = set()
+        self._progress = Progress(False)
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def objective(self, configure: Configure) -> Callable[[optuna.Trial], float]:
+        """Return an Optuna objective that trains ``configure(trial)``'s config on this executor.
+
+        Use it with ``study.optimize(executor.objective(configure), n_jobs=executor.max_concurrent_trials)``:
+        each of Optuna's threads holds one live trial while the device interleaves them. The base
+        model is loaded here, so a bad model path fails before the study starts.
+        """
+        if not callable(configure):
+            raise TypeError(f"configure must be callable, but got {type(configure).__name__}.")
+        self._ensure_started()
+
+        def objective(trial: optuna.Trial) -> float:
+            return self._run_trial(trial, configure)
+
+        return objective
+
+    def optimize(
+        self,
+        study: optuna.Study,
+        configure: Configure,
+        n_trials: int | None = None,
+        timeout: float | None = None,
+        *,
+        callbacks: Iterable[Callable[[optuna.Study, optuna.trial.FrozenTrial], None]] | None = None,
+        catch: Iterable[type[Exception]] | type[Exception] = (),
+        gc_after_trial: bool = False,
+    ) -> None:
+        """Run ``n_trials`` trials of ``configure`` on ``study``, ``max_concurrent_trials`` at a time.
+
+        Same behaviour as ``study.optimize(self.objective(configure), n_jobs=self.max_concurrent_trials)``
+        with a per-trial progress display; ``timeout`` stops new trials from starting, as in Optuna.
+        """
+        if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
+            raise ValueError(f"n_trials must be None or a positive integer, but got {n_trials=}.")
+        objective = self.objective(configure)
+        first_wave = self.max_concurrent_trials if n_trials is None else min(n_trials, self.max_concurrent_trials)
+        self._scheduler.expect(first_wave)
+        self._progress = Progress(self.show_progress_bar, total_trials=n_trials)
+        try:
+            study.optimize(
+                objective,
+                n_trials=n_trials,
+                timeout=timeout,
+                n_jobs=self.max_concurrent_trials,
+                catch=catch,
+                callbacks=callbacks,
+                gc_after_trial=gc_after_trial,
+                show_progress_bar=False,
+            )
+        finally:
+            self._progress.close()
+            self._progress = Progress(False)
+            self._scheduler.expect(self.max_concurrent_trials)
+
+    def close(self) -> None:
+        """Stop the device worker and drop the model. The executor cannot be used afterwards."""
+        self._scheduler.close()
+        if self._worker is not None:
+            self._worker.join()
+        self._worker = None
+        self._engine = None
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> RapidFireExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def switches(self) -> int:
+        """How many times the device switched from one trial to another so far."""
+        return 0 if self._engine is None else self._engine.switches
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        with self._start_lock:
+            if self._fatal is not None:
+                raise self._fatal
+            if self._worker is not None:
+                return
+            model, tokenizer = load_model(
+                self._model_source, tokenizer=self._tokenizer, model_kwargs=self._model_kwargs
+            )
+            resident = ResidentModel(model, tokenizer, self._device)
+            data = PreparedData(self._train, self._eval, self._plan, self._eval_samples)
+            self._engine = TimeSlicedEngine(
+                resident, data, self._extras, os.path.join(self.output_dir, ".trainer"), self._state_budget()
+            )
+            self._worker = DeviceWorker(
+                self._engine,
+                self._scheduler,
+                adapter_dir=lambda entry: entry.spec.adapter_dir,
+                check_metrics=self._check_metrics,
+            )
+            self._worker.start()
+
+    def _state_budget(self) -> int | None:
+        setting = self._budget_setting
+        if setting is None or (setting == "auto" and self._device.type != "cuda"):
+            return None
+        free = 0
+        if self._device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self._device)
+            free = free_bytes
+        if setting == "auto":
+            return int(free * 0.5)
+        if isinstance(setting, float) and setting <= 1.0:
+            return int(free * setting)
+        return int(setting)
+
+    def _check_metrics(self, metrics: dict[str, float]) -> None:
+        if self.metric not in metrics:
+            raise SetupError(
+                f"metric={self.metric!r} is not among the evaluation's metrics {sorted(metrics)}. "
+                "Pass one of those, or a compute_metrics that returns it."
+            )
+
+    def _note_once(self, message: str) -> None:
+        with self._notes_lock:
+            if message in self._notes:
+                return
+            self._notes.add(message)
+        _logger.warning(message)
+
+    # -- one trial ------------------------------------------------------------------------------
+
+    def _run_trial(self, trial: optuna.Trial, configure: Configure) -> float:
+        if self._fatal is not None:
+            raise self._fatal
+        study = trial.study
+        if len(study.directions) > 1:
+            raise ValueError("RapidFireExecutor optimizes one metric: create the study with one direction.")
+        if self.metric.endswith("loss") and study.direction == StudyDirection.MAXIMIZE:
+            raise ValueError(
+                f"metric={self.metric!r} is a loss but the study maximizes: create it with direction='minimize'."
+            )
+        with self._slots:
+            returned = configure(trial)
+            if not (isinstance(returned, tuple) and len(returned) == 2):
+                raise TypeError(
+                    "configure(trial) must return (peft_config, training_args), but returned "
+                    f"{type(returned).__name__}."
+                )
+            peft_config, args = returned
+            from peft import PeftConfig
+
+            if not isinstance(peft_config, PeftConfig):
+                raise TypeError(
+                    f"configure(trial) must return a peft config (e.g. LoraConfig) first, but got "
+                    f"{type(peft_config).__name__}."
+                )
+            kind = kind_for(args)
+            for note in kind.check_args(args):
+                self._note_once(note)
+            adapter_dir = os.path.join(self.output_dir, study.study_name, f"trial-{trial.number}")
+            spec = TrialSpec(trial.number, peft_config, args, kind, adapter_dir)
+            entry = Entry(number=trial.number, trial_id=trial._trial_id, spec=spec)
+            trial.set_user_attr(_attrs.METRIC, self.metric)
+            self._scheduler.add(entry)
+            state, value = "FAIL", None
+            try:
+                value = self._follow(trial, entry)
+                state = "COMPLETE" if not math.isnan(value) else "FAIL"
+                return value
+            except optuna.TrialPruned:
+                state = "PRUNED"
+                raise
+            finally:
+                if entry.phase is not Phase.GONE:
+                    self._scheduler.set_phase(entry, Phase.RELEASE)
+                    self._wait_gone(entry)
+                self._progress.trial_ended(trial.number, state, value)
+
+    def _follow(self, trial: optuna.Trial, entry: Entry) -> float:
+        study = trial.study
+        while True:
+            event = entry.events.get()
+            if isinstance(event, Built):
+                trial.set_user_attr(_attrs.TOTAL_CHUNKS, event.total_chunks)
+                resolve_auto_resources(study.pruner, event.total_chunks)
+                self._progress.trial_started(trial.number, event.total_chunks)
+            elif isinstance(event, Failed):
+                return self._failed(trial, event)
+            elif isinstance(event, ChunkResult):
+                value = event.metrics[self.metric]
+                step = event.step
+                trial.report(value, step)
+                trial.set_user_attr(_attrs.CHUNKS_DONE, step + 1)
+                if "train_loss" in event.metrics:
+                    trial.set_user_attr(_attrs.TRAIN_LOSS, event.metrics["train_loss"])
+                self._progress.chunk_done(trial.number, self.metric, value)
+                if self._should_prune(trial, entry, step):
+                    raise optuna.TrialPruned(f"Pruned after chunk {step} ({self.metric}={value:.6g}).")
+                if event.last:
+                    self._scheduler.set_phase(entry, Phase.FINISH)
+                    done = self._wait_gone(entry)
+                    if isinstance(done, Failed):
+                        return self._failed(trial, done)
+                    assert isinstance(done, Saved)
+                    trial.set_user_attr(_attrs.ADAPTER_PATH, os.path.abspath(done.path))
+                    return float(value)
+                self._scheduler.set_phase(entry, Phase.READY)
+
+    def _should_prune(self, trial: optuna.Trial, entry: Entry, step: int) -> bool:
+        """Decide at the round barrier, twice: once to let pruners record the step, once to decide."""
+        study = trial.study
+        self._scheduler.mark(entry, reported=step)
+        round_peers = self._scheduler.wait_for_round(entry, step, stage="reported")
+        snapshot = study._storage.get_trial(trial._trial_id)
+        prune_decision(study, snapshot, step, round_peers)
+        self._scheduler.mark(entry, screened=step)
+        self._scheduler.wait_for_round(entry, step, stage="screened")
+        return prune_decision(study, snapshot, step, round_peers)
+
+    def _failed(self, trial: optuna.Trial, event: Failed) -> float:
+        if event.fatal:
+            self._fatal = event.error
+            raise event.error
+        reason = f"{type(event.error).__name__}: {event.error}"
+        trial.set_user_attr(_attrs.FAIL_REASON, reason[:2000])
+        _logger.warning("Trial %d failed and was released: %s\n%s", trial.number, reason, event.traceback)
+        # Optuna marks a trial that returns NaN as FAIL and goes on with the study.
+        return math.nan
+
+    def _wait_gone(self, entry: Entry) -> Any:
+        while True:
+            event = entry.events.get()
+            if isinstance(event, (Saved, Released, Failed)):
+                return event
+
+
+def _metric_key(metric: str) -> str:
+    return metric if metric.startswith("eval_") else f"eval_{metric}"
+
+
+def best_adapter_path(study: optuna.Study) -> str:
+    """Path of the best trial's final adapter, loadable with ``PeftModel.from_pretrained(base, path)``.
+
+    Raises:
+        ValueError: If the study has no COMPLETE trial, or its best trial has no saved adapter.
+    """
+    best = study.best_trial
+    path = best.user_attrs.get(_attrs.ADAPTER_PATH)
+    if path is None:
+        raise ValueError(f"Trial {best.number} has no saved adapter (user attr {_attrs.ADAPTER_PATH!r}).")
+    return str(path)
+
+
+__all__ = ["RapidFireExecutor", "best_adapter_path"]

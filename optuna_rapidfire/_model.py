@@ -1,0 +1,208 @@
+"""The base model, loaded once per device, and the adapters of the live trials on top of it."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Union, cast
+
+import torch
+
+from optuna_rapidfire._logging import get_logger
+
+if TYPE_CHECKING:
+    from peft import PeftConfig, PeftModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+_logger = get_logger(__name__)
+
+ModelSource = Union[
+    str,
+    "PreTrainedModel",
+    Callable[[], "tuple[PreTrainedModel, PreTrainedTokenizerBase]"],
+]
+"""What ``RapidFireExecutor(model=...)`` accepts: a path or hub id, a model, or a zero-arg factory."""
+
+
+def resolve_device(devices: str | torch.device) -> torch.device:
+    """Turn ``"auto"``, ``"cuda"``, ``"cuda:1"``, ``"cpu"``... into a device with an explicit index."""
+    if isinstance(devices, str) and devices == "auto":
+        devices = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(devices)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"devices must be 'auto' or a torch device, but got {devices=}.") from error
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"devices={str(devices)!r} asks for CUDA, but torch sees no CUDA device.")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"devices={str(devices)!r} names GPU {index}, but only {torch.cuda.device_count()} are visible."
+            )
+        device = torch.device("cuda", index)
+    return device
+
+
+def load_model(
+    source: ModelSource,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None,
+    model_kwargs: dict[str, Any],
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the base model and its tokenizer from a path/hub id, an instance or a factory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+    model: PreTrainedModel
+    if isinstance(source, str):
+        kwargs = {"dtype": "auto", **model_kwargs}
+        model = cast("PreTrainedModel", AutoModelForCausalLM.from_pretrained(source, **kwargs))
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+    elif isinstance(source, PreTrainedModel):
+        if model_kwargs:
+            raise ValueError("model_kwargs applies only when model is a path or hub id, not a loaded model.")
+        model = source
+        if tokenizer is None:
+            raise ValueError("A loaded model needs its tokenizer: pass RapidFireExecutor(..., tokenizer=...).")
+    elif callable(source):
+        loaded = source()
+        if not (isinstance(loaded, tuple) and len(loaded) == 2 and isinstance(loaded[0], PreTrainedModel)):
+            raise TypeError(
+                f"A model factory must return (PreTrainedModel, tokenizer), but it returned {type(loaded).__name__}."
+            )
+        model, tokenizer = loaded
+    else:
+        raise TypeError(
+            "model must be a path or hub id, a transformers PreTrainedModel or a zero-argument callable "
+            f"returning (model, tokenizer), but got {type(source).__name__}."
+        )
+    assert tokenizer is not None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+class ResidentModel:
+    """One base model on one device, with one LoRA adapter per live trial.
+
+    The base weights are frozen and never copied: trials differ only by which adapter is active.
+    All methods run on the device's worker thread; the lock only guards against misuse.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device) -> None:
+        self.device = device
+        self.tokenizer = tokenizer
+        torch.nn.Module.to(model, device)  # in place: the one copy of the base weights lives on the device
+        self.base = model
+        self.base.requires_grad_(False)
+        self.peft: PeftModel | None = None
+        self._active: str | None = None
+        self._checkpointing: tuple[bool, str] = (False, "")
+        self._lock = threading.RLock()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model to call: the ``PeftModel`` once an adapter exists."""
+        return self.peft if self.peft is not None else self.base
+
+    def base_nbytes(self) -> int:
+        """Bytes of the base model's weights and buffers."""
+        unique = {t.data_ptr(): t for t in [*self.base.parameters(), *self.base.buffers()]}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
+    def add_adapter(self, name: str, config: PeftConfig, seed: int) -> list[torch.nn.Parameter]:
+        """Create the adapter ``name`` with weights drawn from ``seed`` and return its parameters."""
+        from peft import PeftModel, get_peft_model
+
+        config = copy.deepcopy(config)
+        with self._lock:
+            if self.peft is not None and name in self.peft.peft_config:
+                raise RuntimeError(f"Adapter {name!r} already exists on {self.device}.")
+            # The adapter's initial weights depend only on its seed, never on which trials came before.
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                try:
+                    if self.peft is None:
+                        peft = get_peft_model(self.base, config, adapter_name=name)
+                        assert isinstance(peft, PeftModel)
+                        self.peft = peft
+                    else:
+                        self.peft.add_adapter(name, config)
+                except BaseException:
+                    self._discard(name)
+                    raise
+            self.activate(name)
+            return self.adapter_params(name)
+
+    def adapter_params(self, name: str) -> list[torch.nn.Parameter]:
+        """The parameters that belong to adapter ``name``."""
+        assert self.peft is not None
+        marker = f".{name}."
+        return [p for n, p in self.peft.named_parameters() if marker in f".{n}."]
+
+    def activate(self, name: str) -> None:
+        """Make ``name`` the adapter the next forward pass uses (and the only trainable one)."""
+        assert self.peft is not None
+        with self._lock:
+            if self._active != name:
+                self.peft.set_adapter(name)
+                self._active = name
+
+    def set_checkpointing(self, enabled: bool, kwargs: dict[str, Any] | None) -> None:
+        """Turn activation checkpointing on or off for the next forward passes (a per-trial setting)."""
+        key = (enabled, repr(sorted((kwargs or {}).items())))
+        if key == self._checkpointing:
+            return
+        if enabled:
+            kw = dict(kwargs or {})
+            kw.setdefault("use_reentrant", False)
+            if hasattr(self.base, "activation_checkpointing_enable"):
+                self.base.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+        elif hasattr(self.base, "activation_checkpointing_disable"):
+            self.base.activation_checkpointing_disable()
+        else:
+            self.base.gradient_checkpointing_disable()
+        self._checkpointing = key
+
+    def delete_adapter(self, name: str) -> None:
+        """Remove adapter ``name`` and free its weights."""
+        with self._lock:
+            self._discard(name)
+
+    def _discard(self, name: str) -> None:
+        if self.peft is None:
+            return
+        if name in self.peft.peft_config:
+            try:
+                self.peft.delete_adapter(name)
+            except (ValueError, KeyError, AttributeError):
+                # A half-built adapter (its injection failed) may be missing from some layers.
+                self.peft.peft_config.pop(name, None)
+        if self._active == name:
+            self._active = None
+
+    def save_adapter(self, name: str, directory: str) -> None:
+        """Write adapter ``name`` in PEFT's format (``adapter_config.json`` + safetensors) to ``directory``."""
+        import os
+        import shutil
+        import tempfile
+
+        assert self.peft is not None
+        parent = os.path.dirname(os.path.abspath(directory))
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
+        try:
+            self.peft.save_pretrained(staging, selected_adapters=[name], safe_serialization=True)
+            # PEFT writes a non-default adapter into a sub-folder named after it.
+            written = os.path.join(staging, name)
+            if not os.path.isdir(written):
+                written = staging
+            if os.path.isdir(directory):
+                shutil.rmtree(directory)
+            os.replace(written, directory)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)

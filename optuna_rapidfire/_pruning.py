@@ -1,0 +1,138 @@
+"""Pruning while every trial is still running.
+
+Optuna's pruners compare a trial with *finished* trials: Median and Percentile look only at COMPLETE
+trials, SuccessiveHalving infers its resources from them, Wilcoxon compares with the best COMPLETE trial.
+When trials advance in lock-step, nothing has finished during the first wave, so nothing could be pruned.
+
+The executor does not special-case any pruner. It calls the study's own pruner with a *peer view* of
+the study, a storage proxy in which, for a decision about trial T at step s:
+
+* every peer that has reported step s and was running at that step appears as a COMPLETE trial whose
+  curve ends at step s (its value is its step-s value): "as if it had stopped there";
+* T itself appears as it was when it reported step s;
+* everything else (finished, pruned, failed trials, system attributes) is the real storage.
+
+Decisions are taken at round barriers: T's pruner is asked only once every co-live trial of the
+executor has reported step s, so the first trial to report is judged against the same peers as the
+last. The pruner is asked twice per step: a first pass lets stateful pruners record the step (the
+rung values of SuccessiveHalving and Hyperband), a second pass, after every peer's first pass, decides.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import optuna
+from optuna.study import Study, StudyDirection
+from optuna.trial import FrozenTrial, TrialState
+
+from optuna_rapidfire._logging import get_logger
+
+if TYPE_CHECKING:
+    from collections.abc import Collection, Container
+
+    from optuna.pruners import BasePruner
+
+_logger = get_logger(__name__)
+
+
+def _snapshot_at(trial: FrozenTrial, step: int) -> FrozenTrial:
+    """``trial`` as a COMPLETE trial that stopped after reporting ``step``."""
+    curve = {s: v for s, v in trial.intermediate_values.items() if s <= step}
+    return FrozenTrial(
+        number=trial.number,
+        state=TrialState.COMPLETE,
+        value=curve[step],
+        values=None,
+        datetime_start=trial.datetime_start,
+        datetime_complete=trial.datetime_complete or trial.datetime_start,
+        params=trial.params,
+        distributions=trial.distributions,
+        user_attrs=trial.user_attrs,
+        system_attrs=trial.system_attrs,
+        intermediate_values=curve,
+        trial_id=trial._trial_id,
+    )
+
+
+class _PeerViewStorage:
+    """Read-through proxy of a study's storage that shows running peers as finished at one step."""
+
+    def __init__(self, storage: Any, current: FrozenTrial, step: int, round_peers: Collection[int]) -> None:
+        self._storage = storage
+        self._current = current
+        self._step = step
+        self._round_peers = round_peers
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._storage, name)
+
+    def _view(self, trial: FrozenTrial) -> FrozenTrial | None:
+        if trial._trial_id == self._current._trial_id:
+            return self._current
+        reached = self._step in trial.intermediate_values
+        # Peers of this round are judged as they were at the barrier, whatever was decided for them since.
+        if reached and (trial.state == TrialState.RUNNING or trial._trial_id in self._round_peers):
+            return _snapshot_at(trial, self._step)
+        return trial
+
+    def get_all_trials(
+        self, study_id: int, deepcopy: bool = True, states: Container[TrialState] | None = None
+    ) -> list[FrozenTrial]:
+        trials = []
+        for trial in self._storage.get_all_trials(study_id, deepcopy=False):
+            viewed = self._view(trial)
+            if viewed is not None and (states is None or viewed.state in states):
+                trials.append(viewed)
+        return copy.deepcopy(trials) if deepcopy else trials
+
+    def get_n_trials(self, study_id: int, state: tuple[TrialState, ...] | TrialState | None = None) -> int:
+        if isinstance(state, TrialState):
+            state = (state,)
+        return len(self.get_all_trials(study_id, deepcopy=False, states=state))
+
+    def get_best_trial(self, study_id: int) -> FrozenTrial:
+        complete = self.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
+        if not complete:
+            raise ValueError("No trials are completed yet.")
+        directions = self._storage.get_study_directions(study_id)
+        if len(directions) > 1:
+            raise RuntimeError("Best trial can be obtained only for single-objective optimization.")
+        pick = max if directions[0] == StudyDirection.MAXIMIZE else min
+        return pick(complete, key=lambda t: float(t.value))  # type: ignore[arg-type]
+
+
+def prune_decision(study: Study, snapshot: FrozenTrial, step: int, round_peers: Collection[int]) -> bool:
+    """Ask the study's pruner about ``snapshot`` at ``step``, with running peers visible.
+
+    Args:
+        study: The study (its pruner decides).
+        snapshot: The trial as read from the storage right after it reported ``step``.
+        step: The step just reported.
+        round_peers: Trial ids of the executor's trials that reported ``step`` in the same round.
+    """
+    view = copy.copy(study)
+    view._storage = _PeerViewStorage(study._storage, snapshot, step, round_peers)  # type: ignore[assignment]
+    return bool(study.pruner.prune(view, snapshot))
+
+
+def resolve_auto_resources(pruner: BasePruner, max_steps: int) -> None:
+    """Give "auto" resources of SuccessiveHalving/Hyperband their value from the known run length.
+
+    Those pruners infer their resources from the first COMPLETE trial; with lock-step trials that
+    would be a peer snapshot, which is shorter than a real run. The executor knows the run length.
+    """
+    seen: set[int] = set()
+    stack: list[Any] = [pruner]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, optuna.pruners.HyperbandPruner) and current._max_resource == "auto":
+            current._max_resource = max_steps
+            _logger.info("HyperbandPruner(max_resource='auto') set to the run length, %d steps.", max_steps)
+        if isinstance(current, optuna.pruners.SuccessiveHalvingPruner) and current._min_resource is None:
+            current._min_resource = max(max_steps // 100, 1)
+        stack.append(getattr(current, "_wrapped_pruner", None))

@@ -1,0 +1,206 @@
+"""What a TRL trainer type must provide for the executor to drive it chunk by chunk.
+
+The executor never calls a TRL trainer's ``train()``: that loop owns the whole run. It builds one
+trainer per trial over the shared ``PeftModel`` and uses its pieces (data preparation, collator, loss,
+optimizer and LR scheduler factories), so a trial trains exactly as TRL would train it, one chunk at a
+time. A :class:`TrainerKind` holds what differs between SFT, DPO and GRPO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from optuna_rapidfire._logging import get_logger
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Hashable
+
+    import torch
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from optuna_rapidfire._model import ResidentModel
+
+_logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainerExtras:
+    """Executor-wide arguments forwarded to every trial's TRL trainer."""
+
+    compute_metrics: Callable[..., dict[str, float]] | None = None
+    preprocess_logits_for_metrics: Callable[..., Any] | None = None
+    formatting_func: Callable[[dict[str, Any]], str] | None = None
+
+
+# Fields the executor owns: it evaluates after every chunk, saves the final adapter itself and cuts
+# the run into chunks. A value other than the field's default is reported once, then ignored.
+_OWNED_FIELDS: dict[str, str] = {
+    "eval_strategy": "the executor evaluates after every chunk",
+    "eval_steps": "the executor evaluates after every chunk",
+    "save_strategy": "the executor saves each COMPLETE trial's final adapter",
+    "save_steps": "the executor saves each COMPLETE trial's final adapter",
+    "save_total_limit": "the executor saves each COMPLETE trial's final adapter",
+    "logging_strategy": "the executor records per-chunk metrics in the study",
+    "logging_steps": "the executor records per-chunk metrics in the study",
+    "report_to": "the executor reports to Optuna (and MLflow when configured)",
+    "data_seed": "the executor's seed fixes the chunks and their order",
+    "shuffle_dataset": "the executor shuffles the train set once with its seed",
+    "eval_on_start": "the executor evaluates after every chunk",
+}
+
+# Fields whose feature the executor does not drive; a non-default value is an error.
+_UNSUPPORTED_FIELDS: dict[str, str] = {
+    "deepspeed": "DeepSpeed shards the model; the executor keeps one base model per device",
+    "fsdp": "FSDP shards the model; the executor keeps one base model per device",
+    "torch_compile": "compiling the shared model per trial defeats hot-swapping adapters",
+    "auto_find_batch_size": "it restarts training with new batch sizes; set the batch size per trial",
+    "neftune_noise_alpha": "NEFTune hooks the shared embedding layer",
+    "use_liger_kernel": "Liger patches the shared model",
+    "activation_offloading": "it wraps the shared model's activations",
+    "load_best_model_at_end": "the trial's value and adapter are those of its final chunk",
+    "push_to_hub": "adapters are saved locally; push the best one yourself",
+}
+
+
+def _field_default(args: TrainingArguments, name: str) -> Any:
+    for f in dataclasses.fields(args):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    return None
+
+
+def _is_default(args: TrainingArguments, name: str) -> bool:
+    value = getattr(args, name, None)
+    value = getattr(value, "value", value)  # enum members compare by value
+    default = _field_default(args, name)
+    if not value and not default:  # None, False, "", [] and {} all mean "off"
+        return True
+    if name == "report_to" and value in ("none", ["none"], []):
+        return True
+    return bool(value == default)
+
+
+class TrainerKind(ABC):
+    """Glue between the executor and one TRL trainer type (SFT, DPO, GRPO)."""
+
+    #: Short name used in logs and user attributes.
+    name: str
+    #: Metric reported after every chunk unless ``metric=`` says otherwise.
+    default_metric: str = "eval_loss"
+
+    @classmethod
+    @abstractmethod
+    def args_type(cls) -> type[TrainingArguments]:
+        """The TRL config class that selects this kind (imported lazily)."""
+
+    def check_args(self, args: TrainingArguments) -> list[str]:
+        """Raise ``ValueError`` for settings the executor cannot honour; return notes on ignored ones."""
+        for name, why in _UNSUPPORTED_FIELDS.items():
+            if hasattr(args, name) and not _is_default(args, name):
+                raise ValueError(
+                    f"{type(args).__name__}.{name}={getattr(args, name)!r} is not supported by "
+                    f"RapidFireExecutor: {why}."
+                )
+        if args.max_steps is not None and args.max_steps > 0:
+            raise ValueError(
+                f"{type(args).__name__}.max_steps={args.max_steps} is not supported: a trial's length is "
+                "num_train_epochs passes over the train set, num_chunks chunks each. Leave max_steps at -1."
+            )
+        if not args.num_train_epochs > 0:
+            raise ValueError(f"num_train_epochs must be positive, but got num_train_epochs={args.num_train_epochs}.")
+        scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+        if scheduler in ("reduce_lr_on_plateau", "greedy"):
+            raise ValueError(
+                f"lr_scheduler_type={scheduler!r} is not supported: its steps depend on evaluations inside "
+                "the trainer's own loop. Use a schedule over steps (linear, cosine, constant...)."
+            )
+        if args.per_device_train_batch_size < 1 or args.gradient_accumulation_steps < 1:
+            raise ValueError(
+                "per_device_train_batch_size and gradient_accumulation_steps must be at least 1, but got "
+                f"{args.per_device_train_batch_size} and {args.gradient_accumulation_steps}."
+            )
+        return [
+            f"{type(args).__name__}.{name}={getattr(args, name)!r} is ignored: {why}."
+            for name, why in _OWNED_FIELDS.items()
+            if hasattr(args, name) and not _is_default(args, name)
+        ]
+
+    def effective_args(self, args: TrainingArguments, output_dir: str, device: torch.device) -> TrainingArguments:
+        """A copy of the user's args with the fields the executor owns set for the executor's loop."""
+        overrides: dict[str, Any] = {
+            "output_dir": output_dir,
+            "report_to": "none",
+            "eval_strategy": "no",
+            "save_strategy": "no",
+            "logging_strategy": "no",
+            "disable_tqdm": True,
+            "eval_on_start": False,
+            "shuffle_dataset": False,
+            "data_seed": None,
+            "dataset_kwargs": {**(getattr(args, "dataset_kwargs", None) or {}), "skip_prepare_dataset": True},
+        }
+        names = {f.name for f in dataclasses.fields(args) if f.init}
+        effective = dataclasses.replace(args, **{k: v for k, v in overrides.items() if k in names})
+        # The trainer places tensors (and, at construction, the model) on ``args.device``: make that
+        # the executor's device, and keep the trainer from wrapping the model in DataParallel.
+        effective.__dict__["_setup_devices"] = device
+        effective._n_gpu = 1
+        return effective
+
+    def checkpointing(self, args: TrainingArguments) -> tuple[bool, dict[str, Any] | None]:
+        """Whether the trial trains with activation (gradient) checkpointing, and its kwargs."""
+        enabled = getattr(args, "activation_checkpointing", None)
+        if enabled is None:
+            enabled = getattr(args, "gradient_checkpointing", False)
+        kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(
+            args, "gradient_checkpointing_kwargs", None
+        )
+        return bool(enabled), kwargs
+
+    def total_chunks(self, args: TrainingArguments, num_chunks: int) -> int:
+        """How many chunks a trial trains: ``num_train_epochs`` passes of ``num_chunks`` chunks."""
+        return max(1, math.ceil(args.num_train_epochs * num_chunks - 1e-9))
+
+    @abstractmethod
+    def data_key(self, args: TrainingArguments) -> Hashable:
+        """Settings that change how raw rows become examples; trials with equal keys share prepared data."""
+
+    @abstractmethod
+    def build_trainer(
+        self,
+        resident: ResidentModel,
+        args: TrainingArguments,
+        sample: Dataset,
+        extras: TrainerExtras,
+    ) -> Trainer:
+        """Build the trial's TRL trainer over the shared model (``sample``: raw rows of the train set)."""
+
+    @abstractmethod
+    def prepare(self, trainer: Trainer, dataset: Dataset, split: str) -> Dataset:
+        """Turn raw rows into the examples the trainer's collator takes, as TRL would."""
+
+    @abstractmethod
+    def collate(self, trainer: Trainer, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """Make one micro-batch."""
+
+    @abstractmethod
+    def loss(self, trainer: Trainer, model: torch.nn.Module, inputs: dict[str, Any], num_items: Any) -> torch.Tensor:
+        """The micro-batch's training loss, scaled for gradient accumulation as TRL's training step does."""
+
+    @abstractmethod
+    def eval_batch(
+        self, trainer: Trainer, model: torch.nn.Module, inputs: dict[str, Any], with_outputs: bool
+    ) -> tuple[torch.Tensor, Any, Any]:
+        """``(loss, predictions, labels)`` of one eval micro-batch (predictions only ``with_outputs``)."""
+
+    @abstractmethod
+    def drain_metrics(self, trainer: Trainer, split: str) -> dict[str, float]:
+        """Metrics the trainer accumulated since the last call (e.g. token accuracy), then forget them."""

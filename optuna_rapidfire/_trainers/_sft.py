@@ -1,0 +1,130 @@
+"""Supervised fine-tuning trials, driven through TRL's ``SFTTrainer``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind
+
+if TYPE_CHECKING:
+    from collections.abc import Hashable
+
+    import torch
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    from optuna_rapidfire._model import ResidentModel
+
+# SFTConfig fields that change how raw rows become token ids (and so which trials share prepared data).
+_DATA_FIELDS = (
+    "max_length",
+    "packing",
+    "packing_strategy",
+    "padding_free",
+    "completion_only_loss",
+    "assistant_only_loss",
+    "dataset_text_field",
+    "truncation_mode",
+    "eos_token",
+    "chat_template_path",
+    "eval_packing",
+    "remove_unused_columns",
+    "dataset_num_proc",
+)
+
+
+class SFTKind(TrainerKind):
+    """``SFTConfig`` → TRL's ``SFTTrainer``: loss, collator, data preparation, optimizer and schedule."""
+
+    name = "sft"
+    default_metric = "eval_loss"
+
+    @classmethod
+    def args_type(cls) -> type[TrainingArguments]:
+        from trl import SFTConfig
+
+        return SFTConfig
+
+    def data_key(self, args: TrainingArguments) -> Hashable:
+        return ("sft", *(repr(getattr(args, f, None)) for f in _DATA_FIELDS))
+
+    def build_trainer(
+        self,
+        resident: ResidentModel,
+        args: TrainingArguments,
+        sample: Dataset,
+        extras: TrainerExtras,
+    ) -> Trainer:
+        from trl import SFTTrainer
+
+        if (
+            extras.formatting_func is not None
+            and getattr(args, "completion_only_loss", None)
+            and ("prompt" in sample.column_names)
+        ):
+            raise ValueError(
+                "formatting_func cannot be combined with completion_only_loss=True: format the dataset "
+                "before passing it, or set completion_only_loss=False."
+            )
+        assert resident.peft is not None, "the trial's adapter is created before its trainer"
+        base = resident.base
+        # TRL wraps the model's forward with its fused LM head at every construction; one wrapper is
+        # enough for all trials, so the first one is kept.
+        patched_forward = base.__dict__.get("forward")
+        trainer = SFTTrainer(
+            model=resident.peft,
+            args=args,
+            train_dataset=sample,
+            processing_class=resident.tokenizer,
+            compute_metrics=extras.compute_metrics,
+            preprocess_logits_for_metrics=extras.preprocess_logits_for_metrics,
+            formatting_func=extras.formatting_func,
+        )
+        if patched_forward is not None:
+            base.forward = patched_forward
+        return trainer
+
+    def prepare(self, trainer: Trainer, dataset: Dataset, split: str) -> Dataset:
+        sft = cast("SFTTrainer", trainer)
+        args = cast("SFTConfig", sft.args)
+        packing = args.packing
+        if split == "eval" and args.eval_packing is not None:
+            packing = args.eval_packing
+        processing = cast("PreTrainedTokenizerBase", sft.processing_class)
+        prepared = sft._prepare_dataset(dataset, processing, args, packing, sft._formatting_func, split)
+        if args.remove_unused_columns:
+            sft._set_signature_columns_if_needed()
+            signature: list[str] = sft._signature_columns or []
+            prepared = prepared.select_columns([c for c in prepared.column_names if c in signature])
+        return cast("Dataset", prepared)
+
+    def collate(self, trainer: Trainer, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return cast("dict[str, Any]", trainer.data_collator(rows))
+
+    def loss(self, trainer: Trainer, model: torch.nn.Module, inputs: dict[str, Any], num_items: Any) -> torch.Tensor:
+        loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items)
+        assert not isinstance(loss, tuple)
+        # As Trainer.training_step: a per-batch mean is divided by the accumulation steps, a loss
+        # already normalized over the accumulated tokens is not.
+        scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (trainer.model_accepts_loss_kwargs and num_items is not None) or (
+                trainer.compute_loss_func is not None
+            )
+        if not scaled:
+            loss = loss / trainer.current_gradient_accumulation_steps
+        return loss
+
+    def eval_batch(
+        self, trainer: Trainer, model: torch.nn.Module, inputs: dict[str, Any], with_outputs: bool
+    ) -> tuple[torch.Tensor, Any, Any]:
+        loss, logits, labels = trainer.prediction_step(model, inputs, prediction_loss_only=not with_outputs)
+        assert loss is not None
+        return loss, logits, labels
+
+    def drain_metrics(self, trainer: Trainer, split: str) -> dict[str, float]:
+        collected = trainer._metrics[split]  # type: ignore[attr-defined]
+        metrics = {key: sum(values) / len(values) for key, values in collected.items() if values}
+        collected.clear()
+        return metrics

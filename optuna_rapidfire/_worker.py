@@ -1,0 +1,138 @@
+"""The device's worker thread: takes tasks from the scheduler and has the engine carry them out.
+
+Only this thread touches the model; only Optuna's threads touch the study. The two talk through the
+scheduler (what to do next) and each trial's event queue (what happened).
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._scheduler import Entry, Scheduler, Task
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from optuna_rapidfire._engines._base import Engine
+
+_logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Built:
+    """The trial's state exists; ``total_chunks`` is its planned length."""
+
+    total_chunks: int
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The trial's final adapter is in ``path`` and its state is released."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class Released:
+    """The trial's state is released."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The trial failed on the device; its state is released.
+
+    ``fatal`` marks a mistake in the executor's own arguments (found by ``check_metrics``): it ends the
+    study instead of failing one trial.
+    """
+
+    error: BaseException
+    traceback: str
+    fatal: bool = False
+
+
+class SetupError(ValueError):
+    """An executor argument is unusable for every trial (raised by ``check_metrics``)."""
+
+
+class DeviceWorker(threading.Thread):
+    """Runs every task of one device, in the order the scheduler gives them.
+
+    Args:
+        engine: Carries out builds and chunks.
+        scheduler: Gives the tasks.
+        adapter_dir: Gives the folder of an entry's final adapter.
+        check_metrics: Called, before any training, with the metrics of a one-batch evaluation of
+            the first trial built; a :class:`SetupError` raised there ends the study (for instance
+            when the executor's ``metric`` is not among the evaluation's metrics).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        scheduler: Scheduler,
+        adapter_dir: Callable[[Entry], str],
+        check_metrics: Callable[[dict[str, float]], None],
+    ) -> None:
+        super().__init__(name="rapidfire-device-worker", daemon=True)
+        self.engine = engine
+        self.scheduler = scheduler
+        self._adapter_dir = adapter_dir
+        self._check_metrics = check_metrics
+        self._checked = False
+
+    def run(self) -> None:
+        device = getattr(self.engine, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            torch.cuda.set_device(device)
+        while (task := self.scheduler.next_task()) is not None:
+            kind, entry = task
+            try:
+                self._run(kind, entry)
+            except BaseException as error:  # one trial's failure must not stop the device
+                self._fail(entry, error)
+
+    def _run(self, task: Task, entry: Entry) -> None:
+        if task is Task.BUILD:
+            runtime = self.engine.build(entry.spec)
+            entry.runtime = runtime
+            if not self._checked:
+                self._check_metrics(self.engine.evaluate(runtime, max_batches=1))
+                self._checked = True
+            self.scheduler.built(entry, runtime)
+            entry.events.put(Built(self.engine.total_chunks(runtime)))
+        elif task is Task.TRAIN:
+            result = self.engine.run_chunk(entry.runtime)
+            self.scheduler.chunk_done(entry)
+            entry.events.put(result)
+        elif task is Task.FINISH:
+            path = self._adapter_dir(entry)
+            self.engine.save_adapter(entry.runtime, path)
+            self.engine.release(entry.runtime)
+            self.scheduler.remove(entry)
+            entry.events.put(Saved(path))
+        elif task is Task.RELEASE:
+            if entry.runtime is not None:
+                self.engine.release(entry.runtime)
+            self.scheduler.remove(entry)
+            entry.events.put(Released())
+
+    def _fail(self, entry: Entry, error: BaseException) -> None:
+        text = traceback.format_exc()
+        fatal = isinstance(error, SetupError)
+        # A setup error concerns every trial: none of them can run.
+        for victim in self.scheduler.entries() if fatal else [entry]:
+            if victim.runtime is not None:
+                try:
+                    self.engine.release(victim.runtime)
+                except Exception:  # the trial already failed; report the first error
+                    _logger.debug("Releasing failed trial %d raised.", victim.number, exc_info=True)
+            self.scheduler.remove(victim)
+            victim.events.put(Failed(error, text, fatal=fatal))
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
