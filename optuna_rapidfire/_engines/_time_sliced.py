@@ -79,6 +79,7 @@ class TimeSlicedEngine(Engine):
         self.state_budget = state_budget
         self._runtimes: list[TrialRuntime] = []
         self.switches = 0
+        self.offloads = 0
         self._current: TrialRuntime | None = None
 
     @property
@@ -174,6 +175,7 @@ class TimeSlicedEngine(Engine):
                 continue
             used -= victim.state.nbytes()
             victim.state.offload(self.device)
+            self.offloads += 1
 
     def resident_trials(self) -> int:
         """Number of trials whose state is on the device."""

@@ -26,6 +26,7 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     vocab_size: int = 512,
     max_position_embeddings: int = 512,
+    initializer_range: float = 0.2,
     seed: int = 0,
 ) -> Path:
     """Create a Llama-architecture model with random weights and its tokenizer under ``path``.
@@ -42,6 +43,8 @@ def build_tiny_model(
         intermediate_size: MLP width; ``4 * hidden_size`` by default.
         vocab_size: Size of the BPE vocabulary.
         max_position_embeddings: Longest sequence the model accepts.
+        initializer_range: Standard deviation of the random weights. Larger than a real model's 0.02,
+            so a tiny model's logits are not all alike and LoRA can visibly lower the loss.
         seed: Seed of the random weights.
 
     Returns:
@@ -90,6 +93,7 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
+        initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

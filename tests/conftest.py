@@ -1,0 +1,127 @@
+"""Shared fixtures: a tiny local model, small data slices, and executors that are always closed."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+from datasets import Dataset
+from peft import LoraConfig
+from trl import SFTConfig
+
+from optuna_rapidfire import RapidFireExecutor
+from optuna_rapidfire.demo import build_tiny_model, load_gsm8k
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Path of a 2-layer Llama-shape model with random weights and a BPE tokenizer."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", vocab_size=1024, hidden_size=32))
+
+
+@pytest.fixture(scope="session")
+def train_ds() -> Dataset:
+    return load_gsm8k("train", num_rows=48)
+
+
+@pytest.fixture(scope="session")
+def eval_ds() -> Dataset:
+    return load_gsm8k("test", num_rows=8)
+
+
+def sft_args(**overrides: Any) -> SFTConfig:
+    """SFTConfig for fast CPU float32 runs; ``overrides`` wins."""
+    settings: dict[str, Any] = {
+        "per_device_train_batch_size": 4,
+        "num_train_epochs": 1,
+        "bf16": False,
+        "max_length": 128,
+        "gradient_checkpointing": False,
+        "learning_rate": 1e-2,
+        "lr_scheduler_type": "constant",
+    }
+    settings.update(overrides)
+    return SFTConfig(**settings)
+
+
+def lora(**overrides: Any) -> LoraConfig:
+    settings: dict[str, Any] = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    settings.update(overrides)
+    return LoraConfig(**settings)
+
+
+@pytest.fixture
+def make_executor(
+    tiny_model: str, train_ds: Dataset, eval_ds: Dataset, tmp_path: Path
+) -> Iterator[Callable[..., RapidFireExecutor]]:
+    """Build executors over the tiny model (closed at the end of the test)."""
+    made: list[RapidFireExecutor] = []
+
+    def make(**kwargs: Any) -> RapidFireExecutor:
+        settings: dict[str, Any] = {
+            "model": tiny_model,
+            "train_dataset": train_ds,
+            "eval_dataset": eval_ds,
+            "num_chunks": 4,
+            "max_concurrent_trials": 4,
+            "output_dir": tmp_path / "out",
+            "show_progress_bar": False,
+            "devices": "cpu",
+        }
+        settings.update(kwargs)
+        executor = RapidFireExecutor(**settings)
+        made.append(executor)
+        return executor
+
+    yield make
+    for executor in made:
+        executor.close()
+
+
+@pytest.fixture
+def rapidfire_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """Capture the package's log records (its root logger does not propagate by default)."""
+    root = logging.getLogger("optuna_rapidfire")
+    root.propagate = True
+    try:
+        yield caplog
+    finally:
+        root.propagate = False
+
+
+def by_number(configs: list[tuple[LoraConfig, SFTConfig]]) -> Callable[[optuna.Trial], tuple[LoraConfig, SFTConfig]]:
+    """A configure() that returns ``configs[trial.number]`` (and records a dummy param for samplers)."""
+
+    def configure(trial: optuna.Trial) -> tuple[LoraConfig, SFTConfig]:
+        trial.suggest_int("index", 0, len(configs) - 1)
+        return configs[trial.number]
+
+    return configure
+
+
+@pytest.fixture
+def chunk_log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Record ``(trial number, step)`` of every chunk the device trains, in order."""
+    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+
+    log: list[tuple[int, int]] = []
+    original = TimeSlicedEngine.run_chunk
+
+    def run_chunk(self: TimeSlicedEngine, runtime: Any) -> Any:
+        log.append((runtime.spec.number, runtime.state.position.chunks_done))
+        return original(self, runtime)
+
+    monkeypatch.setattr(TimeSlicedEngine, "run_chunk", run_chunk)
+    return log

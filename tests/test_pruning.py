@@ -1,0 +1,107 @@
+"""Behaviours 2 and 3: per-chunk reports, pruning during the first wave with any Optuna pruner."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from conftest import by_number, lora, sft_args
+from optuna.trial import TrialState
+
+from optuna_rapidfire._pruning import prune_decision
+
+# Trial 0's learning rate is far too high: its loss gets worse while the others' falls, and from
+# step 1 on it is clearly the worst. It is also the first to report in every round, so the test also
+# shows that it is judged against its peers of the same step, not before they report. Trial 5 is the
+# best at every step.
+LEARNING_RATES = [0.3, 1e-2, 1.5e-2, 2e-2, 2.5e-2, 3e-2]
+CONFIGS = [
+    (lora(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]), sft_args(learning_rate=lr)) for lr in LEARNING_RATES
+]
+
+PRUNERS = {
+    "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1),
+    "percentile": lambda: optuna.pruners.PercentilePruner(25.0, n_startup_trials=3, n_warmup_steps=1),
+    "patient": lambda: optuna.pruners.PatientPruner(
+        optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1), patience=1
+    ),
+    "threshold": lambda: optuna.pruners.ThresholdPruner(upper=7.55),
+    "successive_halving": lambda: optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2),
+    # One bracket (log_8 of 5 steps < 1), so every trial competes with every other.
+    "hyperband": lambda: optuna.pruners.HyperbandPruner(min_resource=1, reduction_factor=8),
+    "wilcoxon": lambda: optuna.pruners.WilcoxonPruner(p_threshold=0.2, n_startup_steps=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRUNERS))
+def test_pruner_stops_a_clearly_bad_trial_during_the_first_wave(make_executor, name: str) -> None:
+    executor = make_executor(num_chunks=5, max_concurrent_trials=len(CONFIGS))
+    study = optuna.create_study(study_name=f"pruning-{name}", pruner=PRUNERS[name]())
+    executor.optimize(study, by_number(CONFIGS), n_trials=len(CONFIGS))
+
+    bad = study.trials[0]
+    assert bad.state == TrialState.PRUNED
+    # Pruned during the first wave: every trial was live, none had completed.
+    assert len(bad.intermediate_values) < 5
+    assert bad.datetime_complete < min(t.datetime_complete for t in study.trials if t.state == TrialState.COMPLETE)
+    # The best config is never pruned.
+    assert study.trials[5].state == TrialState.COMPLETE
+
+
+def test_median_pruner_alone_cannot_prune_in_lock_step(make_executor) -> None:
+    # Why the peer view exists: Optuna's own should_prune() sees no COMPLETE trial in the first wave.
+    study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1))
+    trials = [study.ask() for _ in range(4)]
+    for step in range(3):
+        for i, trial in enumerate(trials):
+            trial.report(10.0 if i == 0 else 1.0 - 0.1 * step, step)
+    assert not trials[0].should_prune()
+    snapshot = study._storage.get_trial(trials[0]._trial_id)
+    peers = {t._trial_id for t in trials[1:]}
+    assert prune_decision(study, snapshot, 2, peers)
+    good = study._storage.get_trial(trials[1]._trial_id)
+    assert not prune_decision(study, good, 2, {t._trial_id for t in trials if t is not trials[1]})
+
+
+def test_peer_view_hides_peers_that_have_not_reached_the_step() -> None:
+    study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
+    bad, slow_a, slow_b = (study.ask() for _ in range(3))
+    bad.report(10.0, 0)
+    bad.report(10.0, 1)
+    for t in (slow_a, slow_b):
+        t.report(1.0, 0)  # these peers have not reported step 1 yet
+    snapshot = study._storage.get_trial(bad._trial_id)
+    assert not prune_decision(study, snapshot, 1, set())
+    for t in (slow_a, slow_b):
+        t.report(1.0, 1)
+    assert prune_decision(study, snapshot, 1, set())
+
+
+def test_pruned_trial_stops_at_once_and_frees_its_slot_and_state(make_executor, chunk_log) -> None:
+    class PruneTrialOneAtStepOne(optuna.pruners.BasePruner):
+        def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+            return trial.number == 1 and trial.last_step == 1
+
+    executor = make_executor(num_chunks=4, max_concurrent_trials=2)
+    study = optuna.create_study(pruner=PruneTrialOneAtStepOne())
+    executor.optimize(study, by_number([(lora(), sft_args())] * 3), n_trials=3)
+
+    pruned = study.trials[1]
+    assert pruned.state == TrialState.PRUNED
+    assert list(pruned.intermediate_values) == [0, 1]
+    assert (1, 2) not in chunk_log  # no chunk after the pruning decision
+    assert study.trials[2].state == TrialState.COMPLETE  # the freed slot went to the next trial
+    assert executor._engine.resident.peft.peft_config == {}  # every adapter was released
+    assert executor._engine._runtimes == []
+
+
+def test_reports_every_chunk_on_an_eval_subsample(make_executor, eval_ds) -> None:
+    full = make_executor(num_chunks=2, max_concurrent_trials=1)
+    sub = make_executor(num_chunks=2, max_concurrent_trials=1, eval_samples=3)
+    values = []
+    for executor in (full, sub):
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        executor.optimize(study, by_number([(lora(), sft_args())]), n_trials=1)
+        values.append(study.trials[0].intermediate_values)
+    assert list(values[0]) == list(values[1]) == [0, 1]
+    assert values[0] != values[1]
+    assert len(sub._engine.data.eval) == 3 and len(full._engine.data.eval) == len(eval_ds)
