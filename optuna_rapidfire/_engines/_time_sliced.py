@@ -98,6 +98,7 @@ class TimeSlicedEngine(Engine):
                 raise ValueError(f"The adapter config of trial {spec.number} creates no trainable parameters.")
             sample = self.data.train.select(self.data.plan.rows(0)[:1].tolist())
             trainer = kind.build_trainer(self.resident, args, sample, self.extras)
+            kind.isolate(trainer)
             key = kind.data_key(args)
             sizes = self.data.chunk_sizes(key, lambda ds, split: kind.prepare(trainer, ds, split))
             steps_per_chunk = self._steps_per_chunk(spec.number, args, sizes)
@@ -246,7 +247,7 @@ class TimeSlicedEngine(Engine):
             trainer.current_gradient_accumulation_steps = len(batches)
             step_loss = torch.zeros((), device=self.device)
             for inputs in batches:
-                with trainer.accelerator.autocast():
+                with kind.autocast(args, self.device):
                     loss = kind.loss(trainer, model, self._to_device(inputs), num_items)
                 if scaler is not None:
                     scaler.scale(loss).backward()
@@ -303,7 +304,7 @@ class TimeSlicedEngine(Engine):
             for first in range(0, stop, batch):
                 inputs = kind.collate(trainer, rows_of(dataset, list(range(first, min(first + batch, stop)))))
                 size = int(inputs["input_ids"].shape[0]) if "input_ids" in inputs else batch
-                with trainer.accelerator.autocast():
+                with kind.autocast(args, self.device):
                     loss, logits, batch_labels = kind.eval_batch(
                         trainer, model, self._to_device(inputs), compute_metrics is not None
                     )

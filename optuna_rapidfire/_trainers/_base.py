@@ -8,6 +8,7 @@ time. A :class:`TrainerKind` holds what differs between SFT, DPO and GRPO.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from abc import ABC, abstractmethod
@@ -164,6 +165,31 @@ class TrainerKind(ABC):
             args, "gradient_checkpointing_kwargs", None
         )
         return bool(enabled), kwargs
+
+    def isolate(self, trainer: Trainer) -> None:
+        """Give the trainer a private copy of accelerate's process-wide state.
+
+        accelerate keeps its state in class-level dicts shared by every object, and every new
+        ``TrainingArguments`` clears them, for instance when another thread runs ``configure(trial)``
+        while this trial trains. A private copy keeps this trainer's accelerator whole.
+        """
+        state = trainer.accelerator.state
+        state.__dict__ = dict(state.__dict__)
+        distributed = getattr(trainer.args, "distributed_state", None)
+        if distributed is not None:
+            distributed.__dict__ = dict(distributed.__dict__)
+
+    def autocast(self, args: TrainingArguments, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """Mixed-precision context of the trial (``bf16``/``fp16``), as accelerate's autocast would set it.
+
+        Built here rather than through the trainer's accelerator, whose ``autocast`` reads accelerate's
+        process-wide state afresh (see :meth:`isolate`).
+        """
+        if getattr(args, "bf16", False):
+            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        if getattr(args, "fp16", False):
+            return torch.autocast(device_type=device.type, dtype=torch.float16)
+        return contextlib.nullcontext()
 
     def total_chunks(self, args: TrainingArguments, num_chunks: int) -> int:
         """How many chunks a trial trains: ``num_train_epochs`` passes of ``num_chunks`` chunks."""

@@ -1,0 +1,96 @@
+"""Real servers for tests, started on loopback in a temporary folder and stopped afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _postgres_bin(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return candidates[-1] if candidates else None
+
+
+def _as_postgres_user(command: list[str]) -> list[str]:
+    # PostgreSQL refuses to run as root; Debian's package creates the "postgres" user.
+    if os.geteuid() == 0:
+        return ["runuser", "-u", "postgres", "--", *command]
+    return command
+
+
+@contextlib.contextmanager
+def postgres_server() -> Iterator[str]:
+    """Start a throw-away PostgreSQL server on a free loopback port; yield its SQLAlchemy URL."""
+    initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
+    if initdb is None or pg_ctl is None:
+        raise RuntimeError("PostgreSQL server binaries not found: install Debian's postgresql package.")
+    # Its own folder outside pytest's (which only root may enter), owned by the server's user.
+    workdir = Path(tempfile.mkdtemp(prefix="rapidfire-pg-"))
+    data = workdir / "pgdata"
+    if os.geteuid() == 0:
+        shutil.chown(workdir, "postgres", "postgres")
+    port = free_port()
+    subprocess.run(
+        _as_postgres_user([initdb, "-D", str(data), "-U", "rapidfire", "--auth=trust", "-E", "UTF8"]),
+        check=True,
+        capture_output=True,
+    )
+    options = f"-p {port} -k {workdir} -c listen_addresses=127.0.0.1 -c fsync=off"
+    subprocess.run(
+        _as_postgres_user([pg_ctl, "-D", str(data), "-o", options, "-l", str(workdir / "log"), "-w", "start"]),
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield f"postgresql+psycopg2://rapidfire@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run(
+            _as_postgres_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), check=False, capture_output=True
+        )
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def dashboard_server(storage_url: str) -> Iterator[str]:
+    """Run ``optuna-dashboard`` on a free loopback port; yield its base URL."""
+    port = free_port()
+    command = [sys.executable, "-c", "from optuna_dashboard._cli import main; main()"]
+    process = subprocess.Popen(
+        [*command, storage_url, "--host", "127.0.0.1", "--port", str(port), "--quiet"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/studies", timeout=2).read()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("optuna-dashboard did not start") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
