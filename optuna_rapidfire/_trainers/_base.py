@@ -15,12 +15,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from optuna_rapidfire._logging import get_logger
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
 
-    import torch
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
