@@ -21,7 +21,7 @@ from optuna_rapidfire._model import ModelSource, ResidentModel, load_model, reso
 from optuna_rapidfire._progress import Progress
 from optuna_rapidfire._pruning import prune_decision, resolve_auto_resources
 from optuna_rapidfire._scheduler import Entry, Phase, Scheduler
-from optuna_rapidfire._trainers import TrainerExtras, kind_for
+from optuna_rapidfire._trainers import TrainerExtras, TrainerKind, kind_for
 from optuna_rapidfire._worker import Built, DeviceWorker, Failed, Released, Saved, SetupError
 
 if TYPE_CHECKING:
@@ -172,6 +172,7 @@ class RapidFireExecutor:
         self._worker: DeviceWorker | None = None
         self._engine: TimeSlicedEngine | None = None
         self._fatal: BaseException | None = None
+        self._call_error: BaseException | None = None
         self._notes_lock = threading.Lock()
         self._notes: set[str] = set()
         self._progress = Progress(False)
@@ -212,9 +213,11 @@ class RapidFireExecutor:
         """
         if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
             raise ValueError(f"n_trials must be None or a positive integer, but got {n_trials=}.")
+        self._check_study(study)
         objective = self.objective(configure)
         first_wave = self.max_concurrent_trials if n_trials is None else min(n_trials, self.max_concurrent_trials)
         self._scheduler.expect(first_wave)
+        self._call_error = None
         self._progress = Progress(self.show_progress_bar, total_trials=n_trials)
         try:
             study.optimize(
@@ -231,6 +234,10 @@ class RapidFireExecutor:
             self._progress.close()
             self._progress = Progress(False)
             self._scheduler.expect(self.max_concurrent_trials)
+        # With n_jobs > 1, Optuna logs an error raised by the last trials instead of raising it.
+        error = self._fatal or self._call_error
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         """Stop the device worker and drop the model. The executor cannot be used afterwards."""
@@ -318,23 +325,13 @@ class RapidFireExecutor:
                 f"metric={self.metric!r} is a loss but the study maximizes: create it with direction='minimize'."
             )
         with self._slots:
-            returned = configure(trial)
-            if not (isinstance(returned, tuple) and len(returned) == 2):
-                raise TypeError(
-                    "configure(trial) must return (peft_config, training_args), but returned "
-                    f"{type(returned).__name__}."
-                )
-            peft_config, args = returned
-            from peft import PeftConfig
-
-            if not isinstance(peft_config, PeftConfig):
-                raise TypeError(
-                    f"configure(trial) must return a peft config (e.g. LoraConfig) first, but got "
-                    f"{type(peft_config).__name__}."
-                )
-            kind = kind_for(args)
-            for note in kind.check_args(args):
-                self._note_once(note)
+            try:
+                peft_config, args, kind = self._checked_config(configure(trial))
+            except (TypeError, ValueError) as error:
+                # A config no trial can use: stop the study rather than fail trial after trial.
+                self._call_error = self._call_error or error
+                study.stop()
+                raise
             adapter_dir = os.path.join(self.output_dir, study.study_name, f"trial-{trial.number}")
             spec = TrialSpec(trial.number, peft_config, args, kind, adapter_dir)
             entry = Entry(number=trial.number, trial_id=trial._trial_id, spec=spec)
@@ -353,6 +350,32 @@ class RapidFireExecutor:
                     self._scheduler.set_phase(entry, Phase.RELEASE)
                     self._wait_gone(entry)
                 self._progress.trial_ended(trial.number, state, value)
+
+    def _check_study(self, study: optuna.Study) -> None:
+        if len(study.directions) > 1:
+            raise ValueError("RapidFireExecutor optimizes one metric: create the study with one direction.")
+        if self.metric.endswith("loss") and study.direction == StudyDirection.MAXIMIZE:
+            raise ValueError(
+                f"metric={self.metric!r} is a loss but the study maximizes: create it with direction='minimize'."
+            )
+
+    def _checked_config(self, returned: Any) -> tuple[PeftConfig, TrainingArguments, TrainerKind]:
+        from peft import PeftConfig
+
+        if not (isinstance(returned, tuple) and len(returned) == 2):
+            raise TypeError(
+                f"configure(trial) must return (peft_config, training_args), but returned {type(returned).__name__}."
+            )
+        peft_config, args = returned
+        if not isinstance(peft_config, PeftConfig):
+            raise TypeError(
+                "configure(trial) must return a peft config (e.g. LoraConfig) first, but got "
+                f"{type(peft_config).__name__}."
+            )
+        kind = kind_for(args)
+        for note in kind.check_args(args):
+            self._note_once(note)
+        return peft_config, args, kind
 
     def _follow(self, trial: optuna.Trial, entry: Entry) -> float:
         study = trial.study
@@ -398,6 +421,7 @@ class RapidFireExecutor:
     def _failed(self, trial: optuna.Trial, event: Failed) -> float:
         if event.fatal:
             self._fatal = event.error
+            trial.study.stop()
             raise event.error
         reason = f"{type(event.error).__name__}: {event.error}"
         trial.set_user_attr(_attrs.FAIL_REASON, reason[:2000])

@@ -1,0 +1,44 @@
+"""Behaviour 9: per-trial progress on a terminal only, off with show_progress_bar=False."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import optuna
+from conftest import by_number, lora, sft_args
+
+from optuna_rapidfire._progress import Progress
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_each_live_trial_on_a_terminal(make_executor, monkeypatch) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    executor = make_executor(num_chunks=2, max_concurrent_trials=2, show_progress_bar=True)
+    executor.optimize(optuna.create_study(), by_number([(lora(), sft_args())] * 2), n_trials=2)
+    text = terminal.getvalue()
+    assert "trial 0" in text and "trial 1" in text
+    assert "2/2" in text and "eval_loss=" in text
+    assert "trials" in text
+
+
+def test_no_progress_when_disabled_or_not_a_terminal(make_executor, monkeypatch) -> None:
+    for stream, enabled in ((_Terminal(), False), (io.StringIO(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        executor = make_executor(num_chunks=2, max_concurrent_trials=1, show_progress_bar=enabled)
+        executor.optimize(optuna.create_study(), by_number([(lora(), sft_args())]), n_trials=1)
+        assert "trial 0" not in stream.getvalue()
+
+
+def test_progress_reuses_lines_of_finished_trials() -> None:
+    progress = Progress(False)
+    assert not progress.enabled
+    progress.trial_started(0, 3)  # a disabled display accepts every call
+    progress.chunk_done(0, "eval_loss", 1.0)
+    progress.trial_ended(0, "COMPLETE", 1.0)
+    progress.close()

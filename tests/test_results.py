@@ -1,0 +1,55 @@
+"""Behaviour 8: final adapters in PEFT's format, the best one loadable with PeftModel.from_pretrained."""
+
+from __future__ import annotations
+
+import os
+
+import optuna
+import pytest
+from conftest import by_number, lora, sft_args
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import SFTTrainer
+
+from optuna_rapidfire import best_adapter_path
+from optuna_rapidfire._attrs import ADAPTER_PATH
+
+
+def test_complete_trials_save_adapters_and_the_best_reloads(make_executor, tiny_model, eval_ds, tmp_path) -> None:
+    executor = make_executor(num_chunks=2, max_concurrent_trials=3)
+    study = optuna.create_study(study_name="results", pruner=optuna.pruners.NopPruner())
+    configs = [
+        (lora(r=2), sft_args(learning_rate=1e-3)),
+        (lora(r=8), sft_args(learning_rate=3e-2)),
+        (lora(r=4), sft_args()),
+    ]
+    executor.optimize(study, by_number(configs), n_trials=3)
+
+    for trial in study.trials:
+        path = trial.user_attrs[ADAPTER_PATH]
+        assert path == str(tmp_path / "out" / "results" / f"trial-{trial.number}")
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(path))
+
+    best = best_adapter_path(study)
+    assert best == study.best_trial.user_attrs[ADAPTER_PATH]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), best)
+    assert model.peft_config["default"].r == configs[study.best_trial.number][0].r
+
+    # TRL's own evaluate() of the reloaded adapter gives the trial's value.
+    trainer = SFTTrainer(
+        model=model,
+        args=sft_args(output_dir=str(tmp_path / "eval"), report_to="none"),
+        train_dataset=eval_ds,
+        eval_dataset=eval_ds,
+        processing_class=AutoTokenizer.from_pretrained(tiny_model),
+    )
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(study.best_value, rel=1e-5)
+
+
+def test_best_adapter_path_needs_a_complete_trial() -> None:
+    study = optuna.create_study()
+    with pytest.raises(ValueError):
+        best_adapter_path(study)
+    study.add_trial(optuna.trial.create_trial(value=1.0))
+    with pytest.raises(ValueError, match="no saved adapter"):
+        best_adapter_path(study)
