@@ -1,0 +1,95 @@
+"""The demo and the examples run end to end (small, on the CPU, with the tiny local model)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], cwd: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def test_demo_prints_the_table_the_best_adapter_and_the_dashboard_command(tmp_path: Path) -> None:
+    out = _run(
+        [
+            "-m",
+            "optuna_rapidfire.demo",
+            "--workdir",
+            str(tmp_path),
+            "--n-trials",
+            "4",
+            "--train-rows",
+            "64",
+            "--eval-rows",
+            "8",
+            "--num-chunks",
+            "2",
+            "--concurrent",
+            "2",
+        ],
+        tmp_path,
+    )
+    assert "COMPLETE" in out and "chunks_done" in out
+    best = out.split("Best adapter: ")[1].splitlines()[0]
+    assert (Path(best) / "adapter_model.safetensors").is_file()
+    assert f"optuna-dashboard sqlite:///{tmp_path / 'demo.db'}" in out
+    study = optuna.load_study(study_name="rapidfire-demo", storage=f"sqlite:///{tmp_path / 'demo.db'}")
+    assert len(study.trials) == 4
+
+
+def test_quickstart_example(tmp_path: Path, tiny_model: str) -> None:
+    out = _run(
+        [
+            str(ROOT / "examples" / "quickstart.py"),
+            "--model",
+            tiny_model,
+            "--n-trials",
+            "3",
+            "--train-rows",
+            "32",
+            "--storage",
+            f"sqlite:///{tmp_path / 'q.db'}",
+        ],
+        tmp_path,
+    )
+    assert "best adapter:" in out
+
+
+def test_real_model_example_runs_with_a_local_path(tmp_path: Path, tiny_model: str) -> None:
+    out = _run(
+        [
+            str(ROOT / "examples" / "real_model_gpu.py"),
+            "--model",
+            tiny_model,
+            "--n-trials",
+            "2",
+            "--concurrent",
+            "2",
+            "--num-chunks",
+            "2",
+            "--train-rows",
+            "32",
+            "--eval-samples",
+            "8",
+            "--storage",
+            f"sqlite:///{tmp_path / 'r.db'}",
+        ],
+        tmp_path,
+    )
+    assert "best adapter:" in out
