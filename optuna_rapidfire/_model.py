@@ -9,13 +9,10 @@ from typing import TYPE_CHECKING, Any, Union, cast
 
 import torch
 
-from optuna_rapidfire._logging import get_logger
-
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-_logger = get_logger(__name__)
 
 ModelSource = Union[
     str,

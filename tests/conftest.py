@@ -78,7 +78,8 @@ def make_executor(
             "max_concurrent_trials": 4,
             "output_dir": tmp_path / "out",
             "show_progress_bar": False,
-            "devices": "cpu",
+            # The suite runs on the CPU (CI has no GPU); RAPIDFIRE_TEST_DEVICE=cuda runs it on a GPU.
+            "devices": os.environ.get("RAPIDFIRE_TEST_DEVICE", "cpu"),
         }
         settings.update(kwargs)
         executor = RapidFireExecutor(**settings)

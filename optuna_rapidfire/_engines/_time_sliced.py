@@ -17,7 +17,6 @@ import torch
 
 from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import ChunkResult, Engine, TrialSpec
-from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._state import RngState, TrialState
 
 if TYPE_CHECKING:
@@ -30,8 +29,6 @@ if TYPE_CHECKING:
     from optuna_rapidfire._data import PreparedData
     from optuna_rapidfire._model import ResidentModel
     from optuna_rapidfire._trainers._base import TrainerExtras
-
-_logger = get_logger(__name__)
 
 
 @dataclass(eq=False)

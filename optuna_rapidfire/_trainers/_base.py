@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optuna_rapidfire._logging import get_logger
-
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
 
@@ -26,8 +24,6 @@ if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
 
     from optuna_rapidfire._model import ResidentModel
-
-_logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
