@@ -21,3 +21,38 @@ TRAIN_LOSS = PREFIX + "train_loss"
 
 FAIL_REASON = PREFIX + "fail_reason"
 """Why a FAIL trial failed (exception type and message)."""
+
+STATUS = PREFIX + "status"
+"""What a person sees of a RUNNING trial: ``running`` or ``paused``; ``paused-at-end`` for a trial still
+paused when the study ended (it is then PRUNED), ``deleted`` for a deleted one (then FAIL)."""
+
+PARENT = PREFIX + "parent"
+"""Number of the trial a clone was copied from."""
+
+BRANCH_STEP = PREFIX + "branch_step"
+"""Chunks the parent had trained when the clone was made; a warm clone's first own step."""
+
+CLONE = PREFIX + "clone"
+"""``warm`` (continues from the parent's state) or ``cold`` (starts from scratch)."""
+
+COLD_REASON = PREFIX + "cold_reason"
+"""Why a clone asked to be warm started cold (rank or target modules changed, no state available)."""
+
+CLONE_OF = PREFIX + "clone_of"
+"""Request marker ``{"parent": n, "warm": bool}``: a user attr of an enqueued clone, or a system attr set
+by a sampler on the trial it is sampling."""
+
+ACTION = PREFIX + "action"
+"""Set through optuna-dashboard's form on a running trial: 1 stop, 2 resume, 3 delete, 4 clone."""
+
+ACTION_ARGS = PREFIX + "action_args"
+"""Form text with the action: for clone, ``name=value`` overrides separated by commas, or ``cold``."""
+
+ACTION_DONE = PREFIX + "action_done"
+"""What the executor did with the last form action."""
+
+COMMAND_PREFIX = PREFIX + "command:"
+"""Study system attrs holding control commands (one key per command, so none is lost)."""
+
+DONE_PREFIX = PREFIX + "done:"
+"""Study system attrs marking a command as applied (so none is applied twice)."""

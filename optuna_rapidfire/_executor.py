@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -13,16 +12,17 @@ import torch
 from optuna.study import StudyDirection
 
 from optuna_rapidfire import _attrs
+from optuna_rapidfire._commands import register_dashboard_form
 from optuna_rapidfire._data import ChunkPlan, PreparedData
-from optuna_rapidfire._engines._base import ChunkResult, TrialSpec
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._model import ModelSource, ResidentModel, load_model, resolve_device
+from optuna_rapidfire._pool import Slots, TrialPool
 from optuna_rapidfire._progress import Progress
-from optuna_rapidfire._pruning import prune_decision, resolve_auto_resources
-from optuna_rapidfire._scheduler import Entry, Phase, Scheduler
+from optuna_rapidfire._scheduler import Entry, Scheduler
 from optuna_rapidfire._trainers import TrainerExtras, TrainerKind, kind_for
-from optuna_rapidfire._worker import Built, DeviceWorker, Failed, Released, Saved, SetupError
+from optuna_rapidfire._trial_driver import EndPaused, TrialDriver
+from optuna_rapidfire._worker import DeviceWorker, SetupError
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -103,6 +103,9 @@ class RapidFireExecutor:
             beyond it move to pinned CPU memory. ``"auto"``: half of what is left on a GPU, no limit on
             the CPU. ``None``: no limit.
         show_progress_bar: Show per-trial progress on a terminal.
+        dashboard_controls: Add a stop/resume/delete/clone form to running trials in optuna-dashboard
+            (unless the study has a form of its own).
+        poll_seconds: How often a paused trial checks the storage for a resume or delete.
     """
 
     def __init__(
@@ -125,6 +128,8 @@ class RapidFireExecutor:
         devices: str | torch.device = "auto",
         state_memory_budget: int | float | str | None = "auto",
         show_progress_bar: bool = True,
+        dashboard_controls: bool = True,
+        poll_seconds: float = 1.0,
     ) -> None:
         from datasets import Dataset
 
@@ -147,6 +152,8 @@ class RapidFireExecutor:
             raise ValueError(f"state_memory_budget must not be negative, but got {state_memory_budget=}.")
         if metric is not None and not isinstance(metric, str):
             raise TypeError(f"metric must be a metric name, but got {metric!r}.")
+        if not poll_seconds > 0:
+            raise ValueError(f"poll_seconds must be positive, but got {poll_seconds=}.")
 
         self._plan = ChunkPlan(num_rows=len(train_dataset), num_chunks=num_chunks, seed=seed)
         self._model_source = model
@@ -166,7 +173,13 @@ class RapidFireExecutor:
         self.show_progress_bar = show_progress_bar
 
         self._start_lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(max_concurrent_trials)
+        self._slots = Slots(max_concurrent_trials)
+        self._pool: TrialPool | None = None
+        self._paused: set[Entry] = set()
+        self._externally_finished: set[int] = set()
+        self._forms: set[str] = set()
+        self._poll_seconds = poll_seconds
+        self.dashboard_controls = dashboard_controls
         self._scheduler = Scheduler()
         self._scheduler.expect(max_concurrent_trials)
         self._worker: DeviceWorker | None = None
@@ -191,7 +204,7 @@ class RapidFireExecutor:
         self._ensure_started()
 
         def objective(trial: optuna.Trial) -> float:
-            return self._run_trial(trial, configure)
+            return TrialDriver(self, trial, configure).run()
 
         return objective
 
@@ -208,39 +221,54 @@ class RapidFireExecutor:
     ) -> None:
         """Run ``n_trials`` trials of ``configure`` on ``study``, ``max_concurrent_trials`` at a time.
 
-        Same behaviour as ``study.optimize(self.objective(configure), n_jobs=self.max_concurrent_trials)``
-        with a per-trial progress display; ``timeout`` stops new trials from starting, as in Optuna.
+        Like ``study.optimize(self.objective(configure), n_jobs=self.max_concurrent_trials)``, with a
+        per-trial progress display, and two differences that only matter with control commands: a
+        paused trial gives its place to a new one, and a trial failed from optuna-dashboard ends
+        cleanly while the study goes on. ``timeout`` stops new trials from starting, as in Optuna.
+        Trials still paused when nothing else is left to run are finished as PRUNED (their state is
+        kept for clones).
         """
         if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
             raise ValueError(f"n_trials must be None or a positive integer, but got {n_trials=}.")
+        catch = tuple(catch) if isinstance(catch, Iterable) else (catch,)
         self._check_study(study)
         objective = self.objective(configure)
         first_wave = self.max_concurrent_trials if n_trials is None else min(n_trials, self.max_concurrent_trials)
         self._scheduler.expect(first_wave)
         self._call_error = None
         self._progress = Progress(self.show_progress_bar, total_trials=n_trials)
+        self._pool = TrialPool(
+            study,
+            objective,
+            self._slots,
+            n_trials=n_trials,
+            timeout=timeout,
+            callbacks=callbacks,
+            catch=catch,
+            gc_after_trial=gc_after_trial,
+            paused=lambda: len(self._paused),
+            end_paused=self._end_paused,
+            externally_finished=lambda number: number in self._externally_finished,
+        )
         try:
-            study.optimize(
-                objective,
-                n_trials=n_trials,
-                timeout=timeout,
-                n_jobs=self.max_concurrent_trials,
-                catch=catch,
-                callbacks=callbacks,
-                gc_after_trial=gc_after_trial,
-                show_progress_bar=False,
-            )
+            self._pool.run()
         finally:
+            self._pool = None
             self._progress.close()
             self._progress = Progress(False)
             self._scheduler.expect(self.max_concurrent_trials)
-        # With n_jobs > 1, Optuna logs an error raised by the last trials instead of raising it.
         error = self._fatal or self._call_error
         if error is not None:
             raise error
 
     def close(self) -> None:
-        """Stop the device worker and drop the model. The executor cannot be used afterwards."""
+        """End paused trials (as PRUNED), stop the device worker and drop the model.
+
+        The executor cannot be used afterwards.
+        """
+        self._end_paused()
+        while self._paused:
+            self._slots.wait_for_change(0.1)
         self._scheduler.close()
         if self._worker is not None:
             self._worker.join()
@@ -312,44 +340,7 @@ class RapidFireExecutor:
             self._notes.add(message)
         _logger.warning(message)
 
-    # -- one trial ------------------------------------------------------------------------------
-
-    def _run_trial(self, trial: optuna.Trial, configure: Configure) -> float:
-        if self._fatal is not None:
-            raise self._fatal
-        study = trial.study
-        if len(study.directions) > 1:
-            raise ValueError("RapidFireExecutor optimizes one metric: create the study with one direction.")
-        if self.metric.endswith("loss") and study.direction == StudyDirection.MAXIMIZE:
-            raise ValueError(
-                f"metric={self.metric!r} is a loss but the study maximizes: create it with direction='minimize'."
-            )
-        with self._slots:
-            try:
-                peft_config, args, kind = self._checked_config(configure(trial))
-            except (TypeError, ValueError) as error:
-                # A config no trial can use: stop the study rather than fail trial after trial.
-                self._call_error = self._call_error or error
-                study.stop()
-                raise
-            adapter_dir = os.path.join(self.output_dir, study.study_name, f"trial-{trial.number}")
-            spec = TrialSpec(trial.number, peft_config, args, kind, adapter_dir)
-            entry = Entry(number=trial.number, trial_id=trial._trial_id, spec=spec)
-            trial.set_user_attr(_attrs.METRIC, self.metric)
-            self._scheduler.add(entry)
-            state, value = "FAIL", None
-            try:
-                value = self._follow(trial, entry)
-                state = "COMPLETE" if not math.isnan(value) else "FAIL"
-                return value
-            except optuna.TrialPruned:
-                state = "PRUNED"
-                raise
-            finally:
-                if entry.phase is not Phase.GONE:
-                    self._scheduler.set_phase(entry, Phase.RELEASE)
-                    self._wait_gone(entry)
-                self._progress.trial_ended(trial.number, state, value)
+    # -- what the trial drivers share ---------------------------------------------------------------
 
     def _check_study(self, study: optuna.Study) -> None:
         if len(study.directions) > 1:
@@ -377,63 +368,29 @@ class RapidFireExecutor:
             self._note_once(note)
         return peft_config, args, kind
 
-    def _follow(self, trial: optuna.Trial, entry: Entry) -> float:
-        study = trial.study
-        while True:
-            event = entry.events.get()
-            if isinstance(event, Built):
-                trial.set_user_attr(_attrs.TOTAL_CHUNKS, event.total_chunks)
-                resolve_auto_resources(study.pruner, event.total_chunks)
-                self._progress.trial_started(trial.number, event.total_chunks)
-            elif isinstance(event, Failed):
-                return self._failed(trial, event)
-            elif isinstance(event, ChunkResult):
-                value = event.metrics[self.metric]
-                step = event.step
-                trial.report(value, step)
-                trial.set_user_attr(_attrs.CHUNKS_DONE, step + 1)
-                if "train_loss" in event.metrics:
-                    trial.set_user_attr(_attrs.TRAIN_LOSS, event.metrics["train_loss"])
-                self._progress.chunk_done(trial.number, self.metric, value)
-                if self._should_prune(trial, entry, step):
-                    raise optuna.TrialPruned(f"Pruned after chunk {step} ({self.metric}={value:.6g}).")
-                if event.last:
-                    self._scheduler.set_phase(entry, Phase.FINISH)
-                    done = self._wait_gone(entry)
-                    if isinstance(done, Failed):
-                        return self._failed(trial, done)
-                    assert isinstance(done, Saved)
-                    trial.set_user_attr(_attrs.ADAPTER_PATH, os.path.abspath(done.path))
-                    return float(value)
-                self._scheduler.set_phase(entry, Phase.READY)
+    def _claim_slot(self, trial_number: int, *, resume: bool = False) -> None:
+        """Take a live-trial slot (the pool may already have taken one for this thread)."""
+        pool = self._pool
+        if not resume and pool is not None and getattr(pool.local, "slot_taken", False):
+            pool.local.slot_taken = False
+            pool.local.trial_number = trial_number
+            return
+        if pool is not None:
+            pool.local.trial_number = trial_number
+        self._slots.acquire(resume=resume)
 
-    def _should_prune(self, trial: optuna.Trial, entry: Entry, step: int) -> bool:
-        """Decide at the round barrier, twice: once to let pruners record the step, once to decide."""
-        study = trial.study
-        self._scheduler.mark(entry, reported=step)
-        round_peers = self._scheduler.wait_for_round(entry, step, stage="reported")
-        snapshot = study._storage.get_trial(trial._trial_id)
-        prune_decision(study, snapshot, step, round_peers)
-        self._scheduler.mark(entry, screened=step)
-        self._scheduler.wait_for_round(entry, step, stage="screened")
-        return prune_decision(study, snapshot, step, round_peers)
+    def _register_form(self, study: optuna.Study) -> None:
+        if not self.dashboard_controls:
+            return
+        with self._notes_lock:
+            if study.study_name in self._forms:
+                return
+            self._forms.add(study.study_name)
+        register_dashboard_form(study)
 
-    def _failed(self, trial: optuna.Trial, event: Failed) -> float:
-        if event.fatal:
-            self._fatal = event.error
-            trial.study.stop()
-            raise event.error
-        reason = f"{type(event.error).__name__}: {event.error}"
-        trial.set_user_attr(_attrs.FAIL_REASON, reason[:2000])
-        _logger.warning("Trial %d failed and was released: %s\n%s", trial.number, reason, event.traceback)
-        # Optuna marks a trial that returns NaN as FAIL and goes on with the study.
-        return math.nan
-
-    def _wait_gone(self, entry: Entry) -> Any:
-        while True:
-            event = entry.events.get()
-            if isinstance(event, (Saved, Released, Failed)):
-                return event
+    def _end_paused(self) -> None:
+        for entry in list(self._paused):
+            entry.events.put(EndPaused())
 
 
 def _metric_key(metric: str) -> str:

@@ -139,6 +139,23 @@ class ResidentModel:
         marker = f".{name}."
         return [p for n, p in self.peft.named_parameters() if marker in f".{n}."]
 
+    def adapter_weights(self, name: str) -> dict[str, torch.Tensor]:
+        """Adapter ``name``'s weights, keyed by parameter name with the adapter's own name removed."""
+        assert self.peft is not None
+        marker = f".{name}."
+        return {
+            f".{n}.".replace(marker, ".")[1:-1]: p.data for n, p in self.peft.named_parameters() if marker in f".{n}."
+        }
+
+    def load_adapter_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
+        """Copy ``weights`` (as returned by :meth:`adapter_weights`) into adapter ``name``."""
+        own = self.adapter_weights(name)
+        if set(own) != set(weights):
+            raise ValueError(f"Adapter {name!r} does not have the weights given: {sorted(set(own) ^ set(weights))[:3]}")
+        with torch.no_grad():
+            for key, target in own.items():
+                target.copy_(weights[key], non_blocking=True)
+
     def activate(self, name: str) -> None:
         """Make ``name`` the adapter the next forward pass uses (and the only trainable one)."""
         assert self.peft is not None

@@ -28,14 +28,28 @@ class Progress:
             self._tqdm = tqdm
             self._summary = tqdm(total=total_trials, desc="trials", unit="trial", position=0, leave=True)
 
-    def trial_started(self, number: int, total_chunks: int) -> None:
+    def trial_started(self, number: int, total_chunks: int, done: int = 0) -> None:
         if not self.enabled:
             return
         with self._lock:
             position = self._free_positions.pop(0) if self._free_positions else len(self._bars) + 1
             self._bars[number] = self._tqdm(
-                total=total_chunks, desc=f"trial {number}", unit="chunk", position=position, leave=False
+                total=total_chunks, initial=done, desc=f"trial {number}", unit="chunk", position=position, leave=False
             )
+
+    def trial_paused(self, number: int) -> None:
+        self._describe(number, f"trial {number} (paused)")
+
+    def trial_resumed(self, number: int) -> None:
+        self._describe(number, f"trial {number}")
+
+    def _describe(self, number: int, text: str) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            bar = self._bars.get(number)
+            if bar is not None:
+                bar.set_description_str(text)
 
     def chunk_done(self, number: int, metric: str, value: float) -> None:
         if not self.enabled:

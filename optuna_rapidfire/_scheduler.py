@@ -14,7 +14,8 @@ Rules:
 * at the start of a study the scheduler waits briefly for the first wave to register, so that
   wave starts together;
 * round barriers: a trial's pruning decision for step s waits until every other live trial has
-  reported step s (:meth:`Scheduler.wait_for_round`).
+  reported step s (:meth:`Scheduler.wait_for_round`);
+* a paused trial is not live: nobody waits for it, and its state leaves the device.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Phase(enum.Enum):
     READY = "ready"  # may train its next chunk
     TRAINING = "training"  # on the device now
     AWAITING = "awaiting"  # reported a chunk, its pruning decision pending
+    PAUSE = "pause"  # stopped by a person: move its state off the device
+    PAUSED = "paused"  # keeps its state, holds no slot, is not waited for
     FINISH = "finish"  # complete: save the adapter, then release
     RELEASE = "release"  # pruned or failed: release the state
     GONE = "gone"
@@ -44,6 +47,7 @@ class Task(enum.Enum):
 
     BUILD = "build"
     TRAIN = "train"
+    PAUSE = "pause"
     FINISH = "finish"
     RELEASE = "release"
 
@@ -160,6 +164,9 @@ class Scheduler:
                 return (Task.FINISH, e), None
             if e.phase == Phase.RELEASE:
                 return (Task.RELEASE, e), None
+            if e.phase == Phase.PAUSE:
+                e.phase = Phase.PAUSED
+                return (Task.PAUSE, e), None
         for e in entries:
             if e.phase == Phase.BUILD and e.runtime is None:
                 return (Task.BUILD, e), None
@@ -178,13 +185,20 @@ class Scheduler:
                 return (Task.TRAIN, e), None
         return None, None
 
-    def built(self, entry: Entry, runtime: Any) -> None:
-        """The trial's state exists: it may train (unless it was told to leave meanwhile)."""
+    def built(self, entry: Entry, runtime: Any, chunks_done: int = 0) -> None:
+        """The trial's state exists (a warm clone starts with its parent's progress): it may train."""
         with self._cond:
             entry.runtime = runtime
+            entry.chunks_done = chunks_done
+            entry.reported = entry.screened = chunks_done - 1
             if entry.phase in _LIVE:
                 entry.phase = Phase.READY
             self._cond.notify_all()
+
+    def find(self, number: int) -> Entry | None:
+        """The registered trial ``number``, if any."""
+        with self._cond:
+            return self._entries.get(number)
 
     def chunk_done(self, entry: Entry) -> None:
         """The trial trained and evaluated a chunk; its decision is pending."""

@@ -19,16 +19,22 @@ from optuna_rapidfire._scheduler import Entry, Scheduler, Task
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from optuna_rapidfire._engines._base import Engine
+    from optuna_rapidfire._engines._base import Branch, Engine
 
 _logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
 class Built:
-    """The trial's state exists; ``total_chunks`` is its planned length."""
+    """The trial's state exists; ``total_chunks`` is its planned length; ``branch`` is set for clones."""
 
     total_chunks: int
+    branch: Branch | None = None
+
+
+@dataclass(frozen=True)
+class Paused:
+    """The trial's state has left the device; it waits for a resume."""
 
 
 @dataclass(frozen=True)
@@ -104,20 +110,27 @@ class DeviceWorker(threading.Thread):
             if not self._checked:
                 self._check_metrics(self.engine.evaluate(runtime, max_batches=1))
                 self._checked = True
-            self.scheduler.built(entry, runtime)
-            entry.events.put(Built(self.engine.total_chunks(runtime)))
+            branch = self.engine.branch(runtime)
+            self.scheduler.built(entry, runtime, chunks_done=branch.step if branch is not None else 0)
+            entry.events.put(Built(self.engine.total_chunks(runtime), branch))
         elif task is Task.TRAIN:
             result = self.engine.run_chunk(entry.runtime)
             self.scheduler.chunk_done(entry)
             entry.events.put(result)
+        elif task is Task.PAUSE:
+            self.engine.pause(entry.runtime)
+            entry.events.put(Paused())
         elif task is Task.FINISH:
             path = self._adapter_dir(entry)
             self.engine.save_adapter(entry.runtime, path)
+            self.engine.save_snapshot(entry.runtime)
             self.engine.release(entry.runtime)
             self.scheduler.remove(entry)
             entry.events.put(Saved(path))
         elif task is Task.RELEASE:
             if entry.runtime is not None:
+                # What a clone of this trial would start from, now that its state goes away.
+                self.engine.save_snapshot(entry.runtime)
                 self.engine.release(entry.runtime)
             self.scheduler.remove(entry)
             entry.events.put(Released())

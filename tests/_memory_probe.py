@@ -44,6 +44,7 @@ def main() -> None:
         output_dir=folder / "out",
         show_progress_bar=False,
         devices="cpu",
+        dashboard_controls=False,  # importing optuna-dashboard is not training memory
     )
 
     def configure(trial: optuna.Trial) -> tuple[LoraConfig, SFTConfig]:

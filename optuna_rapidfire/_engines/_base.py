@@ -14,6 +14,39 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class CloneOf:
+    """A trial that starts from another trial's state.
+
+    Attributes:
+        parent: Number of the trial to copy.
+        warm: Continue from the parent's state at its latest chunk boundary (else start cold, from
+            scratch, with the new params).
+    """
+
+    parent: int
+    warm: bool = True
+
+
+@dataclass(frozen=True)
+class Branch:
+    """How a clone actually started.
+
+    Attributes:
+        parent: The parent's trial number.
+        step: Chunks the parent had trained when the clone was made: the clone's first step.
+        warm: Whether the clone continues from the parent's state.
+        reason: Why a requested warm clone started cold.
+        history: The parent's per-chunk metrics up to ``step`` (a warm clone inherits them).
+    """
+
+    parent: int
+    step: int
+    warm: bool
+    reason: str | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class TrialSpec:
     """Everything an engine needs to build a trial.
 
@@ -23,6 +56,8 @@ class TrialSpec:
         args: The trial's training args as the user wrote them.
         kind: The TRL trainer type the args select.
         adapter_dir: Where the trial's final adapter is written if it completes.
+        state_dir: Folder of the study's trial snapshots (``<state_dir>/trial-<number>``).
+        clone_of: Set when the trial is a clone.
     """
 
     number: int
@@ -30,6 +65,8 @@ class TrialSpec:
     args: TrainingArguments
     kind: TrainerKind
     adapter_dir: str
+    state_dir: str
+    clone_of: CloneOf | None = None
 
 
 @dataclass
@@ -66,6 +103,18 @@ class Engine(ABC):
     @abstractmethod
     def total_chunks(self, runtime: Any) -> int:
         """How many chunks the trial trains if nothing stops it."""
+
+    @abstractmethod
+    def branch(self, runtime: Any) -> Branch | None:
+        """How a clone started (``None`` for a trial that is not a clone)."""
+
+    @abstractmethod
+    def pause(self, runtime: Any) -> None:
+        """Move an idle trial's state off the device until it trains again."""
+
+    @abstractmethod
+    def save_snapshot(self, runtime: Any) -> None:
+        """Write the trial's state to its snapshot folder (what clones of it start from)."""
 
     @abstractmethod
     def run_chunk(self, runtime: Any) -> ChunkResult:

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optuna_rapidfire._data import rows_of
-from optuna_rapidfire._engines._base import ChunkResult, Engine, TrialSpec
-from optuna_rapidfire._state import RngState, TrialState
+from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, Engine, TrialSpec
+from optuna_rapidfire._snapshot import TrialSnapshot
+from optuna_rapidfire._state import Position, RngState, TrialState
 
 if TYPE_CHECKING:
     from collections.abc import Hashable
@@ -42,6 +43,8 @@ class TrialRuntime:
     data_key: Hashable
     steps_per_chunk: list[int]
     total_chunks: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    branch: Branch | None = None
     last_used: float = field(default_factory=time.monotonic)
     released: bool = False
 
@@ -86,6 +89,8 @@ class TimeSlicedEngine(Engine):
     # -- building and releasing ------------------------------------------------------------------
 
     def build(self, spec: TrialSpec) -> TrialRuntime:
+        # A live parent is at a chunk boundary now: this thread is the only one that trains.
+        parent = "" if spec.clone_of is None else self._parent_snapshot(spec)
         kind = spec.kind
         name = f"trial_{spec.number}"
         args = kind.effective_args(spec.args, os.path.join(self.output_dir, name), self.device)
@@ -123,9 +128,97 @@ class TimeSlicedEngine(Engine):
             steps_per_chunk=steps_per_chunk,
             total_chunks=total_chunks,
         )
+        if spec.clone_of is not None:
+            runtime.branch = self._branch_from(runtime, spec.clone_of, parent)
         self._runtimes.append(runtime)
         self._fit_budget(keep=runtime)
         return runtime
+
+    # -- clones and snapshots --------------------------------------------------------------------
+
+    def _live(self, number: int) -> TrialRuntime | None:
+        return next((r for r in self._runtimes if r.spec.number == number), None)
+
+    def _parent_snapshot(self, spec: TrialSpec) -> TrialSnapshot | str:
+        """The parent's state now (a live parent) or as saved when it ended; else why there is none."""
+        assert spec.clone_of is not None
+        number = spec.clone_of.parent
+        live = self._live(number)
+        if live is not None:
+            return self.snapshot(live)
+        directory = os.path.join(spec.state_dir, f"trial-{number}")
+        if os.path.isdir(directory):
+            return TrialSnapshot.load(directory)
+        return f"no state of trial {number} is available here"
+
+    def snapshot(self, runtime: TrialRuntime) -> TrialSnapshot:
+        """The trial's state at its latest chunk boundary, copied to the CPU."""
+        name = runtime.state.adapter_name
+        weights = self.resident.adapter_weights(name)
+        return TrialSnapshot.capture(
+            runtime.spec.number, runtime.spec.kind.name, runtime.state, weights, runtime.history
+        )
+
+    def save_snapshot(self, runtime: TrialRuntime) -> None:
+        if runtime.state.position.chunks_done > 0:
+            self.snapshot(runtime).save(os.path.join(runtime.spec.state_dir, f"trial-{runtime.spec.number}"))
+
+    def branch(self, runtime: TrialRuntime) -> Branch | None:
+        return runtime.branch
+
+    def _branch_from(self, runtime: TrialRuntime, clone_of: CloneOf, parent: TrialSnapshot | str) -> Branch:
+        """Make ``runtime`` continue from ``parent`` if it can; say why not otherwise."""
+        reason: str | None
+        if not clone_of.warm:
+            reason = "a cold clone was asked for"
+        elif isinstance(parent, str):
+            reason = parent
+        else:
+            shapes = {k: v.shape for k, v in self.resident.adapter_weights(runtime.state.adapter_name).items()}
+            reason = parent.compatible_with(runtime.spec.kind.name, shapes)
+        if reason is not None:
+            return Branch(parent=clone_of.parent, step=0, warm=False, reason=reason)
+        assert isinstance(parent, TrialSnapshot)
+        self._restore(runtime, parent)
+        return Branch(
+            parent=clone_of.parent,
+            step=parent.position.chunks_done,
+            warm=True,
+            history=[dict(h) for h in parent.history],
+        )
+
+    def _restore(self, runtime: TrialRuntime, parent: TrialSnapshot) -> None:
+        """Load the parent's weights, moments, schedule position, RNG and data position.
+
+        The clone's own hyperparameters win: its optimizer keeps its param-group settings (learning
+        rate, weight decay, betas) and its LR schedule (its own warmup and length) is only moved to the
+        parent's position, so a changed learning rate takes effect at once.
+        """
+        state = runtime.state
+        self.resident.load_adapter_weights(state.adapter_name, parent.weights)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in state.optimizer.param_groups]
+        state.optimizer.load_state_dict(parent.optimizer)
+        for group, settings in zip(state.optimizer.param_groups, groups, strict=True):
+            group.update(settings)
+        _seek(state.lr_scheduler, parent.scheduler_steps)
+        if state.scaler is not None and parent.scaler is not None:
+            state.scaler.load_state_dict(parent.scaler)
+        state.rng = RngState(
+            cpu=parent.rng.cpu.clone(),
+            device=None if parent.rng.device is None else parent.rng.device.clone(),
+            python=parent.rng.python,
+            numpy=parent.rng.numpy,
+        )
+        state.position = Position(parent.position.chunks_done, parent.position.optimizer_steps)
+        runtime.trainer.state.global_step = parent.position.optimizer_steps
+        runtime.history = [dict(h) for h in parent.history]
+
+    def pause(self, runtime: TrialRuntime) -> None:
+        if runtime.state.resident:
+            runtime.state.offload(self.device)
+            self.offloads += 1
+        if self._current is runtime:
+            self._current = None
 
     def _steps_per_chunk(self, number: int, args: TrainingArguments, sizes: list[int]) -> list[int]:
         batch = args.per_device_train_batch_size
@@ -204,6 +297,7 @@ class TimeSlicedEngine(Engine):
         trained = time.perf_counter()
         metrics = self.evaluate(runtime)
         metrics.update(train_metrics)
+        runtime.history.append(dict(metrics))
         done = time.perf_counter()
         return ChunkResult(
             step=step,
@@ -325,6 +419,15 @@ class TimeSlicedEngine(Engine):
             for key, value in user.items():
                 metrics[key if key.startswith("eval_") else f"eval_{key}"] = float(value)
         return metrics
+
+
+def _seek(scheduler: Any, steps: int) -> None:
+    """Move an LR schedule to ``steps`` optimizer steps, setting the learning rates it gives there."""
+    scheduler.last_epoch = steps
+    rates = scheduler.get_lr() if hasattr(scheduler, "lr_lambdas") else scheduler._get_closed_form_lr()
+    for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = list(rates)
 
 
 def _ints(indices: np.ndarray) -> list[int]:

@@ -1,0 +1,183 @@
+"""Control commands (stop, resume, delete, clone) carried through the study's storage.
+
+A command is a study system attribute under its own unique key, so commands written by several
+clients at once never overwrite each other; once the executor running the trial has applied it, a
+second key marks it done, so it is never applied twice. Any process that can open the storage can
+issue commands. optuna-dashboard's form writes the same requests as user attributes of the trial.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from optuna_rapidfire import _attrs
+from optuna_rapidfire._logging import get_logger
+
+if TYPE_CHECKING:
+    import optuna
+    from optuna.trial import FrozenTrial
+
+_logger = get_logger(__name__)
+
+OPS = ("stop", "resume", "delete", "clone")
+# The dashboard's choice widget stores floats; these are the values of its choices.
+_FORM_VALUES = {1.0: "stop", 2.0: "resume", 3.0: "delete", 4.0: "clone"}
+
+
+@dataclass(frozen=True)
+class Command:
+    """One request about one trial.
+
+    Attributes:
+        key: Unique id (the system attribute key, or ``form:<trial>`` for the dashboard form).
+        op: ``stop``, ``resume``, ``delete`` or ``clone``.
+        trial: The trial number it is about.
+        params: Overrides for a clone.
+        warm: Whether a clone continues from the parent's state.
+        reason: Why (recorded for delete).
+        issued_at: When it was written (ordering).
+    """
+
+    key: str
+    op: str
+    trial: int
+    params: dict[str, Any] = field(default_factory=dict)
+    warm: bool = True
+    reason: str | None = None
+    issued_at: float = 0.0
+
+    @property
+    def from_form(self) -> bool:
+        return self.key.startswith("form:")
+
+
+def issue(study: optuna.Study, op: str, trial: int, **fields: Any) -> str:
+    """Write a command for ``trial``; return its key."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, but got {op=}.")
+    now = time.time()
+    key = f"{_attrs.COMMAND_PREFIX}{time.time_ns():020d}-{uuid.uuid4().hex[:12]}"
+    payload: dict[str, Any] = {
+        "op": op,
+        "trial": trial,
+        "issued_at": now,
+        "client": f"{socket.gethostname()}:{os.getpid()}",
+    }
+    payload.update(fields)
+    study._storage.set_study_system_attr(study._study_id, key, payload)
+    return key
+
+
+def pending(study: optuna.Study, trial: FrozenTrial) -> list[Command]:
+    """Commands for ``trial`` not applied yet, oldest first (storage commands, then the dashboard form)."""
+    attrs = study._storage.get_study_system_attrs(study._study_id)
+    found = []
+    for key, payload in attrs.items():
+        if not key.startswith(_attrs.COMMAND_PREFIX) or not isinstance(payload, dict):
+            continue
+        if payload.get("trial") != trial.number:
+            continue
+        if _attrs.DONE_PREFIX + key.removeprefix(_attrs.COMMAND_PREFIX) in attrs:
+            continue
+        found.append(
+            Command(
+                key=key,
+                op=payload["op"],
+                trial=trial.number,
+                params=dict(payload.get("params") or {}),
+                warm=bool(payload.get("warm", True)),
+                reason=payload.get("reason"),
+                issued_at=float(payload.get("issued_at", 0.0)),
+            )
+        )
+    found.sort(key=lambda c: (c.issued_at, c.key))
+    form = _form_command(trial)
+    if form is not None:
+        found.append(form)
+    return found
+
+
+def mark_done(study: optuna.Study, trial_id: int, command: Command, result: str) -> None:
+    """Record that ``command`` was applied (or refused), so it is never applied again."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    if command.from_form:
+        # The form can be submitted again with the same values: clearing the action makes the next
+        # submission a change the executor notices.
+        study._storage.set_trial_user_attr(trial_id, _attrs.ACTION, "")
+        study._storage.set_trial_user_attr(trial_id, _attrs.ACTION_DONE, f"{command.op}: {result} ({now})")
+    else:
+        done_key = _attrs.DONE_PREFIX + command.key.removeprefix(_attrs.COMMAND_PREFIX)
+        study._storage.set_study_system_attr(study._study_id, done_key, {"result": result, "at": now})
+    _logger.info("Trial %d: %s command applied (%s).", command.trial, command.op, result)
+
+
+def _form_command(trial: FrozenTrial) -> Command | None:
+    action = trial.user_attrs.get(_attrs.ACTION)
+    if action in (None, ""):
+        return None
+    op = _FORM_VALUES.get(float(action)) if isinstance(action, (int, float)) else str(action).strip().lower()
+    if op not in OPS:
+        return Command(
+            key=f"form:{trial.number}", op="invalid", trial=trial.number, reason=f"unknown action {action!r}"
+        )
+    text = str(trial.user_attrs.get(_attrs.ACTION_ARGS) or "").strip()
+    warm = True
+    params: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if part.lower() == "cold":
+            warm = False
+            continue
+        name, _, value = part.partition("=")
+        params[name.strip()] = _parse_value(value.strip())
+    return Command(key=f"form:{trial.number}", op=op, trial=trial.number, params=params, warm=warm, reason=text or None)
+
+
+def _parse_value(text: str) -> Any:
+    """``"3"`` → 3, ``"1e-3"`` → 0.001, ``"true"`` → True, anything else stays a string."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def register_dashboard_form(study: optuna.Study) -> bool:
+    """Add the stop/resume/delete/clone form to running trials in optuna-dashboard.
+
+    Does nothing (and returns False) if optuna-dashboard is not installed or the study already has a
+    form of its own.
+    """
+    try:
+        from optuna_dashboard import ChoiceWidget, TextInputWidget, register_user_attr_form_widgets
+        from optuna_dashboard._form_widget import get_form_widgets_json
+    except ImportError:
+        return False
+    if get_form_widgets_json(study._storage.get_study_system_attrs(study._study_id)) is not None:
+        return False
+    register_user_attr_form_widgets(
+        study,
+        widgets=[
+            ChoiceWidget(
+                choices=["stop (pause)", "resume", "delete", "clone"],
+                values=sorted(_FORM_VALUES),
+                description="RapidFire control: applied before the trial's next chunk",
+                user_attr_key=_attrs.ACTION,
+            ),
+            TextInputWidget(
+                description="clone: overrides as name=value, comma separated; add 'cold' for a cold clone",
+                user_attr_key=_attrs.ACTION_ARGS,
+                optional=True,
+            ),
+        ],
+    )
+    return True

@@ -1,0 +1,176 @@
+"""How many trials run at once: slots for live trials, and the thread pool behind ``executor.optimize``.
+
+A live trial holds one of ``max_concurrent_trials`` slots; a paused trial gives its slot back and a
+resumed one takes the next free slot before any new trial does. ``executor.optimize`` runs each trial
+with Optuna's own ``study.optimize(n_trials=1)`` in a thread of its own (so asking, telling, heartbeats,
+callbacks and logging are Optuna's), starting one whenever a slot is free; unlike a fixed ``n_jobs``
+pool, a paused trial does not take a thread away from the live ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from optuna_rapidfire._logging import get_logger
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    import optuna
+
+_logger = get_logger(__name__)
+
+
+class Slots:
+    """A counting semaphore where resumed trials go before new ones."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._used = 0
+        self._resuming = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, *, resume: bool = False) -> None:
+        with self._cond:
+            if resume:
+                self._resuming += 1
+            try:
+                while self._used >= self.size or (not resume and self._resuming > 0):
+                    self._cond.wait()
+            finally:
+                if resume:
+                    self._resuming -= 1
+            self._used += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._used -= 1
+            self._cond.notify_all()
+
+    def free(self) -> int:
+        """Slots a new trial could take now."""
+        with self._cond:
+            return self.size - self._used - self._resuming
+
+    def wait_for_change(self, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait(timeout)
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class TrialPool:
+    """Runs ``n_trials`` trials of ``objective`` on ``study``, one thread per trial, as slots allow.
+
+    Args:
+        study: The study.
+        objective: The executor's objective.
+        slots: The executor's slots; the pool takes one for each trial it starts and hands it over.
+        n_trials: Trials to start (``None``: until ``timeout`` or ``study.stop()``).
+        timeout: Seconds after which no new trial starts.
+        callbacks, catch, gc_after_trial: As in ``study.optimize``.
+        paused: Number of trials of this pool that are paused now.
+        end_paused: Ends paused trials (as PRUNED) once nothing else is left to run.
+        externally_finished: Whether the trial ``number`` was finished from outside (dashboard "Fail
+            Trial"): Optuna's tell then raises, and the pool goes on instead of failing.
+    """
+
+    def __init__(
+        self,
+        study: optuna.Study,
+        objective: Callable[[optuna.Trial], float],
+        slots: Slots,
+        *,
+        n_trials: int | None,
+        timeout: float | None,
+        callbacks: Iterable[Callable[[optuna.Study, optuna.trial.FrozenTrial], None]] | None,
+        catch: tuple[type[Exception], ...],
+        gc_after_trial: bool,
+        paused: Callable[[], int],
+        end_paused: Callable[[], None],
+        externally_finished: Callable[[int], bool],
+    ) -> None:
+        self.study = study
+        self.objective = objective
+        self.slots = slots
+        self.n_trials = n_trials
+        self.timeout = timeout
+        self.callbacks = list(callbacks or [])
+        self.catch = catch
+        self.gc_after_trial = gc_after_trial
+        self._paused = paused
+        self._end_paused = end_paused
+        self._externally_finished = externally_finished
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._stop = False
+        self._error: BaseException | None = None
+        self.local = threading.local()
+
+    def run(self) -> None:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        started = 0
+        while not self._should_stop_starting(started, deadline):
+            if self.slots.free() <= 0:
+                self.slots.wait_for_change(0.5)
+                continue
+            self.slots.acquire()
+            thread = threading.Thread(target=self._one_trial, name=f"rapidfire-trial-{started}", daemon=True)
+            with self._lock:
+                self._threads.append(thread)
+            thread.start()
+            started += 1
+        while True:
+            with self._lock:
+                alive = [t for t in self._threads if t.is_alive()]
+            if not alive:
+                break
+            if len(alive) <= self._paused():
+                self._end_paused()
+            self.slots.wait_for_change(0.5)
+        for thread in self._threads:
+            thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _should_stop_starting(self, started: int, deadline: float | None) -> bool:
+        if self._stop or self._error is not None:
+            return True
+        if self.n_trials is not None and started >= self.n_trials:
+            return True
+        return deadline is not None and time.monotonic() >= deadline
+
+    def _one_trial(self) -> None:
+        # A study object per thread: each has its own stop flag, which study.optimize resets on entry.
+        study = copy.copy(self.study)
+        self.local.slot_taken = True  # the objective takes over the slot acquired for it
+        self.local.trial_number = None
+        try:
+            study.optimize(
+                self.objective,
+                n_trials=1,
+                catch=self.catch,
+                callbacks=[*self.callbacks, self._watch_stop],
+                gc_after_trial=self.gc_after_trial,
+                show_progress_bar=False,
+            )
+        except BaseException as error:
+            number = self.local.trial_number
+            if number is not None and self._externally_finished(number):
+                _logger.info("Trial %d was finished from outside the executor; the study goes on.", number)
+            else:
+                with self._lock:
+                    self._error = self._error or error
+        finally:
+            if self.local.slot_taken:  # the objective never ran
+                self.slots.release()
+            self.slots.notify()
+
+    def _watch_stop(self, study: optuna.Study, trial: Any) -> None:
+        if study._stop_flag:
+            self._stop = True

@@ -1,0 +1,193 @@
+"""Snapshots of a trial's state at a chunk boundary: what a warm clone starts from.
+
+A snapshot holds CPU copies of everything a trial needs to continue: adapter weights (keyed by their
+name without the adapter's own name), optimizer state, LR-schedule position, grad-scaler state, RNG
+states, data position, and the per-chunk metrics so far. It is written to a directory as safetensors
+(tensors) plus JSON (everything else), atomically, and loaded back without unpickling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from optuna_rapidfire._state import Position, RngState
+
+if TYPE_CHECKING:
+    from optuna_rapidfire._state import TrialState
+
+_FORMAT = 1
+
+
+@dataclass
+class TrialSnapshot:
+    """A trial's state at a chunk boundary, on the CPU.
+
+    Attributes:
+        trial_number: The trial it was taken from.
+        kind: Trainer kind name ("sft", ...); a clone of another kind cannot be warm.
+        weights: Adapter weights by name (the adapter's own name removed).
+        optimizer: The optimizer's ``state_dict()``.
+        scheduler_steps: Optimizer steps taken, i.e. the LR schedule's position.
+        scaler: The fp16 grad scaler's ``state_dict()``, if any.
+        rng: Generator states to continue from.
+        position: Chunks and optimizer steps done.
+        history: Per-chunk metrics, one dict per chunk trained.
+    """
+
+    trial_number: int
+    kind: str
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler_steps: int
+    scaler: dict[str, Any] | None
+    rng: RngState
+    position: Position
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    @classmethod
+    def capture(
+        cls,
+        trial_number: int,
+        kind: str,
+        state: TrialState,
+        weights: dict[str, torch.Tensor],
+        history: list[dict[str, float]],
+    ) -> TrialSnapshot:
+        """Copy ``state`` (and the adapter ``weights``) to the CPU."""
+        return cls(
+            trial_number=trial_number,
+            kind=kind,
+            weights={k: v.detach().to("cpu", copy=True) for k, v in weights.items()},
+            optimizer=_to_cpu(state.optimizer.state_dict()),
+            scheduler_steps=state.position.optimizer_steps,
+            scaler=None if state.scaler is None else dict(state.scaler.state_dict()),
+            rng=RngState(
+                cpu=state.rng.cpu.clone(),
+                device=None if state.rng.device is None else state.rng.device.clone(),
+                python=state.rng.python,
+                numpy=state.rng.numpy,
+            ),
+            position=Position(state.position.chunks_done, state.position.optimizer_steps),
+            history=[dict(h) for h in history],
+        )
+
+    def compatible_with(self, kind: str, shapes: dict[str, torch.Size]) -> str | None:
+        """Why a trial of ``kind`` with adapter weight ``shapes`` cannot continue from here (or None)."""
+        if kind != self.kind:
+            return f"trainer kind {kind!r} differs from the parent's {self.kind!r}"
+        mine = {k: tuple(v.shape) for k, v in self.weights.items()}
+        theirs = {k: tuple(v) for k, v in shapes.items()}
+        if mine != theirs:
+            changed = sorted(set(mine) ^ set(theirs)) or sorted(k for k in mine if mine[k] != theirs.get(k))
+            return f"the adapter's weights differ from the parent's (rank or target modules), e.g. {changed[0]}"
+        return None
+
+    # -- files -----------------------------------------------------------------------------------
+
+    def save(self, directory: str) -> None:
+        """Write the snapshot to ``directory`` atomically (a crash leaves the old one or none)."""
+        parent = os.path.dirname(os.path.abspath(directory))
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".snapshot-", dir=parent)
+        try:
+            tensors = {f"weights/{k}": v.contiguous() for k, v in self.weights.items()}
+            optimizer_meta = {"param_groups": self.optimizer["param_groups"], "state": {}}
+            for index, entries in self.optimizer["state"].items():
+                meta: dict[str, Any] = {}
+                for name, value in entries.items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"optimizer/{index}/{name}"] = value.contiguous()
+                    else:
+                        meta[name] = value
+                optimizer_meta["state"][str(index)] = meta
+            tensors["rng/cpu"] = self.rng.cpu
+            if self.rng.device is not None:
+                tensors["rng/device"] = self.rng.device
+            save_file(tensors, os.path.join(staging, "tensors.safetensors"))
+            meta_json = {
+                "format": _FORMAT,
+                "trial_number": self.trial_number,
+                "kind": self.kind,
+                "optimizer": optimizer_meta,
+                "scheduler_steps": self.scheduler_steps,
+                "scaler": self.scaler,
+                "rng_python": [self.rng.python[0], list(self.rng.python[1]), self.rng.python[2]],
+                "rng_numpy": _numpy_state_to_json(self.rng.numpy),
+                "position": {
+                    "chunks_done": self.position.chunks_done,
+                    "optimizer_steps": self.position.optimizer_steps,
+                },
+                "history": self.history,
+            }
+            with open(os.path.join(staging, "state.json"), "w", encoding="utf-8") as out:
+                json.dump(meta_json, out)
+            if os.path.isdir(directory):
+                shutil.rmtree(directory)
+            os.replace(staging, directory)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    @classmethod
+    def load(cls, directory: str) -> TrialSnapshot:
+        """Read a snapshot written by :meth:`save` (safetensors and JSON only: nothing is unpickled)."""
+        with open(os.path.join(directory, "state.json"), encoding="utf-8") as source:
+            meta = json.load(source)
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"{directory} holds a snapshot of an unknown format ({meta.get('format')!r}).")
+        tensors = load_file(os.path.join(directory, "tensors.safetensors"))
+        weights = {k.removeprefix("weights/"): v for k, v in tensors.items() if k.startswith("weights/")}
+        state: dict[int, dict[str, Any]] = {}
+        for index, entries in meta["optimizer"]["state"].items():
+            state[int(index)] = dict(entries)
+        for key, value in tensors.items():
+            if key.startswith("optimizer/"):
+                _, index, name = key.split("/", 2)
+                state.setdefault(int(index), {})[name] = value
+        python = meta["rng_python"]
+        return cls(
+            trial_number=meta["trial_number"],
+            kind=meta["kind"],
+            weights=weights,
+            optimizer={"state": state, "param_groups": meta["optimizer"]["param_groups"]},
+            scheduler_steps=meta["scheduler_steps"],
+            scaler=meta["scaler"],
+            rng=RngState(
+                cpu=tensors["rng/cpu"],
+                device=tensors.get("rng/device"),
+                python=(python[0], tuple(python[1]), python[2]),
+                numpy=_numpy_state_from_json(meta["rng_numpy"]),
+            ),
+            position=Position(**meta["position"]),
+            history=meta["history"],
+        )
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+def _numpy_state_to_json(state: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(state, default=lambda v: {"__ndarray__": v.tolist(), "dtype": str(v.dtype)}))
+
+
+def _numpy_state_from_json(state: Any) -> Any:
+    if isinstance(state, dict):
+        if "__ndarray__" in state:
+            return np.asarray(state["__ndarray__"], dtype=state["dtype"])
+        return {k: _numpy_state_from_json(v) for k, v in state.items()}
+    return state

@@ -1,0 +1,315 @@
+"""The Optuna side of one trial: configure it, follow it on the device, report, prune, obey commands.
+
+One driver runs in the Optuna thread of each trial. It never touches the model: it registers the
+trial with the device's scheduler and reacts to the events the device worker sends (built, chunk
+done, saved, released, failed), talking to the study (reports, user attrs, pruning decisions,
+commands) in between.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+from typing import TYPE_CHECKING, Any
+
+import optuna
+from optuna.exceptions import UpdateFinishedTrialError
+
+from optuna_rapidfire import _attrs, _commands
+from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, TrialSpec
+from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._pruning import prune_decision, resolve_auto_resources
+from optuna_rapidfire._scheduler import Entry, Phase
+from optuna_rapidfire._worker import Built, Failed, Paused, Released, Saved
+
+if TYPE_CHECKING:
+    from optuna_rapidfire._executor import Configure, RapidFireExecutor
+
+_logger = get_logger(__name__)
+
+
+class EndPaused:
+    """Event for a paused trial: the study is over, finish as PRUNED."""
+
+
+class FinishedElsewhere(Exception):
+    """The trial was finished from outside the executor (optuna-dashboard's "Fail Trial" button)."""
+
+
+class TrialDriver:
+    """Runs one trial's Optuna side; :meth:`run` is the body of the executor's objective."""
+
+    def __init__(self, executor: RapidFireExecutor, trial: optuna.Trial, configure: Configure) -> None:
+        self.ex = executor
+        self.trial = trial
+        self.study = trial.study
+        self.configure = configure
+        self.entry: Entry | None = None
+        self._holds_slot = False
+
+    # -- the trial from start to end -------------------------------------------------------------
+
+    def run(self) -> float:
+        ex = self.ex
+        if ex._fatal is not None:
+            raise ex._fatal
+        ex._check_study(self.study)
+        ex._claim_slot(self.trial.number)
+        self._holds_slot = True
+        state, value = "FAIL", None
+        try:
+            spec = self._spec()
+            ex._register_form(self.study)
+            self.trial.set_user_attr(_attrs.METRIC, ex.metric)
+            self.trial.set_user_attr(_attrs.STATUS, "running")
+            self.entry = Entry(number=self.trial.number, trial_id=self.trial._trial_id, spec=spec)
+            ex._scheduler.add(self.entry)
+            value = self._follow()
+            state = "COMPLETE" if not math.isnan(value) else "FAIL"
+            return value
+        except optuna.TrialPruned:
+            state = "PRUNED"
+            raise
+        finally:
+            if self.entry is not None and self.entry.phase is not Phase.GONE:
+                self._leave(Phase.RELEASE)
+            if self._holds_slot:
+                ex._slots.release()
+            ex._progress.trial_ended(self.trial.number, state, value)
+
+    def _spec(self) -> TrialSpec:
+        ex = self.ex
+        try:
+            peft_config, args, kind = ex._checked_config(self.configure(self.trial))
+        except (TypeError, ValueError) as error:
+            # A config no trial can use: stop the study rather than fail trial after trial.
+            ex._call_error = ex._call_error or error
+            self.study.stop()
+            raise
+        root = os.path.join(ex.output_dir, self.study.study_name)
+        return TrialSpec(
+            number=self.trial.number,
+            peft_config=peft_config,
+            args=args,
+            kind=kind,
+            adapter_dir=os.path.join(root, f"trial-{self.trial.number}"),
+            state_dir=os.path.join(root, "state"),
+            clone_of=self._clone_request(),
+        )
+
+    def _clone_request(self) -> CloneOf | None:
+        request = self.trial.user_attrs.get(_attrs.CLONE_OF)
+        if request is None:
+            request = self.study._storage.get_trial(self.trial._trial_id).system_attrs.get(_attrs.CLONE_OF)
+        if not isinstance(request, dict) or not isinstance(request.get("parent"), int):
+            return None
+        return CloneOf(parent=request["parent"], warm=bool(request.get("warm", True)))
+
+    def _follow(self) -> float:
+        entry = self.entry
+        assert entry is not None
+        while True:
+            event = entry.events.get()
+            if isinstance(event, Built):
+                self._built(event)
+            elif isinstance(event, Failed):
+                return self._failed(event)
+            elif isinstance(event, ChunkResult):
+                outcome = self._after_chunk(event)
+                if outcome is not None:
+                    return outcome
+
+    def _built(self, event: Built) -> None:
+        trial = self.trial
+        trial.set_user_attr(_attrs.TOTAL_CHUNKS, event.total_chunks)
+        resolve_auto_resources(self.study.pruner, event.total_chunks)
+        if event.branch is not None:
+            self._record_branch(event.branch)
+        self.ex._progress.trial_started(trial.number, event.total_chunks, done=event.branch.step if event.branch else 0)
+
+    def _record_branch(self, branch: Branch) -> None:
+        trial = self.trial
+        trial.set_user_attr(_attrs.PARENT, branch.parent)
+        trial.set_user_attr(_attrs.BRANCH_STEP, branch.step)
+        trial.set_user_attr(_attrs.CLONE, "warm" if branch.warm else "cold")
+        if branch.warm:
+            # The clone's curve continues its parent's, so pruners compare it at equal progress.
+            for step, metrics in enumerate(branch.history):
+                trial.report(metrics[self.ex.metric], step)
+            trial.set_user_attr(_attrs.CHUNKS_DONE, branch.step)
+            _logger.info("Trial %d is a warm clone of trial %d from step %d.", trial.number, branch.parent, branch.step)
+        else:
+            trial.set_user_attr(_attrs.COLD_REASON, branch.reason)
+            _logger.info("Trial %d is a cold clone of trial %d: %s.", trial.number, branch.parent, branch.reason)
+
+    # -- after each chunk --------------------------------------------------------------------------
+
+    def _after_chunk(self, event: ChunkResult) -> float | None:
+        trial, ex = self.trial, self.ex
+        entry = self.entry
+        assert entry is not None
+        value = event.metrics[ex.metric]
+        step = event.step
+        try:
+            if self.study._storage.get_trial(trial._trial_id).state.is_finished():
+                raise UpdateFinishedTrialError("finished outside the executor")
+            trial.report(value, step)
+            trial.set_user_attr(_attrs.CHUNKS_DONE, step + 1)
+            if "train_loss" in event.metrics:
+                trial.set_user_attr(_attrs.TRAIN_LOSS, event.metrics["train_loss"])
+        except UpdateFinishedTrialError:
+            return self._finished_elsewhere()
+        ex._progress.chunk_done(trial.number, ex.metric, value)
+        pruned, snapshot = self._should_prune(step)
+        if pruned:
+            self._leave(Phase.RELEASE)
+            raise optuna.TrialPruned(f"Pruned after chunk {step} ({ex.metric}={value:.6g}).")
+        pause = False
+        for command in _commands.pending(self.study, snapshot):
+            if command.op == "delete":
+                _commands.mark_done(self.study, trial._trial_id, command, f"deleted after chunk {step}")
+                return self._delete(command.reason)
+            if command.op == "stop" and not event.last:
+                pause = True
+                _commands.mark_done(self.study, trial._trial_id, command, f"paused after chunk {step}")
+            else:
+                self._other_command(command, last=event.last)
+        if event.last:
+            return self._complete(float(value))
+        if pause:
+            outcome = self._pause(step)
+            if outcome is not None:
+                return outcome
+        ex._scheduler.set_phase(entry, Phase.READY)
+        return None
+
+    def _should_prune(self, step: int) -> tuple[bool, optuna.trial.FrozenTrial]:
+        """Decide at the round barrier, twice: once to let pruners record the step, once to decide."""
+        entry, scheduler = self.entry, self.ex._scheduler
+        assert entry is not None
+        scheduler.mark(entry, reported=step)
+        round_peers = scheduler.wait_for_round(entry, step, stage="reported")
+        snapshot = self.study._storage.get_trial(self.trial._trial_id)
+        prune_decision(self.study, snapshot, step, round_peers)
+        scheduler.mark(entry, screened=step)
+        scheduler.wait_for_round(entry, step, stage="screened")
+        return prune_decision(self.study, snapshot, step, round_peers), snapshot
+
+    def _other_command(self, command: _commands.Command, *, last: bool) -> None:
+        trial_id = self.trial._trial_id
+        if command.op == "clone":
+            from optuna_rapidfire import control
+
+            try:
+                child = control.clone(self.study, command.trial, command.params, warm_start=command.warm)
+            except (TypeError, ValueError) as error:
+                _commands.mark_done(self.study, trial_id, command, f"refused: {error}")
+            else:
+                _commands.mark_done(self.study, trial_id, command, f"enqueued as trial {child}")
+        elif command.op == "stop":
+            _commands.mark_done(self.study, trial_id, command, "ignored: the trial has trained its last chunk")
+        elif command.op == "resume":
+            _commands.mark_done(self.study, trial_id, command, "ignored: the trial is not paused")
+        else:
+            _commands.mark_done(self.study, trial_id, command, f"ignored: {command.reason}")
+
+    # -- ways to end -------------------------------------------------------------------------------
+
+    def _complete(self, value: float) -> float:
+        done = self._leave(Phase.FINISH)
+        if isinstance(done, Failed):
+            return self._failed(done)
+        assert isinstance(done, Saved)
+        self.trial.set_user_attr(_attrs.ADAPTER_PATH, os.path.abspath(done.path))
+        return value
+
+    def _failed(self, event: Failed) -> float:
+        if event.fatal:
+            self.ex._fatal = event.error
+            self.study.stop()
+            raise event.error
+        reason = f"{type(event.error).__name__}: {event.error}"
+        self.trial.set_user_attr(_attrs.FAIL_REASON, reason[:2000])
+        _logger.warning("Trial %d failed and was released: %s\n%s", self.trial.number, reason, event.traceback)
+        # Optuna marks a trial that returns NaN as FAIL and goes on with the study.
+        return math.nan
+
+    def _delete(self, reason: str | None) -> float:
+        self._leave(Phase.RELEASE)
+        self.trial.set_user_attr(_attrs.STATUS, "deleted")
+        self.trial.set_user_attr(_attrs.FAIL_REASON, f"deleted: {reason or 'deleted by user'}")
+        _logger.info("Trial %d was deleted (%s); its state is freed.", self.trial.number, reason)
+        return math.nan
+
+    def _finished_elsewhere(self) -> float:
+        self._leave(Phase.RELEASE)
+        self.ex._externally_finished.add(self.trial.number)
+        _logger.warning(
+            "Trial %d was finished outside the executor (optuna-dashboard's 'Fail Trial'?): its state is released.",
+            self.trial.number,
+        )
+        raise FinishedElsewhere(f"Trial {self.trial.number} was finished outside the executor.")
+
+    def _leave(self, phase: Phase) -> Any:
+        """Ask the worker to finish (``FINISH``) or release (``RELEASE``) the trial; wait until it has."""
+        entry = self.entry
+        assert entry is not None
+        self.ex._scheduler.set_phase(entry, phase)
+        while True:
+            event = entry.events.get()
+            if isinstance(event, (Saved, Released, Failed)):
+                return event
+
+    # -- pause -------------------------------------------------------------------------------------
+
+    def _pause(self, step: int) -> float | None:
+        """Wait, off the device and without a slot, for a resume; ``None`` once resumed."""
+        ex, trial, entry = self.ex, self.trial, self.entry
+        assert entry is not None
+        ex._scheduler.set_phase(entry, Phase.PAUSE)
+        while not isinstance(entry.events.get(), Paused):
+            pass
+        ex._slots.release()
+        self._holds_slot = False
+        trial.set_user_attr(_attrs.STATUS, "paused")
+        ex._progress.trial_paused(trial.number)
+        _logger.info("Trial %d paused after chunk %d.", trial.number, step)
+        ex._paused.add(entry)
+        try:
+            while True:
+                try:
+                    event = entry.events.get(timeout=ex._poll_seconds)
+                except queue.Empty:
+                    event = None
+                if isinstance(event, EndPaused):
+                    return self._end_paused(step)
+                frozen = self.study._storage.get_trial(trial._trial_id)
+                if frozen.state.is_finished():
+                    return self._finished_elsewhere()
+                for command in _commands.pending(self.study, frozen):
+                    if command.op == "resume":
+                        _commands.mark_done(self.study, trial._trial_id, command, "resumed")
+                        ex._claim_slot(trial.number, resume=True)
+                        self._holds_slot = True
+                        trial.set_user_attr(_attrs.STATUS, "running")
+                        ex._progress.trial_resumed(trial.number)
+                        _logger.info("Trial %d resumed after chunk %d.", trial.number, step)
+                        return None
+                    if command.op == "delete":
+                        _commands.mark_done(self.study, trial._trial_id, command, "deleted while paused")
+                        return self._delete(command.reason)
+                    if command.op == "stop":
+                        _commands.mark_done(self.study, trial._trial_id, command, "ignored: already paused")
+                    else:
+                        self._other_command(command, last=False)
+        finally:
+            ex._paused.discard(entry)
+            ex._slots.notify()
+
+    def _end_paused(self, step: int) -> float:
+        self._leave(Phase.RELEASE)
+        self.trial.set_user_attr(_attrs.STATUS, "paused-at-end")
+        raise optuna.TrialPruned(
+            f"Still paused after chunk {step} when the study ended; its state is kept: clone it to continue."
+        )
