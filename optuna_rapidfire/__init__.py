@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
-from optuna_rapidfire._executor import RapidFireExecutor, best_adapter_path
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 __all__ = ["RapidFireExecutor", "__version__", "best_adapter_path"]
+
+if TYPE_CHECKING:
+    from optuna_rapidfire._executor import RapidFireExecutor, best_adapter_path
+
+
+def __getattr__(name: str) -> Any:
+    # The executor pulls in torch; `control` and the CLI do not need it, so it loads on first use.
+    if name in ("RapidFireExecutor", "best_adapter_path"):
+        from optuna_rapidfire import _executor
+
+        return getattr(_executor, name)
+    raise AttributeError(f"module 'optuna_rapidfire' has no attribute {name!r}")

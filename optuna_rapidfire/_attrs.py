@@ -19,6 +19,9 @@ METRIC = PREFIX + "metric"
 TRAIN_LOSS = PREFIX + "train_loss"
 """Mean training loss of the trial's latest chunk."""
 
+LEARNING_RATE = PREFIX + "learning_rate"
+"""Learning rate at the end of the trial's latest chunk (a clone's new rate shows here at once)."""
+
 FAIL_REASON = PREFIX + "fail_reason"
 """Why a FAIL trial failed (exception type and message)."""
 

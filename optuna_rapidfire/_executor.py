@@ -106,6 +106,8 @@ class RapidFireExecutor:
         dashboard_controls: Add a stop/resume/delete/clone form to running trials in optuna-dashboard
             (unless the study has a form of its own).
         poll_seconds: How often a paused trial checks the storage for a resume or delete.
+        pause_grace_seconds: When only paused trials are left in :meth:`optimize`, how long to wait for
+            a resume before finishing them as PRUNED (their state is kept for clones).
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class RapidFireExecutor:
         show_progress_bar: bool = True,
         dashboard_controls: bool = True,
         poll_seconds: float = 1.0,
+        pause_grace_seconds: float = 120.0,
     ) -> None:
         from datasets import Dataset
 
@@ -154,6 +157,8 @@ class RapidFireExecutor:
             raise TypeError(f"metric must be a metric name, but got {metric!r}.")
         if not poll_seconds > 0:
             raise ValueError(f"poll_seconds must be positive, but got {poll_seconds=}.")
+        if not pause_grace_seconds >= 0:
+            raise ValueError(f"pause_grace_seconds must not be negative, but got {pause_grace_seconds=}.")
 
         self._plan = ChunkPlan(num_rows=len(train_dataset), num_chunks=num_chunks, seed=seed)
         self._model_source = model
@@ -180,6 +185,7 @@ class RapidFireExecutor:
         self._forms: set[str] = set()
         self._poll_seconds = poll_seconds
         self.dashboard_controls = dashboard_controls
+        self.pause_grace_seconds = pause_grace_seconds
         self._scheduler = Scheduler()
         self._scheduler.expect(max_concurrent_trials)
         self._worker: DeviceWorker | None = None
@@ -225,8 +231,8 @@ class RapidFireExecutor:
         per-trial progress display, and two differences that only matter with control commands: a
         paused trial gives its place to a new one, and a trial failed from optuna-dashboard ends
         cleanly while the study goes on. ``timeout`` stops new trials from starting, as in Optuna.
-        Trials still paused when nothing else is left to run are finished as PRUNED (their state is
-        kept for clones).
+        Trials still paused ``pause_grace_seconds`` after nothing else is left to run are finished as
+        PRUNED (their state is kept for clones).
         """
         if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
             raise ValueError(f"n_trials must be None or a positive integer, but got {n_trials=}.")
@@ -248,6 +254,7 @@ class RapidFireExecutor:
             gc_after_trial=gc_after_trial,
             paused=lambda: len(self._paused),
             end_paused=self._end_paused,
+            pause_grace=self.pause_grace_seconds,
             externally_finished=lambda number: number in self._externally_finished,
         )
         try:

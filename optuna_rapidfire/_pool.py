@@ -75,7 +75,9 @@ class TrialPool:
         timeout: Seconds after which no new trial starts.
         callbacks, catch, gc_after_trial: As in ``study.optimize``.
         paused: Number of trials of this pool that are paused now.
-        end_paused: Ends paused trials (as PRUNED) once nothing else is left to run.
+        end_paused: Ends paused trials (as PRUNED).
+        pause_grace: Seconds to wait for a resume once only paused trials are left, before
+            ``end_paused``.
         externally_finished: Whether the trial ``number`` was finished from outside (dashboard "Fail
             Trial"): Optuna's tell then raises, and the pool goes on instead of failing.
     """
@@ -93,6 +95,7 @@ class TrialPool:
         gc_after_trial: bool,
         paused: Callable[[], int],
         end_paused: Callable[[], None],
+        pause_grace: float,
         externally_finished: Callable[[int], bool],
     ) -> None:
         self.study = study
@@ -105,6 +108,7 @@ class TrialPool:
         self.gc_after_trial = gc_after_trial
         self._paused = paused
         self._end_paused = end_paused
+        self._pause_grace = pause_grace
         self._externally_finished = externally_finished
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -125,14 +129,22 @@ class TrialPool:
                 self._threads.append(thread)
             thread.start()
             started += 1
+        only_paused_since: float | None = None
         while True:
             with self._lock:
                 alive = [t for t in self._threads if t.is_alive()]
             if not alive:
                 break
-            if len(alive) <= self._paused():
+            if len(alive) > self._paused():
+                only_paused_since = None
+            elif only_paused_since is None:
+                only_paused_since = time.monotonic()
+                _logger.info(
+                    "Only paused trials are left; they end as PRUNED unless resumed within %.0f s.", self._pause_grace
+                )
+            elif time.monotonic() - only_paused_since >= self._pause_grace:
                 self._end_paused()
-            self.slots.wait_for_change(0.5)
+            self.slots.wait_for_change(0.2)
         for thread in self._threads:
             thread.join()
         if self._error is not None:

@@ -185,14 +185,18 @@ class Scheduler:
                 return (Task.TRAIN, e), None
         return None, None
 
-    def built(self, entry: Entry, runtime: Any, chunks_done: int = 0) -> None:
-        """The trial's state exists (a warm clone starts with its parent's progress): it may train."""
+    def built(self, entry: Entry, runtime: Any, chunks_done: int = 0, finished: bool = False) -> None:
+        """The trial's state exists (a warm clone starts with its parent's progress): it may train.
+
+        A clone of a trial that had already trained all its chunks has nothing left to train: it
+        waits for its Optuna thread to finish it.
+        """
         with self._cond:
             entry.runtime = runtime
             entry.chunks_done = chunks_done
             entry.reported = entry.screened = chunks_done - 1
             if entry.phase in _LIVE:
-                entry.phase = Phase.READY
+                entry.phase = Phase.AWAITING if finished else Phase.READY
             self._cond.notify_all()
 
     def find(self, number: int) -> Entry | None:

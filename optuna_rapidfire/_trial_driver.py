@@ -113,6 +113,9 @@ class TrialDriver:
             event = entry.events.get()
             if isinstance(event, Built):
                 self._built(event)
+                if event.branch is not None and event.branch.step >= event.total_chunks > 0:
+                    # A warm clone of a trial that had trained every chunk: it ends where it starts.
+                    return self._complete(float(event.branch.history[-1][self.ex.metric]))
             elif isinstance(event, Failed):
                 return self._failed(event)
             elif isinstance(event, ChunkResult):
@@ -156,8 +159,9 @@ class TrialDriver:
                 raise UpdateFinishedTrialError("finished outside the executor")
             trial.report(value, step)
             trial.set_user_attr(_attrs.CHUNKS_DONE, step + 1)
-            if "train_loss" in event.metrics:
-                trial.set_user_attr(_attrs.TRAIN_LOSS, event.metrics["train_loss"])
+            for key, attr in (("train_loss", _attrs.TRAIN_LOSS), ("train_learning_rate", _attrs.LEARNING_RATE)):
+                if key in event.metrics:
+                    trial.set_user_attr(attr, event.metrics[key])
         except UpdateFinishedTrialError:
             return self._finished_elsewhere()
         ex._progress.chunk_done(trial.number, ex.metric, value)
@@ -170,7 +174,9 @@ class TrialDriver:
             if command.op == "delete":
                 _commands.mark_done(self.study, trial._trial_id, command, f"deleted after chunk {step}")
                 return self._delete(command.reason)
-            if command.op == "stop" and not event.last:
+            if command.op == "stop" and pause:
+                _commands.mark_done(self.study, trial._trial_id, command, "ignored: already paused")
+            elif command.op == "stop" and not event.last:
                 pause = True
                 _commands.mark_done(self.study, trial._trial_id, command, f"paused after chunk {step}")
             else:

@@ -111,8 +111,9 @@ class DeviceWorker(threading.Thread):
                 self._check_metrics(self.engine.evaluate(runtime, max_batches=1))
                 self._checked = True
             branch = self.engine.branch(runtime)
-            self.scheduler.built(entry, runtime, chunks_done=branch.step if branch is not None else 0)
-            entry.events.put(Built(self.engine.total_chunks(runtime), branch))
+            done, total = (branch.step if branch is not None else 0), self.engine.total_chunks(runtime)
+            self.scheduler.built(entry, runtime, chunks_done=done, finished=done >= total)
+            entry.events.put(Built(total, branch))
         elif task is Task.TRAIN:
             result = self.engine.run_chunk(entry.runtime)
             self.scheduler.chunk_done(entry)

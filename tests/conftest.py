@@ -126,3 +126,63 @@ def chunk_log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 
     monkeypatch.setattr(TimeSlicedEngine, "run_chunk", run_chunk)
     return log
+
+
+class Background:
+    """Runs ``executor.optimize`` in a thread; ``join()`` re-raises what it raised."""
+
+    def __init__(self, target: Callable[[], None]) -> None:
+        import threading
+
+        self.error: BaseException | None = None
+
+        def body() -> None:
+            try:
+                target()
+            except BaseException as error:
+                self.error = error
+
+        self.thread = threading.Thread(target=body, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float = 300) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the study did not finish"
+        if self.error is not None:
+            raise self.error
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 120, what: str = "condition") -> Any:
+    """Poll ``condition`` until it returns something truthy."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = condition()
+        except (IndexError, KeyError):  # what it looks at does not exist yet
+            result = None
+        if result:
+            return result
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def slow_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
+    """Make every chunk take at least ``seconds`` (so a test can act while trials run)."""
+
+    def apply(seconds: float) -> None:
+        import time
+
+        from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+
+        original = TimeSlicedEngine.run_chunk
+
+        def slow(self: TimeSlicedEngine, runtime: Any) -> Any:
+            time.sleep(seconds)
+            return original(self, runtime)
+
+        monkeypatch.setattr(TimeSlicedEngine, "run_chunk", slow)
+
+    return apply

@@ -1,0 +1,169 @@
+"""Warm and cold clones: exact continuation, changed hyperparameters take effect, incompatible changes go cold."""
+
+from __future__ import annotations
+
+import math
+
+import optuna
+import pytest
+from conftest import lora, sft_args, wait_until
+from optuna.trial import TrialState
+
+from optuna_rapidfire import _attrs, control
+
+NUM_CHUNKS = 6
+
+
+def configure(trial: optuna.Trial):
+    rank = trial.suggest_categorical("r", [4, 8])
+    lr = trial.suggest_float("learning_rate", 1e-4, 1e-1, log=True)
+    decay = trial.suggest_float("weight_decay", 0.0, 0.5)
+    return lora(r=rank, lora_dropout=0.2), sft_args(learning_rate=lr, weight_decay=decay, seed=3)
+
+
+def _study_with_parent(make_executor, clone_after_step: int, **clone_kwargs):
+    """Run a parent trial; once it has reported ``clone_after_step``, clone it and run the clone."""
+    executor = make_executor(num_chunks=NUM_CHUNKS, max_concurrent_trials=2)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial({"r": 8, "learning_rate": 2e-2, "weight_decay": 0.1})
+    objective = executor.objective(configure)
+    import threading
+
+    parent = threading.Thread(target=study.optimize, args=(objective,), kwargs={"n_trials": 1})
+    parent.start()
+    wait_until(lambda: clone_after_step in study.trials[0].intermediate_values, what="the parent's report")
+    child = control.clone(study, 0, **clone_kwargs)
+    study.optimize(objective, n_trials=1)
+    parent.join()
+    return study, study.trials[0], study.trials[child]
+
+
+def test_warm_clone_without_change_continues_exactly(make_executor) -> None:
+    _study, parent, clone = _study_with_parent(make_executor, clone_after_step=1)
+    assert parent.state == clone.state == TrialState.COMPLETE
+    branch = clone.user_attrs[_attrs.BRANCH_STEP]
+    assert 2 <= branch < NUM_CHUNKS
+    assert clone.user_attrs[_attrs.PARENT] == 0 and clone.user_attrs[_attrs.CLONE] == "warm"
+    assert clone.params == parent.params
+    # The clone inherits the parent's values up to the branch, then reports exactly the parent's.
+    assert list(clone.intermediate_values) == list(range(NUM_CHUNKS))
+    for step in range(NUM_CHUNKS):
+        assert clone.intermediate_values[step] == parent.intermediate_values[step], step
+    assert clone.value == parent.value
+
+
+def test_warm_clone_takes_its_new_learning_rate_and_weight_decay(make_executor, monkeypatch) -> None:
+    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+
+    groups: dict[int, list[dict]] = {}
+    original = TimeSlicedEngine._train_chunk
+
+    def record(self, runtime):
+        groups.setdefault(runtime.spec.number, []).append(
+            [{k: v for k, v in g.items() if k != "params"} for g in runtime.state.optimizer.param_groups]
+        )
+        return original(self, runtime)
+
+    monkeypatch.setattr(TimeSlicedEngine, "_train_chunk", record)
+    _study, parent, clone = _study_with_parent(
+        make_executor, clone_after_step=1, params={"learning_rate": 5e-3, "weight_decay": 0.3}
+    )
+    assert clone.user_attrs[_attrs.CLONE] == "warm"
+    assert clone.user_attrs[_attrs.LEARNING_RATE] == pytest.approx(5e-3)
+    assert parent.user_attrs[_attrs.LEARNING_RATE] == pytest.approx(2e-2)
+    first = groups[clone.number][0]
+    assert [g["lr"] for g in first] == [pytest.approx(5e-3)] * len(first)
+    assert sorted(g["weight_decay"] for g in first) == [0.0, pytest.approx(0.3)]  # biases and norms: no decay
+    branch = clone.user_attrs[_attrs.BRANCH_STEP]
+    assert clone.intermediate_values[branch] != parent.intermediate_values[branch]
+    for step in range(branch):
+        assert clone.intermediate_values[step] == parent.intermediate_values[step]
+
+
+def test_warm_clone_moves_its_own_schedule_to_the_parents_position(make_executor, monkeypatch) -> None:
+    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+
+    rates: dict[int, dict[int, float]] = {}
+    original = TimeSlicedEngine._train_chunk
+
+    def record(self, runtime):
+        metrics = original(self, runtime)
+        rates.setdefault(runtime.spec.number, {})[runtime.state.position.chunks_done] = metrics["train_learning_rate"]
+        return metrics
+
+    monkeypatch.setattr(TimeSlicedEngine, "_train_chunk", record)
+
+    def scheduled(trial: optuna.Trial):
+        lr = trial.suggest_float("learning_rate", 1e-4, 1e-1, log=True)
+        warmup = trial.suggest_int("warmup_steps", 0, 20)
+        return lora(), sft_args(learning_rate=lr, lr_scheduler_type="linear", warmup_steps=warmup)
+
+    executor = make_executor(num_chunks=NUM_CHUNKS, max_concurrent_trials=2)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial({"learning_rate": 2e-2, "warmup_steps": 0})
+    objective = executor.objective(scheduled)
+    import threading
+
+    parent = threading.Thread(target=study.optimize, args=(objective,), kwargs={"n_trials": 1})
+    parent.start()
+    wait_until(lambda: 1 in study.trials[0].intermediate_values, what="the parent's report")
+    changed = {"learning_rate": 1e-2, "warmup_steps": 10}
+    child = control.clone(study, 0, params=changed)
+    study.optimize(objective, n_trials=1)
+    parent.join()
+    # A trial with the clone's settings from scratch: its schedule at each chunk is what the clone's
+    # must be once moved to the parent's position.
+    study.enqueue_trial(changed)
+    study.optimize(objective, n_trials=1)
+    clone, fresh = study.trials[child].number, study.trials[-1].number
+    branch = study.trials[child].user_attrs[_attrs.BRANCH_STEP]
+    assert rates[clone] and min(rates[clone]) == branch + 1
+    for chunks_done, rate in rates[clone].items():
+        assert rate == pytest.approx(rates[fresh][chunks_done])
+    assert rates[clone][branch + 1] != pytest.approx(rates[0][branch + 1])
+
+
+def test_rank_change_makes_a_cold_clone(make_executor) -> None:
+    _study, parent, clone = _study_with_parent(make_executor, clone_after_step=1, params={"r": 4})
+    assert clone.user_attrs[_attrs.CLONE] == "cold"
+    assert "rank or target modules" in clone.user_attrs[_attrs.COLD_REASON]
+    assert clone.user_attrs[_attrs.BRANCH_STEP] == 0
+    assert list(clone.intermediate_values) == list(range(NUM_CHUNKS))  # trained from scratch
+    assert not math.isclose(clone.intermediate_values[0], parent.intermediate_values[0])
+
+
+def test_cold_clone_on_request(make_executor) -> None:
+    _study, parent, clone = _study_with_parent(make_executor, clone_after_step=0, warm_start=False)
+    assert clone.user_attrs[_attrs.CLONE] == "cold"
+    assert clone.user_attrs[_attrs.COLD_REASON] == "a cold clone was asked for"
+    assert clone.intermediate_values[0] == parent.intermediate_values[0]  # same params, same seed, from scratch
+
+
+def test_warm_clone_of_a_finished_trial_starts_from_its_saved_state(make_executor) -> None:
+    executor = make_executor(num_chunks=3, max_concurrent_trials=1)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial({"r": 8, "learning_rate": 2e-2, "weight_decay": 0.1})
+    executor.optimize(study, configure, n_trials=1)
+    child = control.clone(study, 0, params={"learning_rate": 1e-3})
+    executor.optimize(study, configure, n_trials=1)
+    clone = study.trials[child]
+    assert clone.state == TrialState.COMPLETE
+    assert clone.user_attrs[_attrs.CLONE] == "warm" and clone.user_attrs[_attrs.BRANCH_STEP] == 3
+    # Nothing left to train: a clone of a finished trial with the same length ends where it is.
+    assert list(clone.intermediate_values) == [0, 1, 2]
+
+
+def test_clone_rejects_unknown_or_out_of_range_params(make_executor) -> None:
+    study = optuna.create_study()
+    study.enqueue_trial({"r": 8, "learning_rate": 2e-2, "weight_decay": 0.1})
+    make_executor(num_chunks=2, max_concurrent_trials=1).optimize(study, configure, n_trials=1)
+    before = len(study.trials)
+    with pytest.raises(ValueError, match="no parameter 'rank'"):
+        control.clone(study, 0, params={"rank": 4})
+    with pytest.raises(ValueError, match="outside"):
+        control.clone(study, 0, params={"learning_rate": 10.0})
+    with pytest.raises(ValueError, match="not one of its choices"):
+        control.clone(study, 0, params={"r": 5})
+    with pytest.raises(ValueError, match="does not exist"):
+        control.clone(study, 42)
+    assert len(study.trials) == before

@@ -1,0 +1,213 @@
+"""Stop (pause), resume, delete and clone by hand, from Python or the CLI in another process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import optuna
+import pytest
+from conftest import Background, by_number, lora, sft_args, wait_until
+from optuna.trial import TrialState
+
+from optuna_rapidfire import _attrs, control
+
+CONFIGS = [(lora(r=4, lora_dropout=0.1), sft_args(learning_rate=1e-2 * (i + 1), seed=i)) for i in range(4)]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "optuna_rapidfire", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+
+
+def _status(study: optuna.Study, number: int) -> str | None:
+    return study.trials[number].user_attrs.get(_attrs.STATUS)
+
+
+def _values(trial: optuna.trial.FrozenTrial) -> list[float]:
+    return [trial.intermediate_values[s] for s in sorted(trial.intermediate_values)]
+
+
+def test_stop_and_resume_from_another_process(make_executor, chunk_log, slow_chunks, tmp_path: Path) -> None:
+    slow_chunks(0.1)
+    url = f"sqlite:///{tmp_path / 'rf.db'}"
+    executor = make_executor(num_chunks=8, max_concurrent_trials=2)
+    study = optuna.create_study(storage=url, study_name="ctl", pruner=optuna.pruners.NopPruner())
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS[:3]), n_trials=3))
+    wait_until(lambda: 0 in study.trials[0].intermediate_values, what="trial 0's first report")
+
+    stopped = _cli("stop", "--storage", url, "--study-name", "ctl", "0")
+    assert stopped.returncode == 0, stopped.stderr
+    wait_until(lambda: _status(study, 0) == "paused", what="trial 0 to pause")
+    paused_at = study.trials[0].user_attrs[_attrs.CHUNKS_DONE]
+    log_at_pause = len(chunk_log)
+    assert "RUNNING (paused)" in _cli("ls", "--storage", url, "--study-name", "ctl").stdout
+    # Its slot went to another trial: trial 2 starts and trains while trial 0 waits.
+    wait_until(lambda: len(study.trials[2].intermediate_values) >= 2, what="trial 2 to start")
+    assert study.trials[0].user_attrs[_attrs.CHUNKS_DONE] == paused_at
+    assert all(number != 0 for number, _ in chunk_log[log_at_pause:])
+
+    resumed = _cli("resume", "--storage", url, "--study-name", "ctl", "0")
+    assert resumed.returncode == 0, resumed.stderr
+    run.join()
+    trial = study.trials[0]
+    assert trial.state == TrialState.COMPLETE and trial.user_attrs[_attrs.STATUS] == "running"
+    assert list(trial.intermediate_values) == list(range(8))
+
+    # Pausing (and moving its state off the device) changed nothing in what it computed.
+    alone = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    make_executor(num_chunks=8, max_concurrent_trials=1).optimize(alone, by_number(CONFIGS[:1]), n_trials=1)
+    assert _values(trial) == _values(alone.trials[0])
+
+
+def test_a_command_waits_for_the_chunk_in_progress(make_executor, monkeypatch) -> None:
+    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+
+    in_chunk = threading.Event()
+    proceed = threading.Event()
+    original = TimeSlicedEngine.run_chunk
+
+    def gated(self, runtime):
+        if runtime.spec.number == 0 and runtime.state.position.chunks_done == 1:
+            in_chunk.set()
+            proceed.wait(60)
+        return original(self, runtime)
+
+    monkeypatch.setattr(TimeSlicedEngine, "run_chunk", gated)
+    executor = make_executor(num_chunks=4, max_concurrent_trials=1)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS[:1]), n_trials=1))
+    in_chunk.wait(60)
+    control.stop(study, 0)  # while chunk 1 trains
+    proceed.set()
+    wait_until(lambda: _status(study, 0) == "paused", what="the pause")
+    assert list(study.trials[0].intermediate_values) == [0, 1]  # chunk 1 finished and was reported
+    control.resume(study, 0)
+    run.join()
+    assert study.trials[0].state == TrialState.COMPLETE
+
+
+def test_delete_ends_the_trial_as_fail_and_frees_its_state(make_executor) -> None:
+    executor = make_executor(num_chunks=4, max_concurrent_trials=2)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS[:3]), n_trials=3))
+    wait_until(lambda: 0 in study.trials[1].intermediate_values, what="trial 1's first report")
+    control.delete(study, 1, reason="diverged")
+    run.join()
+    deleted = study.trials[1]
+    assert deleted.state == TrialState.FAIL
+    assert deleted.user_attrs[_attrs.FAIL_REASON] == "deleted: diverged"
+    assert deleted.user_attrs[_attrs.STATUS] == "deleted"
+    assert len(deleted.intermediate_values) < 4
+    assert [study.trials[i].state for i in (0, 2)] == [TrialState.COMPLETE] * 2
+    assert executor._engine.resident.peft.peft_config == {}
+
+
+def test_a_trial_still_paused_at_the_end_is_pruned_and_can_be_continued(make_executor, tmp_path) -> None:
+    executor = make_executor(num_chunks=4, max_concurrent_trials=2, pause_grace_seconds=0.5)
+    study = optuna.create_study(study_name="end", pruner=optuna.pruners.NopPruner())
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS[:2]), n_trials=2))
+    wait_until(lambda: 0 in study.trials[0].intermediate_values, what="trial 0's first report")
+    control.stop(study, 0)
+    run.join()
+    paused = study.trials[0]
+    assert paused.state == TrialState.PRUNED
+    assert paused.user_attrs[_attrs.STATUS] == "paused-at-end"
+    assert (tmp_path / "out" / "end" / "state" / "trial-0" / "state.json").is_file()
+    assert study.trials[1].state == TrialState.COMPLETE
+
+    child = control.clone(study, 0)
+    executor.optimize(study, by_number([CONFIGS[0]] * 3), n_trials=1)
+    continued = study.trials[child]
+    assert continued.state == TrialState.COMPLETE and continued.user_attrs[_attrs.CLONE] == "warm"
+    assert list(continued.intermediate_values) == [0, 1, 2, 3]
+    alone = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    make_executor(num_chunks=4, max_concurrent_trials=1).optimize(alone, by_number(CONFIGS[:1]), n_trials=1)
+    assert _values(continued) == _values(alone.trials[0])
+
+
+def test_commands_on_unknown_or_finished_trials_change_nothing(make_executor) -> None:
+    study = optuna.create_study()
+    make_executor(num_chunks=2, max_concurrent_trials=1).optimize(study, by_number(CONFIGS[:1]), n_trials=1)
+    before = study._storage.get_study_system_attrs(study._study_id)
+    with pytest.raises(ValueError, match="does not exist"):
+        control.stop(study, 5)
+    with pytest.raises(ValueError, match="is COMPLETE: only a running trial can be stopped"):
+        control.stop(study, 0)
+    with pytest.raises(ValueError, match="only a running trial can be resumed"):
+        control.resume(study, 0)
+    with pytest.raises(ValueError, match="only a running trial can be deleted"):
+        control.delete(study, 0)
+    with pytest.raises(TypeError):
+        control.stop(study, "0")
+    assert study._storage.get_study_system_attrs(study._study_id) == before
+    assert _cli("stop", "--storage", "sqlite:///nowhere.db", "--study-name", "x", "0").returncode == 2
+
+
+def test_resume_of_a_running_trial_is_an_error(make_executor, slow_chunks) -> None:
+    slow_chunks(0.05)
+    executor = make_executor(num_chunks=4, max_concurrent_trials=1)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS[:1]), n_trials=1))
+    wait_until(lambda: study.trials and study.trials[0].user_attrs.get(_attrs.STATUS) == "running", what="start")
+    with pytest.raises(ValueError, match="is not paused"):
+        control.resume(study, 0)
+    run.join()
+
+
+def test_concurrent_commands_are_applied_exactly_once(make_executor, slow_chunks) -> None:
+    slow_chunks(0.05)
+    executor = make_executor(num_chunks=6, max_concurrent_trials=2)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS[:2]), n_trials=2))
+    wait_until(lambda: 0 in study.trials[0].intermediate_values, what="trial 0's first report")
+
+    def issue(command) -> None:
+        with contextlib.suppress(ValueError):  # validated against a state another client already changed
+            command(study, 0)
+
+    for command in (control.stop, control.resume):
+        clients = [threading.Thread(target=issue, args=(command,)) for _ in range(6)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join()
+        wanted = "paused" if command is control.stop else "running"
+        wait_until(lambda wanted=wanted: _status(study, 0) == wanted, what=f"status {wanted}")
+    run.join()
+
+    results = [
+        v["result"]
+        for k, v in study._storage.get_study_system_attrs(study._study_id).items()
+        if k.startswith(_attrs.DONE_PREFIX)
+    ]
+    issued = [k for k in study._storage.get_study_system_attrs(study._study_id) if k.startswith(_attrs.COMMAND_PREFIX)]
+    assert len(results) == len(issued)  # none lost: every command was answered
+    assert sum(r.startswith("paused after chunk") for r in results) == 1
+    assert sum(r == "resumed" for r in results) == 1
+    assert all(r.startswith(("paused after", "resumed", "ignored")) for r in results)
+    assert study.trials[0].state == TrialState.COMPLETE
+
+
+def test_fail_trial_from_outside_ends_it_cleanly_and_the_study_goes_on(make_executor, slow_chunks, tmp_path) -> None:
+    slow_chunks(0.05)
+    url = f"sqlite:///{tmp_path / 'rf.db'}"
+    executor = make_executor(num_chunks=5, max_concurrent_trials=3)
+    study = optuna.create_study(storage=url, study_name="fail", pruner=optuna.pruners.NopPruner())
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=4))
+    wait_until(lambda: 0 in study.trials[1].intermediate_values, what="trial 1's first report")
+    # What optuna-dashboard's "Fail Trial" button does.
+    study._storage.set_trial_state_values(study.trials[1]._trial_id, TrialState.FAIL)
+    run.join()
+    assert study.trials[1].state == TrialState.FAIL
+    assert [study.trials[i].state for i in (0, 2, 3)] == [TrialState.COMPLETE] * 3
+    assert executor._engine._runtimes == []

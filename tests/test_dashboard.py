@@ -1,0 +1,99 @@
+"""optuna-dashboard in a real headless Chromium: the control form and the "Fail Trial" button."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+from _servers import dashboard_server
+from conftest import Background, by_number, lora, sft_args, wait_until
+from optuna.trial import TrialState
+from playwright.sync_api import Page, sync_playwright
+
+from optuna_rapidfire import _attrs
+
+CONFIGS = [(lora(r=4), sft_args(learning_rate=1e-2 * (i + 1))) for i in range(3)]
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture
+def browser_page() -> Iterator[Page]:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "Debian's chromium is needed (scripts/system-deps.sh installs it)"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        try:
+            yield browser.new_page(viewport={"width": 1400, "height": 1000})
+        finally:
+            browser.close()
+
+
+def _open_trial(page: Page, dashboard: str, study: optuna.Study, number: int) -> None:
+    page.goto(f"{dashboard}/dashboard/studies/{study._study_id}/trials")
+    page.get_by_text(f"Trial {number}", exact=True).click()
+    page.get_by_text(f"Trial {number} (trial_id=").wait_for()
+
+
+def _submit(page: Page, action: str) -> None:
+    page.get_by_label(action).check()
+    page.get_by_role("button", name="Submit").click()
+
+
+def test_stop_from_the_dashboard_form_pauses_while_the_others_continue(
+    make_executor, slow_chunks, browser_page: Page, tmp_path: Path
+) -> None:
+    slow_chunks(0.1)
+    url = f"sqlite:///{tmp_path / 'rf.db'}"
+    executor = make_executor(num_chunks=10, max_concurrent_trials=3)
+    study = optuna.create_study(storage=url, study_name="ui", pruner=optuna.pruners.NopPruner())
+    with dashboard_server(url) as dashboard:
+        run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=3))
+        wait_until(lambda: 0 in study.trials[1].intermediate_values, what="trial 1's first report")
+        _open_trial(browser_page, dashboard, study, 1)
+        _submit(browser_page, "stop (pause)")
+
+        wait_until(lambda: study.trials[1].user_attrs.get(_attrs.STATUS) == "paused", what="trial 1 to pause")
+        paused_at = study.trials[1].user_attrs[_attrs.CHUNKS_DONE]
+        others = {n: study.trials[n].user_attrs[_attrs.CHUNKS_DONE] for n in (0, 2)}
+        wait_until(
+            lambda: all(study.trials[n].user_attrs[_attrs.CHUNKS_DONE] > others[n] + 1 for n in (0, 2)),
+            what="the other trials to continue",
+        )
+        assert study.trials[1].user_attrs[_attrs.CHUNKS_DONE] == paused_at
+        assert study.trials[1].user_attrs[_attrs.ACTION_DONE].startswith("stop: paused after chunk")
+
+        _open_trial(browser_page, dashboard, study, 1)
+        _submit(browser_page, "resume")
+        run.join()
+    trial = study.trials[1]
+    assert trial.state == TrialState.COMPLETE and list(trial.intermediate_values) == list(range(10))
+    assert all(t.state == TrialState.COMPLETE for t in study.trials)
+
+
+def test_fail_trial_button_ends_the_trial_cleanly_and_the_study_goes_on(
+    make_executor, slow_chunks, browser_page: Page, tmp_path: Path
+) -> None:
+    slow_chunks(0.1)
+    url = f"sqlite:///{tmp_path / 'rf.db'}"
+    executor = make_executor(num_chunks=6, max_concurrent_trials=3)
+    study = optuna.create_study(storage=url, study_name="ui", pruner=optuna.pruners.NopPruner())
+    with dashboard_server(url) as dashboard:
+        run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=3))
+        wait_until(lambda: 0 in study.trials[2].intermediate_values, what="trial 2's first report")
+        _open_trial(browser_page, dashboard, study, 2)
+        browser_page.get_by_role("button", name="Fail Trial").click()
+        run.join()
+    assert study.trials[2].state == TrialState.FAIL
+    assert [study.trials[n].state for n in (0, 1)] == [TrialState.COMPLETE] * 2
+    assert executor._engine._runtimes == []
