@@ -93,3 +93,23 @@ def test_real_model_example_runs_with_a_local_path(tmp_path: Path, tiny_model: s
         tmp_path,
     )
     assert "best adapter:" in out
+
+
+def test_pbt_and_control_example(tmp_path: Path, tiny_model: str) -> None:
+    out = _run(
+        [
+            str(ROOT / "examples" / "pbt_and_control.py"),
+            "--model",
+            tiny_model,
+            "--n-trials",
+            "6",
+            "--storage",
+            f"sqlite:///{tmp_path / 'p.db'}",
+        ],
+        tmp_path,
+    )
+    assert "paused trial 2" in out and "resumed trial 2" in out
+    assert "with half its learning rate" in out
+    study = optuna.load_study(study_name="pbt", storage=f"sqlite:///{tmp_path / 'p.db'}")
+    assert any(t.user_attrs.get("rapidfire:clone") == "warm" for t in study.trials)
+    assert study.trials[2].state.name in ("COMPLETE", "PRUNED")
