@@ -7,8 +7,8 @@
     optuna-rapidfire clone --storage sqlite:///pbt.db --study-name pbt 3 --set learning_rate=0.005
     optuna-dashboard sqlite:///pbt.db     # each running trial has a stop/resume/delete/clone form
 
-The script itself also acts by hand (as another process would): it pauses a trial, clones the leader
-with a lower learning rate, and resumes the paused trial.
+The script itself also acts by hand (as another process would): it pauses the leading trial, clones
+it with half its learning rate, and resumes it.
 """
 
 from __future__ import annotations
@@ -56,18 +56,19 @@ def by_hand(study: optuna.Study) -> None:
                 pass
             time.sleep(0.1)
 
-    wait_for(lambda: 1 in study.trials[2].intermediate_values)
-    control.stop(study, 2)
-    print("paused trial 2")
-    wait_for(lambda: study.trials[2].user_attrs.get("rapidfire:status") == "paused")
-    leader = min(
-        (t for t in study.trials if t.intermediate_values and t.state != optuna.trial.TrialState.FAIL),
-        key=lambda t: t.intermediate_values[max(t.intermediate_values)],
-    )
+    def running_at_step_1() -> list[optuna.trial.FrozenTrial]:
+        trials = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        return [t for t in trials if 1 in t.intermediate_values]
+
+    wait_for(lambda: len(running_at_step_1()) >= 2)
+    leader = min(running_at_step_1(), key=lambda t: t.intermediate_values[1])
+    control.stop(study, leader.number)
+    print(f"paused trial {leader.number}, the leader after 2 chunks")
+    wait_for(lambda: study.trials[leader.number].user_attrs.get("rapidfire:status") == "paused")
     child = control.clone(study, leader.number, params={"learning_rate": leader.params["learning_rate"] * 0.5})
     print(f"cloned trial {leader.number} as trial {child} with half its learning rate")
-    control.resume(study, 2)
-    print("resumed trial 2")
+    control.resume(study, leader.number)
+    print(f"resumed trial {leader.number}")
 
 
 def main() -> None:

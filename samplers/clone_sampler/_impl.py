@@ -25,8 +25,9 @@ CLONE_OF = "rapidfire:clone_of"
 class CloneSampler(BaseSampler):
     """Population Based Training (exploit and explore) for trials run by ``RapidFireExecutor``.
 
-    When a trial is asked and the population (running or complete trials with intermediate values)
-    holds at least ``min_population`` trials that reached a common step, then with probability
+    When a trial is asked and the population (trials with intermediate values: running, complete, and
+    pruned ones, which count for the ranking but are never parents) holds at least ``min_population``
+    trials that reached a common step, then with probability
     ``clone_probability`` — and always right after a trial of the bottom quantile was pruned — the new
     trial *exploits*: it copies a parent drawn from the top ``quantile`` at that step, and *explores*:
     float and int parameters are multiplied by a factor drawn from ``perturb_factors`` (kept inside
@@ -164,29 +165,31 @@ class CloneSampler(BaseSampler):
     # -- exploit and explore -------------------------------------------------------------------------
 
     def _population(self, study: Study) -> list[FrozenTrial]:
-        trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE))
-        return [t for t in trials if t.intermediate_values and t.params]
+        """Trials with progress: running and complete ones, and pruned ones (evidence, never parents)."""
+        states = (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED)
+        return [t for t in study.get_trials(deepcopy=False, states=states) if t.intermediate_values and t.params]
 
-    def _ranked_at_common_step(self, study: Study, population: list[FrozenTrial]) -> tuple[int, list[FrozenTrial]]:
-        """The latest step reached by ``min_population`` trials, and those trials best first."""
+    def _ranked_at_common_step(self, study: Study, population: list[FrozenTrial]) -> list[FrozenTrial]:
+        """Trials at the latest step reached by ``min_population`` of them, best first."""
         reached: dict[int, int] = {}
         for trial in population:
             for step in trial.intermediate_values:
                 reached[step] = reached.get(step, 0) + 1
         common = [s for s, n in reached.items() if n >= self._min_population and s >= self._min_step]
         if not common:
-            return -1, []
+            return []
         step = max(common)
-        at_step = [t for t in population if step in t.intermediate_values and math.isfinite(t.intermediate_values[step])]
+        at_step = [t for t in population if math.isfinite(t.intermediate_values.get(step, math.nan))]
         reverse = study.direction == StudyDirection.MAXIMIZE
-        return step, sorted(at_step, key=lambda t: t.intermediate_values[step], reverse=reverse)
+        return sorted(at_step, key=lambda t: t.intermediate_values[step], reverse=reverse)
 
     def _pick_parent(self, study: Study) -> FrozenTrial | None:
-        step, ranked = self._ranked_at_common_step(study, self._population(study))
+        ranked = self._ranked_at_common_step(study, self._population(study))
         if len(ranked) < self._min_population:
             return None
         top = ranked[: max(1, int(len(ranked) * self._quantile))]
-        return top[self._rng.randint(len(top))]
+        parents = [t for t in top if t.state != TrialState.PRUNED]
+        return parents[self._rng.randint(len(parents))] if parents else None
 
     def _in_bottom(self, study: Study, trial: FrozenTrial) -> bool:
         last = trial.last_step
