@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,12 +13,17 @@ from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from optuna.study import Study
     from optuna.trial import FrozenTrial
 
 # The system attr the executor reads to start a trial from another trial's state (see
 # optuna_rapidfire._attrs.CLONE_OF).
 CLONE_OF = "rapidfire:clone_of"
+# User attrs the executor keeps on each trial (optuna_rapidfire._attrs).
+CHUNKS_DONE = "rapidfire:chunks_done"
+TOTAL_CHUNKS = "rapidfire:total_chunks"
 
 
 class CloneSampler(BaseSampler):
@@ -29,7 +33,8 @@ class CloneSampler(BaseSampler):
     pruned ones, which count for the ranking but are never parents) holds at least ``min_population``
     trials that reached a common step, then with probability
     ``clone_probability`` — and always right after a trial of the bottom quantile was pruned — the new
-    trial *exploits*: it copies a parent drawn from the top ``quantile`` at that step, and *explores*:
+    trial *exploits*: it copies a parent drawn from the top ``quantile`` at that step (one with chunks
+    left to train), and *explores*:
     float and int parameters are multiplied by a factor drawn from ``perturb_factors`` (kept inside
     their distribution), categorical ones are resampled with probability ``resample_probability``.
     The trial is marked as a clone of the parent, so the executor starts it from the parent's current
@@ -153,9 +158,7 @@ class CloneSampler(BaseSampler):
                 return value
         return self._base.sample_independent(study, trial, param_name, param_distribution)
 
-    def after_trial(
-        self, study: Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None
-    ) -> None:
+    def after_trial(self, study: Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None) -> None:
         with self._lock:
             self._plans.pop(trial._trial_id, None)
             if state == TrialState.PRUNED and self._in_bottom(study, trial):
@@ -188,7 +191,7 @@ class CloneSampler(BaseSampler):
         if len(ranked) < self._min_population:
             return None
         top = ranked[: max(1, int(len(ranked) * self._quantile))]
-        parents = [t for t in top if t.state != TrialState.PRUNED]
+        parents = [t for t in top if t.state != TrialState.PRUNED and not _finished_training(t)]
         return parents[self._rng.randint(len(parents))] if parents else None
 
     def _in_bottom(self, study: Study, trial: FrozenTrial) -> bool:
@@ -218,6 +221,12 @@ class CloneSampler(BaseSampler):
         return params
 
 
+def _finished_training(trial: FrozenTrial) -> bool:
+    """Whether the executor says the trial has trained all its chunks (a clone would have none left)."""
+    done, total = trial.user_attrs.get(CHUNKS_DONE), trial.user_attrs.get(TOTAL_CHUNKS)
+    return isinstance(done, int) and isinstance(total, int) and done >= total
+
+
 def _scaled(value: float, factor: float, distribution: FloatDistribution | IntDistribution) -> float | int:
     """``value * factor``, kept inside ``distribution`` (its bounds and step)."""
     low, high, step = distribution.low, distribution.high, distribution.step
@@ -226,7 +235,7 @@ def _scaled(value: float, factor: float, distribution: FloatDistribution | IntDi
         target = low + round((target - low) / step) * step
         target = min(max(target, low), high)
     if isinstance(distribution, IntDistribution):
-        scaled = int(round(target))
+        scaled = round(target)
         if scaled == value and factor != 1.0:
             # An int that rounds back to itself moves one step the way the factor points.
             move = step or 1

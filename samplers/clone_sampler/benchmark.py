@@ -94,7 +94,9 @@ def main() -> None:
         folder = Path(tmp)
         model = str(build_tiny_model(folder / "model", vocab_size=2048))
         runs = [
-            run(name, seed, model, folder, options.n_trials) for seed in range(options.seeds) for name in ("tpe", "clone")
+            run(name, seed, model, folder, options.n_trials)
+            for seed in range(options.seeds)
+            for name in ("tpe", "clone")
         ]
     summary = {}
     for name in ("tpe", "clone"):
@@ -106,13 +108,9 @@ def main() -> None:
             "chunks_trained_mean": statistics.mean(r["chunks_trained"] for r in mine),
             "warm_clones_mean": statistics.mean(r["warm_clones"] for r in mine),
         }
-    wins = sum(
-        c["best_eval_loss"] < t["best_eval_loss"]
-        for t, c in zip(runs[0::2], runs[1::2], strict=True)
-    )
+    wins = sum(c["best_eval_loss"] < t["best_eval_loss"] for t, c in zip(runs[0::2], runs[1::2], strict=True))
     report = {
-        "command": "python samplers/clone_sampler/benchmark.py "
-        f"--seeds {options.seeds} --n-trials {options.n_trials}",
+        "command": f"python samplers/clone_sampler/benchmark.py --seeds {options.seeds} --n-trials {options.n_trials}",
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads, CPU".strip(),
         "versions": {"optuna": optuna.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "runs": runs,

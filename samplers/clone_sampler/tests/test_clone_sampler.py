@@ -15,9 +15,9 @@ from optuna.testing.pytest_samplers import (
     RelativeSamplerTestCase,
 )
 from optuna.trial import TrialState
+from optuna_rapidfire.samplers.clone_sampler._impl import CLONE_OF, _scaled
 
 from optuna_rapidfire.samplers import CloneSampler
-from optuna_rapidfire.samplers.clone_sampler._impl import CLONE_OF, _scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,7 +139,10 @@ def test_thread_safe_under_concurrent_asks() -> None:
     assert not errors and len(asked) == 30
     for trial in asked:
         parent = study.trials[trial.system_attrs[CLONE_OF]["parent"]]
-        assert trial.params["lr"] in (pytest.approx(parent.params["lr"] * 0.8), pytest.approx(min(parent.params["lr"] * 1.2, 0.1)))
+        assert trial.params["lr"] in (
+            pytest.approx(parent.params["lr"] * 0.8),
+            pytest.approx(min(parent.params["lr"] * 1.2, 0.1)),
+        )
 
 
 def test_a_second_process_decides_from_the_shared_storage(tmp_path: Path) -> None:
@@ -207,3 +210,12 @@ def test_loads_as_an_optunahub_package() -> None:
     for field in ("author:", "title:", "description:", "tags:", "optuna_versions:", "license:"):
         assert field in header
     assert (ROOT / "clone_sampler" / "LICENSE").is_file() and (ROOT / "clone_sampler" / "example.py").is_file()
+
+
+def test_a_trial_with_nothing_left_to_train_is_not_a_parent() -> None:
+    study = optuna.create_study(sampler=CloneSampler(clone_probability=1.0, seed=0))
+    _population(study, CURVES)
+    for number in (6, 7):  # the two leaders have trained all their chunks
+        study._storage.set_trial_user_attr(study.trials[number]._trial_id, "rapidfire:chunks_done", 3)
+        study._storage.set_trial_user_attr(study.trials[number]._trial_id, "rapidfire:total_chunks", 3)
+    assert CLONE_OF not in _ask_clone(study).system_attrs
