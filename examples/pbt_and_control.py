@@ -98,7 +98,11 @@ def main() -> None:
     helper.start()
     with executor:
         executor.optimize(study, configure, n_trials=options.n_trials)
-    helper.join(timeout=1)
+        helper.join(timeout=60)
+        # A clone is an enqueued trial: one the budget above had no room for runs now.
+        waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+        if waiting:
+            executor.optimize(study, configure, n_trials=len(waiting))
     for trial in study.trials:
         parent = trial.user_attrs.get("rapidfire:parent")
         origin = f" clone of {parent} at step {trial.user_attrs['rapidfire:branch_step']}" if parent is not None else ""
