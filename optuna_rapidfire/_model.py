@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Union, cast
 import torch
 
 if TYPE_CHECKING:
+    import contextlib
+
     from peft import PeftConfig, PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -95,6 +97,9 @@ class ResidentModel:
         self.base = model
         self.base.requires_grad_(False)
         self.peft: PeftModel | None = None
+        # The base's own dropout layers (not the adapters'), with their probabilities as loaded.
+        self._base_dropouts = {m: m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+        self._base_dropout_off = False
         self._active: str | None = None
         self._checkpointing: tuple[bool, str] = (False, "")
         self._lock = threading.RLock()
@@ -164,6 +169,32 @@ class ResidentModel:
                 self.peft.set_adapter(name)
                 self._active = name
 
+    def building(self, adapter: str) -> contextlib.AbstractContextManager[Callable[[], Any]]:
+        """Context for constructing a trial's TRL trainer without leaking its changes to other trials.
+
+        TRL trainers patch the model's ``forward`` (a fused LM head, with outputs that depend on the
+        trainer) and may turn dropout off in the whole model. Inside the context the model has its
+        original forward; afterwards the trainer's forward is handed back (call the yielded function)
+        and the original restored, and every dropout keeps its probability except the trial's own
+        adapter dropouts, which keep what the trainer set.
+        """
+        return _Building(self, adapter)
+
+    def use_forward(self, forward: Any) -> None:
+        """Make ``forward`` (a trial's patched forward, or ``None`` for the original) the model's forward."""
+        if forward is None:
+            self.base.__dict__.pop("forward", None)
+        else:
+            self.base.forward = forward
+
+    def set_base_dropout(self, off: bool) -> None:
+        """Turn the base model's own dropout layers off (for trials whose args disable dropout) or back on."""
+        if off == self._base_dropout_off:
+            return
+        for module, probability in self._base_dropouts.items():
+            module.p = 0.0 if off else probability
+        self._base_dropout_off = off
+
     def set_checkpointing(self, enabled: bool, kwargs: dict[str, Any] | None) -> None:
         """Turn activation checkpointing on or off for the next forward passes (a per-trial setting)."""
         key = (enabled, repr(sorted((kwargs or {}).items())))
@@ -220,3 +251,30 @@ class ResidentModel:
             os.replace(written, directory)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+class _Building:
+    """See :meth:`ResidentModel.building`."""
+
+    def __init__(self, resident: ResidentModel, adapter: str) -> None:
+        self.resident = resident
+        self.adapter = adapter
+        self.forward: Any = None
+
+    def __enter__(self) -> Callable[[], Any]:
+        assert self.resident.peft is not None
+        self._previous = self.resident.base.__dict__.get("forward")
+        self.resident.use_forward(None)
+        self._dropouts = {m: m.p for m in self.resident.peft.modules() if isinstance(m, torch.nn.Dropout)}
+        return lambda: self.forward
+
+    def __exit__(self, *exc: object) -> None:
+        resident = self.resident
+        assert resident.peft is not None
+        self.forward = resident.base.__dict__.get("forward")
+        resident.use_forward(self._previous)
+        marker = f".{self.adapter}"
+        own = {m for n, m in resident.peft.named_modules() if n.endswith(marker) and isinstance(m, torch.nn.Dropout)}
+        for module, probability in self._dropouts.items():
+            if module not in own:
+                module.p = probability

@@ -38,6 +38,7 @@ class TrialRuntime:
 
     spec: TrialSpec
     args: TrainingArguments
+    forward: Any
     trainer: Trainer
     state: TrialState
     data_key: Hashable
@@ -99,7 +100,8 @@ class TimeSlicedEngine(Engine):
             if not params:
                 raise ValueError(f"The adapter config of trial {spec.number} creates no trainable parameters.")
             sample = self.data.train.select(self.data.plan.rows(0)[:1].tolist())
-            trainer = kind.build_trainer(self.resident, args, sample, self.extras)
+            with self.resident.building(name) as trainer_forward:
+                trainer = kind.build_trainer(self.resident, args, sample, self.extras)
             kind.isolate(trainer)
             key = kind.data_key(args)
             sizes = self.data.chunk_sizes(key, lambda ds, split: kind.prepare(trainer, ds, split))
@@ -122,6 +124,7 @@ class TimeSlicedEngine(Engine):
         runtime = TrialRuntime(
             spec=spec,
             args=args,
+            forward=trainer_forward(),
             trainer=trainer,
             state=state,
             data_key=key,
@@ -279,7 +282,7 @@ class TimeSlicedEngine(Engine):
         if not state.resident:
             state.onload(self.device)
         self._fit_budget(keep=runtime)
-        self.resident.activate(state.adapter_name)
+        self._use(runtime)
         enabled, kwargs = runtime.spec.kind.checkpointing(runtime.args)
         self.resident.set_checkpointing(enabled, kwargs)
         state.rng.restore(self.device)
@@ -287,6 +290,12 @@ class TimeSlicedEngine(Engine):
             self.switches += 1
             self._current = runtime
         runtime.last_used = time.monotonic()
+
+    def _use(self, runtime: TrialRuntime) -> None:
+        """Route the model's forward passes through the trial: its adapter, its TRL head, its dropout."""
+        self.resident.activate(runtime.state.adapter_name)
+        self.resident.use_forward(runtime.forward)
+        self.resident.set_base_dropout(runtime.spec.kind.base_dropout_off(runtime.args))
 
     def run_chunk(self, runtime: TrialRuntime) -> ChunkResult:
         self._switch_to(runtime)
@@ -378,7 +387,7 @@ class TimeSlicedEngine(Engine):
         from transformers.trainer_pt_utils import nested_concat, nested_numpify
 
         kind, trainer, args = runtime.spec.kind, runtime.trainer, runtime.args
-        self.resident.activate(runtime.state.adapter_name)
+        self._use(runtime)
         dataset = self.data.eval_set(runtime.data_key, runtime.prepare)
         model = self.resident.module
         was_training = model.training

@@ -188,6 +188,10 @@ class TrainerKind(ABC):
             return torch.autocast(device_type=device.type, dtype=torch.float16)
         return contextlib.nullcontext()
 
+    def base_dropout_off(self, args: TrainingArguments) -> bool:
+        """Whether the trial trains with the base model's dropout layers off (``disable_dropout``)."""
+        return bool(getattr(args, "disable_dropout", False))
+
     def total_chunks(self, args: TrainingArguments, num_chunks: int) -> int:
         """How many chunks a trial trains: ``num_train_epochs`` passes of ``num_chunks`` chunks."""
         return max(1, math.ceil(args.num_train_epochs * num_chunks - 1e-9))

@@ -68,11 +68,7 @@ class SFTKind(TrainerKind):
                 "before passing it, or set completion_only_loss=False."
             )
         assert resident.peft is not None, "the trial's adapter is created before its trainer"
-        base = resident.base
-        # TRL wraps the model's forward with its fused LM head at every construction; one wrapper is
-        # enough for all trials, so the first one is kept.
-        patched_forward = base.__dict__.get("forward")
-        trainer = SFTTrainer(
+        return SFTTrainer(
             model=resident.peft,
             args=args,
             train_dataset=sample,
@@ -81,9 +77,6 @@ class SFTKind(TrainerKind):
             preprocess_logits_for_metrics=extras.preprocess_logits_for_metrics,
             formatting_func=extras.formatting_func,
         )
-        if patched_forward is not None:
-            base.forward = patched_forward
-        return trainer
 
     def prepare(self, trainer: Trainer, dataset: Dataset, split: str) -> Dataset:
         sft = cast("SFTTrainer", trainer)
