@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from optuna_rapidfire._data import rows_of
@@ -23,13 +24,12 @@ from optuna_rapidfire._state import Position, RngState, TrialState
 if TYPE_CHECKING:
     from collections.abc import Hashable
 
-    import numpy as np
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
     from optuna_rapidfire._data import PreparedData
     from optuna_rapidfire._model import ResidentModel
-    from optuna_rapidfire._trainers._base import TrainerExtras
+    from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind
 
 
 @dataclass(eq=False)
@@ -105,7 +105,7 @@ class TimeSlicedEngine(Engine):
             kind.isolate(trainer)
             key = kind.data_key(args)
             sizes = self.data.chunk_sizes(key, lambda ds, split: kind.prepare(trainer, ds, split))
-            steps_per_chunk = self._steps_per_chunk(spec.number, args, sizes)
+            steps_per_chunk = self._steps_per_chunk(spec.number, args, kind, sizes)
             total_chunks = kind.total_chunks(args, self.data.plan.num_chunks)
             total_steps = sum(steps_per_chunk[c % len(sizes)] for c in range(total_chunks))
             optimizer = trainer.create_optimizer()
@@ -223,15 +223,15 @@ class TimeSlicedEngine(Engine):
         if self._current is runtime:
             self._current = None
 
-    def _steps_per_chunk(self, number: int, args: TrainingArguments, sizes: list[int]) -> list[int]:
-        batch = args.per_device_train_batch_size
+    def _steps_per_chunk(self, number: int, args: TrainingArguments, kind: TrainerKind, sizes: list[int]) -> list[int]:
         steps = []
         for chunk, size in enumerate(sizes):
-            micro = size // batch if args.dataloader_drop_last else math.ceil(size / batch)
+            micro = len(kind.micro_batches(args, np.arange(size)))
             if micro < 1:
                 raise ValueError(
                     f"Chunk {chunk} holds {size} examples after preparation, fewer than one batch of "
-                    f"per_device_train_batch_size={batch} (trial {number}). Lower num_chunks or the batch size."
+                    f"per_device_train_batch_size={args.per_device_train_batch_size} (trial {number}). "
+                    "Lower num_chunks or the batch size."
                 )
             steps.append(math.ceil(micro / args.gradient_accumulation_steps))
         return steps
@@ -316,23 +316,12 @@ class TimeSlicedEngine(Engine):
             eval_seconds=done - trained,
         )
 
-    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
-        non_blocking = self.device.type == "cuda"
-        return {
-            k: v.to(self.device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()
-        }
-
     def _train_chunk(self, runtime: TrialRuntime) -> dict[str, float]:
         kind, trainer, args, state = runtime.spec.kind, runtime.trainer, runtime.args, runtime.state
         plan = self.data.plan
         epoch, chunk = state.position.chunk(plan.num_chunks)
         dataset = self.data.chunk(runtime.data_key, chunk, runtime.prepare)
-        order = plan.visit_order(len(dataset), epoch, chunk)
-        batch = args.per_device_train_batch_size
-        micro = [order[i : i + batch] for i in range(0, len(order), batch)]
-        if args.dataloader_drop_last and len(micro[-1]) < batch:
-            micro.pop()
+        micro = kind.micro_batches(args, plan.visit_order(len(dataset), epoch, chunk))
         accumulation = args.gradient_accumulation_steps
         model = self.resident.module
         model.train()
@@ -340,20 +329,8 @@ class TimeSlicedEngine(Engine):
         step_losses: list[torch.Tensor] = []
         grad_norm: torch.Tensor | None = None
         for first in range(0, len(micro), accumulation):
-            batches = [
-                kind.collate(trainer, rows_of(dataset, _ints(idx))) for idx in micro[first : first + accumulation]
-            ]
-            num_items = trainer._get_num_items_in_batch(batches, self.device)
-            trainer.current_gradient_accumulation_steps = len(batches)
-            step_loss = torch.zeros((), device=self.device)
-            for inputs in batches:
-                with kind.autocast(args, self.device):
-                    loss = kind.loss(trainer, model, self._to_device(inputs), num_items)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                else:
-                    loss.backward()
-                step_loss += loss.detach()
+            batches = [rows_of(dataset, indices) for indices in micro[first : first + accumulation]]
+            step_losses.append(kind.accumulate(trainer, model, batches, self.device, scaler))
             if scaler is not None:
                 scaler.unscale_(state.optimizer)
             if args.max_grad_norm is not None and args.max_grad_norm > 0:
@@ -371,7 +348,6 @@ class TimeSlicedEngine(Engine):
             state.optimizer.zero_grad(set_to_none=True)
             state.position.optimizer_steps += 1
             trainer.state.global_step = state.position.optimizer_steps
-            step_losses.append(step_loss)
         state.position.chunks_done += 1
         metrics = {f"train_{k}": v for k, v in kind.drain_metrics(trainer, "train").items()}
         metrics["train_loss"] = torch.stack(step_losses).mean().item()
@@ -398,16 +374,14 @@ class TimeSlicedEngine(Engine):
         count = 0
         predictions: Any = None
         labels: Any = None
-        batch = args.per_device_eval_batch_size
-        stop = len(dataset) if max_batches is None else min(len(dataset), max_batches * batch)
+        batches = kind.eval_batches(args, len(dataset))
+        if max_batches is not None:
+            batches = batches[:max_batches]
         try:
-            for first in range(0, stop, batch):
-                inputs = kind.collate(trainer, rows_of(dataset, list(range(first, min(first + batch, stop)))))
-                size = int(inputs["input_ids"].shape[0]) if "input_ids" in inputs else batch
-                with kind.autocast(args, self.device):
-                    loss, logits, batch_labels = kind.eval_batch(
-                        trainer, model, self._to_device(inputs), compute_metrics is not None
-                    )
+            for indices in batches:
+                loss, size, logits, batch_labels = kind.eval_batch(
+                    trainer, model, rows_of(dataset, indices), self.device, compute_metrics is not None
+                )
                 total += loss.detach().double() * size
                 count += size
                 if compute_metrics is not None and logits is not None:
@@ -437,10 +411,6 @@ def _seek(scheduler: Any, steps: int) -> None:
     for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
         group["lr"] = rate
     scheduler._last_lr = list(rates)
-
-
-def _ints(indices: np.ndarray) -> list[int]:
-    return [int(i) for i in indices]
 
 
 def _cpu(value: Any) -> Any:

@@ -13,13 +13,14 @@ import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
 
+    import numpy as np
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
@@ -214,20 +215,102 @@ class TrainerKind(ABC):
     def prepare(self, trainer: Trainer, dataset: Dataset, split: str) -> Dataset:
         """Turn raw rows into the examples the trainer's collator takes, as TRL would."""
 
-    @abstractmethod
-    def collate(self, trainer: Trainer, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Make one micro-batch."""
+    def micro_batches(self, args: TrainingArguments, order: np.ndarray) -> list[list[int]]:
+        """Row indices of each training micro-batch of a chunk, visited in ``order``."""
+        size = args.per_device_train_batch_size
+        batches = [[int(i) for i in order[start : start + size]] for start in range(0, len(order), size)]
+        if batches and args.dataloader_drop_last and len(batches[-1]) < size:
+            batches.pop()
+        return batches
+
+    def eval_batches(self, args: TrainingArguments, size: int) -> list[list[int]]:
+        """Row indices of each evaluation micro-batch of an eval set of ``size`` rows."""
+        step = args.per_device_eval_batch_size
+        return [list(range(start, min(start + step, size))) for start in range(0, size, step)]
 
     @abstractmethod
-    def loss(self, trainer: Trainer, model: torch.nn.Module, inputs: dict[str, Any], num_items: Any) -> torch.Tensor:
-        """The micro-batch's training loss, scaled for gradient accumulation as TRL's training step does."""
+    def accumulate(
+        self,
+        trainer: Trainer,
+        model: torch.nn.Module,
+        batches: list[list[dict[str, Any]]],
+        device: torch.device,
+        scaler: torch.amp.GradScaler | None,
+    ) -> torch.Tensor:
+        """Forward and backward over one optimizer step's micro-batches (rows); return the summed loss.
+
+        Losses are scaled for gradient accumulation as TRL's training step scales them.
+        """
 
     @abstractmethod
     def eval_batch(
-        self, trainer: Trainer, model: torch.nn.Module, inputs: dict[str, Any], with_outputs: bool
-    ) -> tuple[torch.Tensor, Any, Any]:
-        """``(loss, predictions, labels)`` of one eval micro-batch (predictions only ``with_outputs``)."""
+        self,
+        trainer: Trainer,
+        model: torch.nn.Module,
+        rows: list[dict[str, Any]],
+        device: torch.device,
+        with_outputs: bool,
+    ) -> tuple[torch.Tensor, int, Any, Any]:
+        """``(loss, examples, predictions, labels)`` of one eval micro-batch (predictions only ``with_outputs``)."""
 
-    @abstractmethod
     def drain_metrics(self, trainer: Trainer, split: str) -> dict[str, float]:
-        """Metrics the trainer accumulated since the last call (e.g. token accuracy), then forget them."""
+        """Metrics the trainer accumulated since the last call (token accuracy, rewards...), then forget them."""
+        collected = trainer._metrics[split]  # type: ignore[attr-defined]
+        metrics = {key: sum(values) / len(values) for key, values in collected.items() if values}
+        collected.clear()
+        return metrics
+
+
+class CollatedKind(TrainerKind):
+    """Trainers whose micro-batches are collated tensors and whose loss is ``compute_loss`` (SFT, DPO)."""
+
+    def collate(self, trainer: Trainer, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return cast("dict[str, Any]", trainer.data_collator(rows))
+
+    def accumulate(
+        self,
+        trainer: Trainer,
+        model: torch.nn.Module,
+        batches: list[list[dict[str, Any]]],
+        device: torch.device,
+        scaler: torch.amp.GradScaler | None,
+    ) -> torch.Tensor:
+        collated = [self.collate(trainer, rows) for rows in batches]
+        num_items = trainer._get_num_items_in_batch(collated, device)
+        trainer.current_gradient_accumulation_steps = len(collated)
+        total = torch.zeros((), device=device)
+        for inputs in collated:
+            with self.autocast(trainer.args, device):
+                loss = trainer.compute_loss(model, _to_device(inputs, device), num_items_in_batch=num_items)
+            assert isinstance(loss, torch.Tensor)
+            # As Trainer.training_step: a per-batch mean is divided by the accumulation steps, a loss
+            # already normalized over the accumulated tokens is not.
+            scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+            if scaled is None:
+                scaled = (trainer.model_accepts_loss_kwargs and num_items is not None) or (
+                    trainer.compute_loss_func is not None
+                )
+            if not scaled:
+                loss = loss / trainer.current_gradient_accumulation_steps
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            total += loss.detach()
+        return total
+
+    def eval_batch(
+        self,
+        trainer: Trainer,
+        model: torch.nn.Module,
+        rows: list[dict[str, Any]],
+        device: torch.device,
+        with_outputs: bool,
+    ) -> tuple[torch.Tensor, int, Any, Any]:
+        inputs = _to_device(self.collate(trainer, rows), device)
+        with self.autocast(trainer.args, device):
+            loss, logits, labels = trainer.prediction_step(model, inputs, prediction_loss_only=not with_outputs)
+        assert loss is not None
+        return loss, len(rows), logits, labels
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    non_blocking = device.type == "cuda"
+    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

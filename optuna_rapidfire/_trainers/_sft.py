@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
-from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind
+from optuna_rapidfire._trainers._base import CollatedKind, TrainerExtras
 
 if TYPE_CHECKING:
     from collections.abc import Hashable
 
-    import torch
     from datasets import Dataset
     from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
     from trl import SFTConfig, SFTTrainer
@@ -34,7 +33,7 @@ _DATA_FIELDS = (
 )
 
 
-class SFTKind(TrainerKind):
+class SFTKind(CollatedKind):
     """``SFTConfig`` → TRL's ``SFTTrainer``: loss, collator, data preparation, optimizer and schedule."""
 
     name = "sft"
@@ -91,33 +90,3 @@ class SFTKind(TrainerKind):
             signature: list[str] = sft._signature_columns or []
             prepared = prepared.select_columns([c for c in prepared.column_names if c in signature])
         return cast("Dataset", prepared)
-
-    def collate(self, trainer: Trainer, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        return cast("dict[str, Any]", trainer.data_collator(rows))
-
-    def loss(self, trainer: Trainer, model: torch.nn.Module, inputs: dict[str, Any], num_items: Any) -> torch.Tensor:
-        loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items)
-        assert not isinstance(loss, tuple)
-        # As Trainer.training_step: a per-batch mean is divided by the accumulation steps, a loss
-        # already normalized over the accumulated tokens is not.
-        scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
-        if scaled is None:
-            scaled = (trainer.model_accepts_loss_kwargs and num_items is not None) or (
-                trainer.compute_loss_func is not None
-            )
-        if not scaled:
-            loss = loss / trainer.current_gradient_accumulation_steps
-        return loss
-
-    def eval_batch(
-        self, trainer: Trainer, model: torch.nn.Module, inputs: dict[str, Any], with_outputs: bool
-    ) -> tuple[torch.Tensor, Any, Any]:
-        loss, logits, labels = trainer.prediction_step(model, inputs, prediction_loss_only=not with_outputs)
-        assert loss is not None
-        return loss, logits, labels
-
-    def drain_metrics(self, trainer: Trainer, split: str) -> dict[str, float]:
-        collected = trainer._metrics[split]  # type: ignore[attr-defined]
-        metrics = {key: sum(values) / len(values) for key, values in collected.items() if values}
-        collected.clear()
-        return metrics
