@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from datasets import Dataset
     from peft import PeftConfig
     from transformers import PreTrainedTokenizerBase, TrainingArguments
+
+    from optuna_rapidfire._mlflow import MlflowTracker
 
 _logger = get_logger(__name__)
 
@@ -96,6 +99,11 @@ class RapidFireExecutor:
         compute_metrics: Forwarded to the TRL trainer, as in ``SFTTrainer(compute_metrics=...)``.
         preprocess_logits_for_metrics: Forwarded to the TRL trainer.
         formatting_func: Forwarded to the TRL trainer.
+        reward_funcs: For GRPO trials, as in ``GRPOTrainer(reward_funcs=...)``: functions, or paths / hub ids
+            of reward models (loaded once, on the executor's device, and shared by all trials).
+        mlflow_tracking_uri: Log each trial as an MLflow run (nested under a run for the study, in an
+            experiment named after the study): params, per-chunk metrics at step = chunk index, tags,
+            the final state and the final adapter. Needs ``pip install optuna-rapidfire[mlflow]``.
         output_dir: Where final adapters go: ``output_dir/<study name>/trial-<number>``.
         devices: ``"auto"`` (the current GPU, else the CPU) or a torch device such as ``"cuda:0"``.
         state_memory_budget: Bytes of per-trial state (adapters and optimizer moments) kept on the
@@ -126,6 +134,8 @@ class RapidFireExecutor:
         compute_metrics: Callable[..., dict[str, float]] | None = None,
         preprocess_logits_for_metrics: Callable[..., Any] | None = None,
         formatting_func: Callable[[dict[str, Any]], str] | None = None,
+        reward_funcs: list[Callable[..., list[float]] | str] | None = None,
+        mlflow_tracking_uri: str | None = None,
         output_dir: str | os.PathLike[str] = "rapidfire-output",
         devices: str | torch.device = "auto",
         state_memory_budget: int | float | str | None = "auto",
@@ -155,6 +165,9 @@ class RapidFireExecutor:
             raise ValueError(f"state_memory_budget must not be negative, but got {state_memory_budget=}.")
         if metric is not None and not isinstance(metric, str):
             raise TypeError(f"metric must be a metric name, but got {metric!r}.")
+        for source in reward_funcs or []:
+            if not (callable(source) or isinstance(source, str)):
+                raise TypeError(f"reward_funcs must hold functions or reward model paths, but got {source!r}.")
         if not poll_seconds > 0:
             raise ValueError(f"poll_seconds must be positive, but got {poll_seconds=}.")
         if not pause_grace_seconds >= 0:
@@ -169,8 +182,17 @@ class RapidFireExecutor:
         self.num_chunks = num_chunks
         self.max_concurrent_trials = max_concurrent_trials
         self.seed = seed
-        self.metric = _metric_key(metric or "eval_loss")
+        # Resolved by the first trial's trainer type when not given (eval_loss, or eval_reward for GRPO).
+        self._metric_given = None if metric is None else _metric_key(metric)
+        self._metric: str | None = self._metric_given
+        self._kind: TrainerKind | None = None
         self._eval_samples = eval_samples
+        self._reward_sources = list(reward_funcs or [])
+        self._tracker: MlflowTracker | None = None
+        if mlflow_tracking_uri is not None:
+            from optuna_rapidfire._mlflow import MlflowTracker
+
+            self._tracker = MlflowTracker(mlflow_tracking_uri)
         self._extras = TrainerExtras(compute_metrics, preprocess_logits_for_metrics, formatting_func)
         self.output_dir = os.fspath(output_dir)
         self._device = resolve_device(devices)
@@ -261,6 +283,8 @@ class RapidFireExecutor:
             self._pool.run()
         finally:
             self._pool = None
+            if self._tracker is not None:
+                self._tracker.flush()
             self._progress.close()
             self._progress = Progress(False)
             self._scheduler.expect(self.max_concurrent_trials)
@@ -307,6 +331,7 @@ class RapidFireExecutor:
                 self._model_source, tokenizer=self._tokenizer, model_kwargs=self._model_kwargs
             )
             resident = ResidentModel(model, tokenizer, self._device)
+            self._extras = self._with_reward_models(self._extras)
             data = PreparedData(self._train, self._eval, self._plan, self._eval_samples)
             self._engine = TimeSlicedEngine(
                 resident, data, self._extras, os.path.join(self.output_dir, ".trainer"), self._state_budget()
@@ -318,6 +343,35 @@ class RapidFireExecutor:
                 check_metrics=self._check_metrics,
             )
             self._worker.start()
+
+    def _with_reward_models(self, extras: TrainerExtras) -> TrainerExtras:
+        """Load reward models given by path once, for every GRPO trial to share."""
+        if not self._reward_sources:
+            return extras
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        funcs: list[Any] = []
+        processing: list[Any] = []
+        for source in self._reward_sources:
+            if isinstance(source, str):
+                model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1)
+                model.to(self._device).eval().requires_grad_(False)
+                tokenizer = AutoTokenizer.from_pretrained(source)
+                if tokenizer.pad_token is None:
+                    tokenizer.pad_token = tokenizer.eos_token
+                funcs.append(model)
+                processing.append(tokenizer)
+            else:
+                funcs.append(source)
+                processing.append(None)
+        return dataclasses.replace(extras, reward_funcs=tuple(funcs), reward_processing_classes=tuple(processing))
+
+    @property
+    def metric(self) -> str:
+        """The metric reported after every chunk and returned as the trials' value."""
+        if self._metric is None:
+            raise RuntimeError("The metric is known once the first trial's training args are known.")
+        return self._metric
 
     def _state_budget(self) -> int | None:
         setting = self._budget_setting
@@ -352,12 +406,10 @@ class RapidFireExecutor:
     def _check_study(self, study: optuna.Study) -> None:
         if len(study.directions) > 1:
             raise ValueError("RapidFireExecutor optimizes one metric: create the study with one direction.")
-        if self.metric.endswith("loss") and study.direction == StudyDirection.MAXIMIZE:
-            raise ValueError(
-                f"metric={self.metric!r} is a loss but the study maximizes: create it with direction='minimize'."
-            )
+        if self._metric is not None:
+            _check_direction(self._metric, study.direction)
 
-    def _checked_config(self, returned: Any) -> tuple[PeftConfig, TrainingArguments, TrainerKind]:
+    def _checked_config(self, returned: Any, study: optuna.Study) -> tuple[PeftConfig, TrainingArguments, TrainerKind]:
         from peft import PeftConfig
 
         if not (isinstance(returned, tuple) and len(returned) == 2):
@@ -373,6 +425,19 @@ class RapidFireExecutor:
         kind = kind_for(args)
         for note in kind.check_args(args):
             self._note_once(note)
+        if kind.name == "grpo" and not self._reward_sources:
+            raise ValueError("GRPOConfig trials need rewards: pass RapidFireExecutor(..., reward_funcs=[...]).")
+        with self._notes_lock:
+            if self._kind is None:
+                self._kind = kind
+                self._metric = self._metric or kind.default_metric
+            elif kind is not self._kind and (self._metric_given is None or self._metric_given.endswith("loss")):
+                raise ValueError(
+                    f"This study mixes {self._kind.args_type().__name__} and {kind.args_type().__name__} trials, "
+                    f"whose {self.metric} values mean different things. Use one trainer type per study, or pass "
+                    "metric= a metric every trial type reports on the same scale (from compute_metrics)."
+                )
+        _check_direction(self.metric, study.direction)
         return peft_config, args, kind
 
     def _claim_slot(self, trial_number: int, *, resume: bool = False) -> None:
@@ -398,6 +463,17 @@ class RapidFireExecutor:
     def _end_paused(self) -> None:
         for entry in list(self._paused):
             entry.events.put(EndPaused())
+
+
+def _check_direction(metric: str, direction: StudyDirection) -> None:
+    """A loss must be minimized, a reward or an accuracy maximized; say so before any training."""
+    name = metric.removeprefix("eval_").lower()
+    if name.endswith("loss") and direction == StudyDirection.MAXIMIZE:
+        raise ValueError(f"metric={metric!r} is a loss but the study maximizes: create it with direction='minimize'.")
+    if ("reward" in name or "accurac" in name) and direction == StudyDirection.MINIMIZE:
+        raise ValueError(
+            f"metric={metric!r} is higher-is-better but the study minimizes: create it with direction='maximize'."
+        )
 
 
 def _metric_key(metric: str) -> str:

@@ -47,6 +47,8 @@ class TrialDriver:
         self.configure = configure
         self.entry: Entry | None = None
         self._holds_slot = False
+        self._run_id = 0  # the trial's MLflow run handle, when tracking is on
+        self._adapter_path: str | None = None
 
     # -- the trial from start to end -------------------------------------------------------------
 
@@ -64,6 +66,8 @@ class TrialDriver:
             self.trial.set_user_attr(_attrs.METRIC, ex.metric)
             self.trial.set_user_attr(_attrs.STATUS, "running")
             self.entry = Entry(number=self.trial.number, trial_id=self.trial._trial_id, spec=spec)
+            if ex._tracker is not None:
+                self._run_id = ex._tracker.trial_started(self.trial, spec.kind.name, ex.metric)
             ex._scheduler.add(self.entry)
             value = self._follow()
             state = "COMPLETE" if not math.isnan(value) else "FAIL"
@@ -77,11 +81,13 @@ class TrialDriver:
             if self._holds_slot:
                 ex._slots.release()
             ex._progress.trial_ended(self.trial.number, state, value)
+            if ex._tracker is not None:
+                ex._tracker.trial_ended(self._run_id, state, value, self._adapter_path)
 
     def _spec(self) -> TrialSpec:
         ex = self.ex
         try:
-            peft_config, args, kind = ex._checked_config(self.configure(self.trial))
+            peft_config, args, kind = ex._checked_config(self.configure(self.trial), self.study)
         except (TypeError, ValueError) as error:
             # A config no trial can use: stop the study rather than fail trial after trial.
             ex._call_error = ex._call_error or error
@@ -129,6 +135,8 @@ class TrialDriver:
         resolve_auto_resources(self.study.pruner, event.total_chunks)
         if event.branch is not None:
             self._record_branch(event.branch)
+            if self.ex._tracker is not None:
+                self.ex._tracker.branch(self._run_id, event.branch, self.ex.metric)
         self.ex._progress.trial_started(trial.number, event.total_chunks, done=event.branch.step if event.branch else 0)
 
     def _record_branch(self, branch: Branch) -> None:
@@ -165,6 +173,8 @@ class TrialDriver:
         except UpdateFinishedTrialError:
             return self._finished_elsewhere()
         ex._progress.chunk_done(trial.number, ex.metric, value)
+        if ex._tracker is not None:
+            ex._tracker.chunk(self._run_id, event)
         pruned, snapshot = self._should_prune(step)
         if pruned:
             self._leave(Phase.RELEASE)
@@ -227,7 +237,8 @@ class TrialDriver:
         if isinstance(done, Failed):
             return self._failed(done)
         assert isinstance(done, Saved)
-        self.trial.set_user_attr(_attrs.ADAPTER_PATH, os.path.abspath(done.path))
+        self._adapter_path = os.path.abspath(done.path)
+        self.trial.set_user_attr(_attrs.ADAPTER_PATH, self._adapter_path)
         return value
 
     def _failed(self, event: Failed) -> float:

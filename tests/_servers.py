@@ -94,3 +94,49 @@ def dashboard_server(storage_url: str) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+@contextlib.contextmanager
+def mlflow_server(workdir: Path) -> Iterator[str]:
+    """Run a real ``mlflow server`` (SQLite backend, proxied artifacts) on a free loopback port."""
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{workdir / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(workdir / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(workdir / "server.log", "w"),  # noqa: SIM115 - closed with the process
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2).read()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log = (workdir / "server.log").read_text()[-2000:]
+                    raise RuntimeError(f"mlflow server did not start: {log}") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()

@@ -65,7 +65,7 @@ def test_metric_the_evaluation_does_not_produce_stops_before_training(make_execu
     ("args", "error", "message"),
     [
         (TrainingArguments(output_dir="x", use_cpu=True), TypeError, "supports SFTConfig"),
-        (DPOConfig(output_dir="x", bf16=False), TypeError, "DPOConfig and GRPOConfig are not supported yet"),
+        (DPOConfig(output_dir="x", bf16=False, precompute_ref_log_probs=True), ValueError, "precompute_ref_log_probs"),
         (sft_args(max_steps=5), ValueError, "max_steps=5 is not supported"),
         (sft_args(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="epoch"), ValueError, "reduce_lr_on_plateau"),
         (sft_args(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"), ValueError, "load_best"),

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind
+from optuna_rapidfire._trainers._dpo import DPOKind
+from optuna_rapidfire._trainers._grpo import GRPOKind
 from optuna_rapidfire._trainers._sft import SFTKind
 
-_KINDS: tuple[TrainerKind, ...] = (SFTKind(),)
+_KINDS: tuple[TrainerKind, ...] = (SFTKind(), DPOKind(), GRPOKind())
 
 
 def kind_for(args: Any) -> TrainerKind:
@@ -18,7 +20,7 @@ def kind_for(args: Any) -> TrainerKind:
     supported = ", ".join(k.args_type().__name__ for k in _KINDS)
     raise TypeError(
         f"configure(trial) returned training args of type {type(args).__name__}; RapidFireExecutor "
-        f"supports {supported}. (DPOConfig and GRPOConfig are not supported yet.)"
+        f"supports {supported}."
     )
 
 

@@ -9,6 +9,7 @@ time. A :class:`TrainerKind` holds what differs between SFT, DPO and GRPO.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 from abc import ABC, abstractmethod
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable
+    from collections.abc import Callable, Hashable, Iterator
 
     import numpy as np
     from datasets import Dataset
@@ -34,6 +35,8 @@ class TrainerExtras:
     compute_metrics: Callable[..., dict[str, float]] | None = None
     preprocess_logits_for_metrics: Callable[..., Any] | None = None
     formatting_func: Callable[[dict[str, Any]], str] | None = None
+    reward_funcs: tuple[Any, ...] = ()
+    reward_processing_classes: tuple[Any, ...] = ()
 
 
 # Fields the executor owns: it evaluates after every chunk, saves the final adapter itself and cuts
@@ -134,20 +137,26 @@ class TrainerKind(ABC):
 
     def effective_args(self, args: TrainingArguments, output_dir: str, device: torch.device) -> TrainingArguments:
         """A copy of the user's args with the fields the executor owns set for the executor's loop."""
+        from transformers.trainer_utils import IntervalStrategy, SaveStrategy
+
         overrides: dict[str, Any] = {
             "output_dir": output_dir,
-            "report_to": "none",
-            "eval_strategy": "no",
-            "save_strategy": "no",
-            "logging_strategy": "no",
+            "report_to": [],
+            "eval_strategy": IntervalStrategy.NO,
+            "save_strategy": SaveStrategy.NO,
+            "logging_strategy": IntervalStrategy.NO,
             "disable_tqdm": True,
             "eval_on_start": False,
             "shuffle_dataset": False,
             "data_seed": None,
             "dataset_kwargs": {**(getattr(args, "dataset_kwargs", None) or {}), "skip_prepare_dataset": True},
         }
-        names = {f.name for f in dataclasses.fields(args) if f.init}
-        effective = dataclasses.replace(args, **{k: v for k, v in overrides.items() if k in names})
+        # A shallow copy with the owned fields set: re-running the config's validation (as
+        # dataclasses.replace would) fails for configs whose __post_init__ fills fields in, like GRPO's.
+        effective = copy.copy(args)
+        for name, value in overrides.items():
+            if hasattr(args, name):
+                setattr(effective, name, value)
         # The trainer places tensors (and, at construction, the model) on ``args.device``: make that
         # the executor's device, and keep the trainer from wrapping the model in DataParallel.
         effective.__dict__["_setup_devices"] = device
@@ -309,6 +318,29 @@ class CollatedKind(TrainerKind):
             loss, logits, labels = trainer.prediction_step(model, inputs, prediction_loss_only=not with_outputs)
         assert loss is not None
         return loss, len(rows), logits, labels
+
+
+@contextlib.contextmanager
+def reference_is_the_base(resident: ResidentModel, args: TrainingArguments) -> Iterator[None]:
+    """Build a DPO/GRPO trainer whose reference model is the shared base with adapters disabled.
+
+    Given a ``PeftModel``, TRL's DPO and GRPO trainers look for an adapter named ``default`` and copy it
+    into a frozen ``ref`` adapter. Here every trial has its own adapter and the reference is the base
+    itself (a fresh LoRA adapter computes exactly the base), so ``default`` is shown only while the
+    trainer is built and its ``ref`` copy is removed afterwards; TRL then disables the adapters to
+    compute reference log-probabilities. No second copy of the base exists at any time.
+    """
+    peft = resident.peft
+    assert peft is not None and resident._active is not None
+    configs = peft.peft_config
+    configs["default"] = configs[resident._active]
+    try:
+        yield
+    finally:
+        configs.pop("default", None)
+        if "ref" in configs:
+            peft.delete_adapter("ref")
+        resident._active = None  # deleting an adapter may have moved PEFT's active one
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

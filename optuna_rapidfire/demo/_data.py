@@ -30,7 +30,7 @@ def load_gsm8k(
     split: Literal["train", "test"] = "train",
     *,
     num_rows: int | None = None,
-    format: Literal["prompt_completion", "text", "raw"] = "prompt_completion",
+    format: Literal["prompt_completion", "text", "preference", "prompt_only", "raw"] = "prompt_completion",
 ) -> Dataset:
     """Load the bundled GSM8K split as a :class:`datasets.Dataset`.
 
@@ -38,8 +38,11 @@ def load_gsm8k(
         split: ``"train"`` (7,473 rows) or ``"test"`` (1,319 rows).
         num_rows: Keep only the first ``num_rows`` rows.
         format: ``"prompt_completion"`` gives ``prompt``/``completion`` columns (TRL's prompt-completion
-            format, so the loss covers the answer only), ``"text"`` one ``text`` column, ``"raw"`` the
-            original ``question``/``answer`` columns.
+            format, so the loss covers the answer only), ``"text"`` one ``text`` column,
+            ``"preference"`` ``prompt``/``chosen``/``rejected`` for DPO (chosen: the reference answer,
+            rejected: the same answer with a wrong final number), ``"prompt_only"`` ``prompt`` and the
+            final ``answer`` for GRPO (see :func:`gsm8k_reward`), ``"raw"`` the original
+            ``question``/``answer`` columns.
 
     Returns:
         The rows in their original order.
@@ -59,4 +62,41 @@ def load_gsm8k(
         return Dataset.from_dict({"prompt": prompts, "completion": completions})
     if format == "text":
         return Dataset.from_dict({"text": [p + c for p, c in zip(prompts, completions, strict=True)]})
-    raise ValueError(f"format must be 'prompt_completion', 'text' or 'raw', but got {format=}.")
+    if format == "preference":
+        rejected = [_with_wrong_final_number(c, i) for i, c in enumerate(completions)]
+        return Dataset.from_dict({"prompt": prompts, "chosen": completions, "rejected": rejected})
+    if format == "prompt_only":
+        answers = [final_answer(row["answer"]) or "" for row in rows]
+        return Dataset.from_dict({"prompt": prompts, "answer": answers})
+    raise ValueError(
+        f"format must be 'prompt_completion', 'text', 'preference', 'prompt_only' or 'raw', but got {format=}."
+    )
+
+
+def _with_wrong_final_number(completion: str, index: int) -> str:
+    """The completion with its final number changed (deterministically, by 1 to 9)."""
+    answer = final_answer(completion)
+    if answer is None:
+        return completion + " (wrong)"
+    try:
+        wrong = str(int(float(answer)) + 1 + index % 9)
+    except ValueError:
+        wrong = answer + "1"
+    head, _, _ = completion.rpartition("####")
+    return f"{head}#### {wrong}"
+
+
+def gsm8k_reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+    """GRPO reward for the ``"prompt_only"`` format: 1 for the right final number, plus 0.2 for the format.
+
+    A completion earns the format bonus when it states a final answer as ``#### <number>``, and the
+    full reward when that number equals the reference ``answer``. Takes TRL's reward-function arguments.
+    """
+    rewards = []
+    for completion, expected in zip(completions, answer, strict=True):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        stated = final_answer(text)
+        rewards.append(
+            (0.2 if stated is not None else 0.0) + (1.0 if stated is not None and stated == expected else 0.0)
+        )
+    return rewards

@@ -1,0 +1,197 @@
+"""Per-chunk MLflow tracking: one MLflow run per trial, nested under one run for the study.
+
+Written with ``MlflowClient`` and explicit run ids (no fluent, process-global "active run"). Calls go
+to a background thread in the order they were made, so no trial ever waits for the tracking server
+(a slow or failing server cannot slow the study down), and :meth:`MlflowTracker.flush` waits for them
+at the end of ``optimize``. Tracking is best effort: an MLflow error is logged and never fails a trial
+(everything is also in the Optuna study). The server is checked once, up front.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from optuna_rapidfire._logging import get_logger
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import optuna
+
+    from optuna_rapidfire._engines._base import Branch, ChunkResult
+
+_logger = get_logger(__name__)
+
+# Optuna's final states as MLflow run statuses.
+_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
+
+
+class MlflowTracker:
+    """Logs trials to the MLflow tracking server at ``tracking_uri``.
+
+    Args:
+        tracking_uri: Where MLflow runs go (``http://host:port``, ``sqlite:///mlflow.db``...).
+        experiment: Experiment name; by default the study's name.
+    """
+
+    def __init__(self, tracking_uri: str, experiment: str | None = None) -> None:
+        from mlflow.tracking import MlflowClient
+
+        _check_reachable(tracking_uri)
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.experiment = experiment
+        self._lock = threading.Lock()
+        self._parents: dict[str, tuple[str, str]] = {}
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._runs: dict[int, str] = {}  # handle -> MLflow run id, filled in by the background thread
+        self._handles = itertools.count()
+        self._thread = threading.Thread(target=self._drain, name="rapidfire-mlflow", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while (task := self._queue.get()) is not None:
+            try:
+                task()
+            except Exception:
+                _logger.warning("MLflow: a tracking call failed; the study goes on.", exc_info=True)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _submit(self, task: Callable[[], None]) -> None:
+        self._queue.put(task)
+
+    def flush(self, timeout: float = 120.0) -> None:
+        """Wait (up to ``timeout`` seconds) until every call so far has reached the server."""
+        done = threading.Event()
+        self._submit(done.set)
+        if not done.wait(timeout):
+            _logger.warning("MLflow: tracking calls still pending after %.0f s; not waiting longer.", timeout)
+
+    def _parent(self, study: optuna.Study) -> tuple[str, str]:
+        """``(experiment id, parent run id)`` of ``study`` (created once, found again by tag)."""
+        with self._lock:
+            known = self._parents.get(study.study_name)
+            if known is not None:
+                return known
+            name = self.experiment or study.study_name
+            experiment = self.client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+            runs = self.client.search_runs(
+                [experiment_id],
+                filter_string=f"tags.`rapidfire.role` = 'study' and tags.`optuna.study_name` = '{study.study_name}'",
+                max_results=1,
+            )
+            if runs:
+                run_id = runs[0].info.run_id
+            else:
+                run_id = self.client.create_run(
+                    experiment_id,
+                    run_name=study.study_name,
+                    tags={
+                        "rapidfire.role": "study",
+                        "optuna.study_name": study.study_name,
+                        "optuna.direction": study.direction.name,
+                    },
+                ).info.run_id
+            self._parents[study.study_name] = (experiment_id, run_id)
+            return experiment_id, run_id
+
+    def trial_started(self, trial: optuna.Trial, kind: str, metric: str) -> int:
+        """Start the trial's run (in the background); return a handle for the other calls."""
+        handle = next(self._handles)
+        study, number, params = trial.study, trial.number, dict(trial.params)
+
+        def start() -> None:
+            from mlflow.entities import Param
+
+            experiment_id, parent = self._parent(study)
+            run = self.client.create_run(
+                experiment_id,
+                run_name=f"trial-{number}",
+                tags={
+                    "mlflow.parentRunId": parent,
+                    "rapidfire.role": "trial",
+                    "optuna.study_name": study.study_name,
+                    "optuna.trial_number": str(number),
+                    "rapidfire.trainer": kind,
+                    "rapidfire.metric": metric,
+                },
+            )
+            self._runs[handle] = run.info.run_id
+            if params:
+                self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+
+        self._submit(start)
+        return handle
+
+    def _on_run(self, handle: int, call: Callable[[str], None]) -> None:
+        def task() -> None:
+            run_id = self._runs.get(handle)
+            if run_id is not None:  # its run could not be created: that was logged already
+                call(run_id)
+
+        self._submit(task)
+
+    def branch(self, handle: int, branch: Branch, metric: str) -> None:
+        """Tag a clone with its parent; a warm clone's run gets the inherited curve too."""
+
+        def call(run_id: str) -> None:
+            self.client.set_tag(run_id, "rapidfire.parent_trial", str(branch.parent))
+            self.client.set_tag(run_id, "rapidfire.branch_step", str(branch.step))
+            self.client.set_tag(run_id, "rapidfire.clone", "warm" if branch.warm else "cold")
+            if branch.warm:
+                for step, history in enumerate(branch.history):
+                    self._log(run_id, {metric: history[metric]}, step)
+
+        self._on_run(handle, call)
+
+    def chunk(self, handle: int, result: ChunkResult) -> None:
+        """Log one chunk's metrics at ``step`` = the chunk index."""
+        metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
+        metrics["chunk_seconds"] = result.train_seconds + result.eval_seconds
+        self._on_run(handle, lambda run_id: self._log(run_id, metrics, result.step))
+
+    def _log(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(_metric_name(k), float(v), now, step) for k, v in metrics.items()]
+        self.client.log_batch(run_id, metrics=batch)
+
+    def trial_ended(self, handle: int, state: str, value: float | None, adapter_dir: str | None) -> None:
+        """Record the final state (and the final adapter of a COMPLETE trial), then close the run."""
+
+        def call(run_id: str) -> None:
+            self.client.set_tag(run_id, "optuna.state", state)
+            if value is not None and math.isfinite(value):
+                self.client.log_metric(run_id, "final_value", float(value))
+            if adapter_dir is not None and os.path.isdir(adapter_dir):
+                self.client.log_artifacts(run_id, adapter_dir, artifact_path="adapter")
+            self.client.set_terminated(run_id, status=_STATUS.get(state, "FAILED"))
+
+        self._on_run(handle, call)
+
+
+def _check_reachable(uri: str) -> None:
+    """Fail before any training if an HTTP tracking server does not answer."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10).read()
+    except (OSError, urllib.error.URLError) as error:
+        raise ValueError(f"mlflow_tracking_uri={uri!r}: no MLflow server answers there ({error}).") from None
+
+
+def _metric_name(name: str) -> str:
+    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-. /")
+    return "".join(c if c in allowed else "_" for c in name)
