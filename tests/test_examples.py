@@ -113,3 +113,39 @@ def test_pbt_and_control_example(tmp_path: Path, tiny_model: str) -> None:
     study = optuna.load_study(study_name="pbt", storage=f"sqlite:///{tmp_path / 'p.db'}")
     assert any(t.user_attrs.get("rapidfire:parent") == leader for t in study.trials)
     assert study.trials[leader].user_attrs["rapidfire:status"] == "running"
+
+
+def test_dpo_example(tmp_path: Path, tiny_model: str) -> None:
+    out = _run(
+        [
+            str(ROOT / "examples" / "dpo_gsm8k.py"),
+            "--model",
+            tiny_model,
+            "--n-trials",
+            "3",
+            "--train-rows",
+            "32",
+            "--storage",
+            f"sqlite:///{tmp_path / 'd.db'}",
+        ],
+        tmp_path,
+    )
+    assert "best adapter:" in out
+
+
+def test_grpo_example(tmp_path: Path, tiny_model: str) -> None:
+    out = _run(
+        [
+            str(ROOT / "examples" / "grpo_gsm8k.py"),
+            "--model",
+            tiny_model,
+            "--n-trials",
+            "2",
+            "--train-rows",
+            "32",
+            "--storage",
+            f"sqlite:///{tmp_path / 'g.db'}",
+        ],
+        tmp_path,
+    )
+    assert "mean eval reward:" in out and "best adapter:" in out
