@@ -247,3 +247,31 @@ def test_one_study_does_not_mix_trainer_types(make_executor, preference) -> None
     executor.optimize(study, by_number([(lora(), dpo_args())]), n_trials=1)
     with pytest.raises(ValueError, match="mixes DPOConfig and SFTConfig trials"):
         executor.optimize(study, by_number([None, (lora(), sft)]), n_trials=1)
+
+
+def test_grpo_warm_clone_continues_exactly_and_pauses_like_any_trial(make_executor, prompts) -> None:
+    train, evaluation = prompts
+    executor = make_executor(
+        train_dataset=train, eval_dataset=evaluation, num_chunks=4, max_concurrent_trials=2, reward_funcs=[gsm8k_reward]
+    )
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+
+    def configure(trial):
+        lr = trial.suggest_float("learning_rate", 1e-3, 1e-1, log=True)
+        return lora(r=4, lora_dropout=0.1), grpo_args(learning_rate=lr, beta=0.05)
+
+    study.enqueue_trial({"learning_rate": 2e-2})
+    objective = executor.objective(configure)
+    parent = threading.Thread(target=study.optimize, args=(objective,), kwargs={"n_trials": 1})
+    parent.start()
+    wait_until(lambda: 0 in study.trials[0].intermediate_values, what="the parent's first report")
+    control.stop(study, 0)
+    wait_until(lambda: study.trials[0].user_attrs.get(_attrs.STATUS) == "paused", what="the pause")
+    child = control.clone(study, 0)
+    control.resume(study, 0)
+    study.optimize(objective, n_trials=1)
+    parent.join()
+    clone = study.trials[child]
+    assert clone.user_attrs[_attrs.CLONE] == "warm" and clone.user_attrs[_attrs.BRANCH_STEP] >= 1
+    assert study.trials[0].state == clone.state == TrialState.COMPLETE
+    assert _values(clone) == _values(study.trials[0])
