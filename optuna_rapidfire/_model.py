@@ -101,6 +101,8 @@ class ResidentModel:
         self._base_dropouts = {m: m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
         self._base_dropout_off = False
         self._active: str | None = None
+        self._layers: list[torch.nn.Module] | None = None  # PEFT's adapter layers, listed once
+        self._params: dict[str, list[torch.nn.Parameter]] = {}  # each adapter's parameters
         self._checkpointing: tuple[bool, str] = (False, "")
         self._lock = threading.RLock()
 
@@ -135,14 +137,24 @@ class ResidentModel:
                 except BaseException:
                     self._discard(name)
                     raise
+            self._layers = None
+            self._params.clear()
+            # Only the active adapter is trainable: its trainer's optimizer takes every trainable parameter.
+            for param_name, param in self.peft.named_parameters():
+                param.requires_grad_(f".{name}." in f".{param_name}.")
+            self._active = None
             self.activate(name)
             return self.adapter_params(name)
 
     def adapter_params(self, name: str) -> list[torch.nn.Parameter]:
         """The parameters that belong to adapter ``name``."""
         assert self.peft is not None
-        marker = f".{name}."
-        return [p for n, p in self.peft.named_parameters() if marker in f".{n}."]
+        params = self._params.get(name)
+        if params is None:
+            marker = f".{name}."
+            params = [p for n, p in self.peft.named_parameters() if marker in f".{n}."]
+            self._params[name] = params
+        return params
 
     def adapter_weights(self, name: str) -> dict[str, torch.Tensor]:
         """Adapter ``name``'s weights, keyed by parameter name with the adapter's own name removed."""
@@ -162,12 +174,32 @@ class ResidentModel:
                 target.copy_(weights[key], non_blocking=True)
 
     def activate(self, name: str) -> None:
-        """Make ``name`` the adapter the next forward pass uses (and the only trainable one)."""
-        assert self.peft is not None
+        """Make ``name`` the adapter the next forward pass uses (and the only trainable one).
+
+        This is the hot swap. PEFT's ``set_adapter`` walks every module and every parameter of every
+        adapter; here the adapter layers are listed once, and only the two adapters concerned have their
+        ``requires_grad`` changed, so a switch costs microseconds whatever the number of live trials.
+        """
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        peft = self.peft
+        assert peft is not None
         with self._lock:
-            if self._active != name:
-                self.peft.set_adapter(name)
-                self._active = name
+            if self._active == name:
+                return
+            if self._layers is None:
+                self._layers = [m for m in peft.modules() if isinstance(m, BaseTunerLayer)]
+            for layer in self._layers:
+                layer.__dict__["_active_adapter"] = [name]
+            if self._active is not None and self._active in self._params:
+                for param in self._params[self._active]:
+                    param.requires_grad_(False)
+            for param in self.adapter_params(name):
+                param.requires_grad_(True)
+            # PeftModel and its tuner each keep the name (PEFT's set_adapter sets both).
+            peft.base_model.__dict__["active_adapter"] = name
+            peft.__dict__["active_adapter"] = name
+            self._active = name
 
     def building(self, adapter: str) -> contextlib.AbstractContextManager[Callable[[], Any]]:
         """Context for constructing a trial's TRL trainer without leaking its changes to other trials.
@@ -229,6 +261,8 @@ class ResidentModel:
                 self.peft.peft_config.pop(name, None)
         if self._active == name:
             self._active = None
+        self._layers = None
+        self._params.pop(name, None)
 
     def save_adapter(self, name: str, directory: str) -> None:
         """Write adapter ``name`` in PEFT's format (``adapter_config.json`` + safetensors) to ``directory``."""
