@@ -22,6 +22,9 @@ TRAIN_LOSS = PREFIX + "train_loss"
 LEARNING_RATE = PREFIX + "learning_rate"
 """Learning rate at the end of the trial's latest chunk (a clone's new rate shows here at once)."""
 
+WORKER = PREFIX + "worker"
+"""Where the trial runs: ``host:pid:device``."""
+
 FAIL_REASON = PREFIX + "fail_reason"
 """Why a FAIL trial failed (exception type and message)."""
 

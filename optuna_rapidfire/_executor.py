@@ -17,7 +17,7 @@ from optuna_rapidfire._commands import register_dashboard_form
 from optuna_rapidfire._data import ChunkPlan, PreparedData
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._model import ModelSource, ResidentModel, load_model, resolve_device
+from optuna_rapidfire._model import ModelSource, ResidentModel, load_model, resolve_devices
 from optuna_rapidfire._pool import Slots, TrialPool
 from optuna_rapidfire._progress import Progress
 from optuna_rapidfire._scheduler import Entry, Scheduler
@@ -107,7 +107,10 @@ class RapidFireExecutor:
             experiment named after the study): params, per-chunk metrics at step = chunk index, tags,
             the final state and the final adapter. Needs ``pip install optuna-rapidfire[mlflow]``.
         output_dir: Where final adapters go: ``output_dir/<study name>/trial-<number>``.
-        devices: ``"auto"`` (the current GPU, else the CPU) or a torch device such as ``"cuda:0"``.
+        devices: ``"auto"`` (every visible GPU, else the CPU), a device such as ``"cuda:1"``, or a list of
+            devices. With several, :meth:`optimize` runs one worker process per device, each with its own
+            copy of the base model, all pulling trials from the study's storage (which must be an RDB URL
+            or a JournalStorage on a file); a trial lives on one device.
         state_memory_budget: Bytes of per-trial state (adapters and optimizer moments) kept on the
             device, or a fraction of the device memory left after loading the base model; idle trials
             beyond it move to pinned CPU memory. ``"auto"``: half of what is left on a GPU, no limit on
@@ -139,13 +142,15 @@ class RapidFireExecutor:
         reward_funcs: list[Callable[..., list[float]] | str] | None = None,
         mlflow_tracking_uri: str | None = None,
         output_dir: str | os.PathLike[str] = "rapidfire-output",
-        devices: str | torch.device = "auto",
+        devices: str | torch.device | list[str | torch.device] = "auto",
         state_memory_budget: int | float | str | None = "auto",
         show_progress_bar: bool = True,
         dashboard_controls: bool = True,
         poll_seconds: float = 1.0,
         pause_grace_seconds: float = 120.0,
     ) -> None:
+        # Everything but the devices, to build one executor per device in worker processes.
+        self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "devices")}
         from datasets import Dataset
 
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
@@ -199,7 +204,10 @@ class RapidFireExecutor:
             self._tracker = MlflowTracker(mlflow_tracking_uri)
         self._extras = TrainerExtras(compute_metrics, preprocess_logits_for_metrics, formatting_func)
         self.output_dir = os.fspath(output_dir)
-        self._device = resolve_device(devices)
+        self._devices = resolve_devices(devices)
+        self._device = self._devices[0]
+        self._worker_label = str(self._device)
+        self._several_explicit = len(self._devices) > 1 and not (isinstance(devices, str) and devices == "auto")
         self._budget_setting = state_memory_budget
         self.show_progress_bar = show_progress_bar
 
@@ -233,6 +241,15 @@ class RapidFireExecutor:
         """
         if not callable(configure):
             raise TypeError(f"configure must be callable, but got {type(configure).__name__}.")
+        if self._several_explicit:
+            raise ValueError(
+                f"devices={[str(d) for d in self._devices]} runs one worker process per device: use "
+                "executor.optimize(study, configure, ...); an objective for study.optimize runs on one device."
+            )
+        if len(self._devices) > 1:
+            self._note_once(
+                f"The objective runs on {self._device}; executor.optimize uses all {len(self._devices)} GPUs."
+            )
         self._ensure_started()
 
         def objective(trial: optuna.Trial) -> float:
@@ -264,6 +281,24 @@ class RapidFireExecutor:
             raise ValueError(f"n_trials must be None or a positive integer, but got {n_trials=}.")
         catch = tuple(catch) if isinstance(catch, Iterable) else (catch,)
         self._check_study(study)
+        if len(self._devices) > 1:
+            from optuna_rapidfire._processes import run_workers
+
+            run_workers(
+                self._init_kwargs,
+                self._devices,
+                study,
+                {
+                    "configure": configure,
+                    "n_trials": n_trials,
+                    "timeout": timeout,
+                    "callbacks": list(callbacks or []),
+                    "catch": catch,
+                    "gc_after_trial": gc_after_trial,
+                },
+                self.show_progress_bar,
+            )
+            return
         objective = self.objective(configure)
         first_wave = self.max_concurrent_trials if n_trials is None else min(n_trials, self.max_concurrent_trials)
         self._scheduler.expect(first_wave)

@@ -44,6 +44,22 @@ def resolve_device(devices: str | torch.device) -> torch.device:
     return device
 
 
+def resolve_devices(devices: str | torch.device | list[str | torch.device]) -> list[torch.device]:
+    """``"auto"`` → every visible GPU (else the CPU); a device → ``[device]``; a list → each one, checked."""
+    if isinstance(devices, str) and devices == "auto":
+        if torch.cuda.is_available():
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")]
+    items = list(devices) if isinstance(devices, (list, tuple)) else [devices]
+    if not items:
+        raise ValueError("devices must name at least one device, but got an empty list.")
+    resolved = [resolve_device(item) for item in items]
+    gpus = [d for d in resolved if d.type == "cuda"]
+    if len(gpus) != len(set(gpus)):
+        raise ValueError(f"devices names a GPU twice: {[str(d) for d in resolved]}. One worker runs per GPU.")
+    return resolved
+
+
 def load_model(
     source: ModelSource,
     *,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import socket
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -65,6 +66,7 @@ class TrialDriver:
             ex._register_form(self.study)
             self.trial.set_user_attr(_attrs.METRIC, ex.metric)
             self.trial.set_user_attr(_attrs.STATUS, "running")
+            self.trial.set_user_attr(_attrs.WORKER, f"{socket.gethostname()}:{os.getpid()}:{ex._worker_label}")
             self.entry = Entry(number=self.trial.number, trial_id=self.trial._trial_id, spec=spec)
             if ex._tracker is not None:
                 self._run_id = ex._tracker.trial_started(self.trial, spec.kind.name, ex.metric)

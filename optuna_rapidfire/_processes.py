@@ -1,0 +1,191 @@
+"""One worker process per device, all pulling trials from the study's storage.
+
+Each worker is a fresh process (no shared GIL) that sees one GPU (``CUDA_VISIBLE_DEVICES``), loads the
+base model once, and runs its own executor on its share of the trials; a trial lives on one device.
+The processes share nothing but the storage, so the study must live in one they can all open: an RDB
+URL (SQLite, PostgreSQL...) or a ``JournalStorage`` on a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import queue
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import optuna
+from optuna.storages import JournalStorage, RDBStorage
+from optuna.storages.journal import JournalFileBackend
+
+from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._progress import Progress
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import torch
+
+_logger = get_logger(__name__)
+
+
+def storage_spec(study: optuna.Study) -> tuple[str, str]:
+    """How another process opens ``study``'s storage: ``("rdb", url)`` or ``("journal", path)``."""
+    storage: Any = study._storage
+    storage = getattr(storage, "_backend", storage)  # RDB storages come wrapped in a cache
+    if isinstance(storage, RDBStorage):
+        return "rdb", storage.url
+    if isinstance(storage, JournalStorage) and isinstance(storage._backend, JournalFileBackend):
+        return "journal", storage._backend._file_path
+    raise ValueError(
+        "Several devices run one worker process each, so the study needs a storage they can all open: an "
+        "RDB URL (sqlite:///study.db, postgresql://...) or a JournalStorage on a file, not "
+        f"{type(storage).__name__}."
+    )
+
+
+def open_storage(spec: tuple[str, str]) -> Any:
+    kind, where = spec
+    if kind == "rdb":
+        return where
+    return JournalStorage(JournalFileBackend(where))
+
+
+def shares(n_trials: int | None, workers: int) -> list[int | None]:
+    """Split ``n_trials`` among ``workers`` as evenly as possible (``None``: each runs until stopped)."""
+    if n_trials is None:
+        return [None] * workers
+    base, extra = divmod(n_trials, workers)
+    return [base + (1 if i < extra else 0) for i in range(workers)]
+
+
+@contextlib.contextmanager
+def _environ(changes: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_workers(
+    init_kwargs: dict[str, Any],
+    devices: list[torch.device],
+    study: optuna.Study,
+    optimize_kwargs: dict[str, Any],
+    show_progress_bar: bool,
+) -> None:
+    """Run ``executor.optimize(study, **optimize_kwargs)`` in one process per device; wait for all.
+
+    Raises:
+        ValueError: If the storage cannot be shared or an argument cannot be sent to another process.
+        RuntimeError: If a worker failed (with its traceback).
+    """
+    spec = storage_spec(study)
+    payload = {
+        "init_kwargs": {**init_kwargs, "show_progress_bar": False},
+        "spec": spec,
+        "study_name": study.study_name,
+        "sampler": study.sampler,
+        "pruner": study.pruner,
+        **optimize_kwargs,
+    }
+    for name, value in payload.items():
+        try:
+            pickle.dumps(value)
+        except Exception as error:
+            raise ValueError(
+                f"{name} must be picklable to reach the worker processes (one per device): {error}. "
+                "Define functions at module level and pass the model as a path or a module-level factory."
+            ) from None
+    context = multiprocessing.get_context("spawn")
+    results: Any = context.Queue()
+    started = time.time()
+    processes = []
+    for index, (device, share) in enumerate(
+        zip(devices, shares(optimize_kwargs["n_trials"], len(devices)), strict=True)
+    ):
+        if share == 0:
+            continue
+        visible = {"CUDA_VISIBLE_DEVICES": str(device.index)} if device.type == "cuda" else {}
+        local = "cuda:0" if device.type == "cuda" else "cpu"
+        job = {**payload, "n_trials": share, "device": local, "label": str(device)}
+        with _environ(visible):
+            process = context.Process(target=_worker_main, args=(index, job, results), name=f"rapidfire-{device}")
+            process.start()
+        processes.append((index, device, process))
+        _logger.info("Worker %d started on %s (pid %d) for %s trials.", index, device, process.pid, share or "all")
+    _wait(processes, results, study, started, show_progress_bar)
+
+
+def _wait(
+    processes: list[tuple[int, torch.device, Any]],
+    results: Any,
+    study: optuna.Study,
+    started: float,
+    show_progress_bar: bool,
+) -> None:
+    progress = Progress(show_progress_bar)
+    seen: set[int] = set()
+    errors: list[str] = []
+    pending = {index for index, _, _ in processes}
+    while pending:
+        try:
+            index, failure = results.get(timeout=1.0)
+            pending.discard(index)
+            if failure is not None:
+                errors.append(f"worker {index}: {failure}")
+        except queue.Empty:
+            for index, device, process in processes:
+                if index in pending and not process.is_alive():
+                    pending.discard(index)
+                    errors.append(f"worker {index} on {device} died with exit code {process.exitcode}")
+        if progress.enabled:
+            for trial in study.get_trials(deepcopy=False, states=_FINISHED):
+                if trial.number not in seen and trial.datetime_start and trial.datetime_start.timestamp() >= started:
+                    seen.add(trial.number)
+                    progress.trial_ended(trial.number, trial.state.name, trial.value)
+    for _, _, process in processes:
+        process.join()
+    progress.close()
+    if errors:
+        raise RuntimeError("A worker process failed:\n" + "\n".join(errors))
+
+
+_FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+
+
+def _worker_main(index: int, job: dict[str, Any], results: Any) -> None:
+    """Body of a worker process: one executor on one device, its share of the trials."""
+    try:
+        from optuna_rapidfire._executor import RapidFireExecutor
+
+        study = optuna.load_study(
+            study_name=job["study_name"],
+            storage=open_storage(job["spec"]),
+            sampler=job["sampler"],
+            pruner=job["pruner"],
+        )
+        executor = RapidFireExecutor(**job["init_kwargs"], devices=job["device"])
+        executor._worker_label = job["label"]
+        with executor:
+            executor.optimize(
+                study,
+                job["configure"],
+                n_trials=job["n_trials"],
+                timeout=job["timeout"],
+                callbacks=job["callbacks"],
+                catch=job["catch"],
+                gc_after_trial=job["gc_after_trial"],
+            )
+        results.put((index, None))
+    except BaseException:
+        results.put((index, traceback.format_exc()))
