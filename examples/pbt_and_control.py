@@ -56,15 +56,28 @@ def by_hand(study: optuna.Study) -> None:
                 pass
             time.sleep(0.1)
 
-    def running_at_step_1() -> list[optuna.trial.FrozenTrial]:
+    def running_with_reports() -> list[optuna.trial.FrozenTrial]:
         trials = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-        return [t for t in trials if 1 in t.intermediate_values]
+        return [t for t in trials if len(t.intermediate_values) >= 2]
 
-    wait_for(lambda: len(running_at_step_1()) >= 2)
-    leader = min(running_at_step_1(), key=lambda t: t.intermediate_values[1])
-    control.stop(study, leader.number)
-    print(f"paused trial {leader.number}, the leader after 2 chunks")
-    wait_for(lambda: study.trials[leader.number].user_attrs.get("rapidfire:status") == "paused")
+    # The pruner may stop the chosen leader in the chunk it is training before the pause applies
+    # (a chunk is never cut short): then pick the next leader.
+    for _ in range(5):
+        wait_for(lambda: len(running_with_reports()) >= 2)
+        leader = min(running_with_reports(), key=lambda t: t.intermediate_values[max(t.intermediate_values)])
+        control.stop(study, leader.number)
+        print(f"paused trial {leader.number}, the leader after {len(leader.intermediate_values)} chunks")
+
+        def settled(number: int = leader.number) -> bool:
+            trial = study.trials[number]
+            return trial.user_attrs.get("rapidfire:status") == "paused" or trial.state.is_finished()
+
+        wait_for(settled)
+        if study.trials[leader.number].user_attrs.get("rapidfire:status") == "paused":
+            break
+        print(f"trial {leader.number} ended {study.trials[leader.number].state.name} before the pause applied")
+    else:
+        return
     child = control.clone(study, leader.number, params={"learning_rate": leader.params["learning_rate"] * 0.5})
     print(f"cloned trial {leader.number} as trial {child} with half its learning rate")
     control.resume(study, leader.number)

@@ -85,6 +85,8 @@ def _is_default(args: TrainingArguments, name: str) -> bool:
     default = _field_default(args, name)
     if not value and not default:  # None, False, "", [] and {} all mean "off"
         return True
+    if value in ("no", "none") and name in _OWNED_FIELDS:  # turned off: nothing to ignore
+        return True
     if name == "report_to" and value in ("none", ["none"], []):
         return True
     return bool(value == default)
