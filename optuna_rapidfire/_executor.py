@@ -482,6 +482,8 @@ class RapidFireExecutor:
     def _claim_slot(self, trial_number: int, *, resume: bool = False) -> None:
         """Take a live-trial slot (the pool may already have taken one for this thread)."""
         pool = self._pool
+        if pool is not None:
+            pool.asked()
         if not resume and pool is not None and getattr(pool.local, "slot_taken", False):
             pool.local.slot_taken = False
             pool.local.trial_number = trial_number

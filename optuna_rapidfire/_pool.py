@@ -9,10 +9,13 @@ pool, a paused trial does not take a thread away from the live ones.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import fcntl
+import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from optuna_rapidfire._logging import get_logger
 
@@ -62,6 +65,49 @@ class Slots:
     def notify(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+
+class AskLock:
+    """Serialises Optuna's ``study.ask`` across the pool's threads (and, on SQLite, processes).
+
+    Popping an enqueued (WAITING) trial is a read-then-write in Optuna's RDB storage; PostgreSQL and
+    MySQL make it atomic with ``SELECT ... FOR UPDATE``, SQLite does not, so two threads or processes can
+    both pop the same trial and run it twice. The pool holds this lock from before a thread asks until
+    its objective starts. On SQLite a lock file next to the database extends it to the other worker
+    processes of the machine.
+    """
+
+    def __init__(self, study: optuna.Study) -> None:
+        self._thread_lock = threading.Lock()
+        self._path = _sqlite_path(study)
+
+    def acquire(self) -> IO[bytes] | None:
+        self._thread_lock.acquire()
+        if self._path is None:
+            return None
+        try:
+            handle = open(self._path + ".rapidfire-ask.lock", "ab")  # noqa: SIM115 - held until release
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a read-only folder: threads are still serialised
+            _logger.debug("No lock file next to %s; asks are serialised within this process only.", self._path)
+            return None
+        return handle
+
+    def release(self, handle: IO[bytes] | None) -> None:
+        if handle is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
+        self._thread_lock.release()
+
+
+def _sqlite_path(study: optuna.Study) -> str | None:
+    storage = getattr(study._storage, "_backend", study._storage)
+    url = getattr(storage, "url", None)
+    if not isinstance(url, str) or not url.startswith("sqlite:///"):
+        return None
+    path = url[len("sqlite:///") :].split("?")[0]
+    return None if path in ("", ":memory:") else os.path.abspath(path)
 
 
 class TrialPool:
@@ -115,6 +161,7 @@ class TrialPool:
         self._stop = False
         self._error: BaseException | None = None
         self.local = threading.local()
+        self._ask_lock = AskLock(study)
 
     def run(self) -> None:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -162,6 +209,8 @@ class TrialPool:
         study = copy.copy(self.study)
         self.local.slot_taken = True  # the objective takes over the slot acquired for it
         self.local.trial_number = None
+        self.local.ask_handle = self._ask_lock.acquire()
+        self.local.asking = True
         try:
             study.optimize(
                 self.objective,
@@ -179,9 +228,17 @@ class TrialPool:
                 with self._lock:
                     self._error = self._error or error
         finally:
+            self.asked()
             if self.local.slot_taken:  # the objective never ran
                 self.slots.release()
             self.slots.notify()
+
+    def asked(self) -> None:
+        """The calling thread's trial is asked (its objective runs): other threads may ask now."""
+        if getattr(self.local, "asking", False):
+            self.local.asking = False
+            self._ask_lock.release(self.local.ask_handle)
+            self.local.ask_handle = None
 
     def _watch_stop(self, study: optuna.Study, trial: Any) -> None:
         if study._stop_flag:

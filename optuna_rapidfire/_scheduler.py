@@ -106,7 +106,11 @@ class Scheduler:
         """Register a new live trial."""
         with self._cond:
             if entry.number in self._entries:
-                raise RuntimeError(f"Trial {entry.number} is already live.")
+                raise RuntimeError(
+                    f"Trial {entry.number} is already running in this executor: the storage handed it out twice. "
+                    "Optuna pops enqueued trials without a row lock on SQLite, so study.optimize(n_jobs > 1) can "
+                    "run one twice; executor.optimize serialises asking and avoids this."
+                )
             self._entries[entry.number] = entry
             self._last_arrival = time.monotonic()
             self._cond.notify_all()

@@ -67,10 +67,11 @@ class TrialDriver:
             self.trial.set_user_attr(_attrs.METRIC, ex.metric)
             self.trial.set_user_attr(_attrs.STATUS, "running")
             self.trial.set_user_attr(_attrs.WORKER, f"{socket.gethostname()}:{os.getpid()}:{ex._worker_label}")
-            self.entry = Entry(number=self.trial.number, trial_id=self.trial._trial_id, spec=spec)
+            entry = Entry(number=self.trial.number, trial_id=self.trial._trial_id, spec=spec)
+            ex._scheduler.add(entry)
+            self.entry = entry
             if ex._tracker is not None:
                 self._run_id = ex._tracker.trial_started(self.trial, spec.kind.name, ex.metric)
-            ex._scheduler.add(self.entry)
             value = self._follow()
             state = "COMPLETE" if not math.isnan(value) else "FAIL"
             return value

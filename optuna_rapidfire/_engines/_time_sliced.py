@@ -80,6 +80,7 @@ class TimeSlicedEngine(Engine):
         self.state_budget = state_budget
         self._runtimes: list[TrialRuntime] = []
         self.switches = 0
+        self.switch_seconds: list[float] = []  # host time of each switch between trials
         self.offloads = 0
         self._current: TrialRuntime | None = None
 
@@ -278,6 +279,7 @@ class TimeSlicedEngine(Engine):
     # -- training --------------------------------------------------------------------------------
 
     def _switch_to(self, runtime: TrialRuntime) -> None:
+        start = time.perf_counter()
         state = runtime.state
         if not state.resident:
             state.onload(self.device)
@@ -289,6 +291,7 @@ class TimeSlicedEngine(Engine):
         if self._current is not runtime:
             self.switches += 1
             self._current = runtime
+            self.switch_seconds.append(time.perf_counter() - start)
         runtime.last_used = time.monotonic()
 
     def _use(self, runtime: TrialRuntime) -> None:

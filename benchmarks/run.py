@@ -1,0 +1,740 @@
+"""optuna-rapidfire benchmarks: sequential TRL against the executor, on one machine, in one run.
+
+    python -m benchmarks.run --parts throughput,scale --out benchmarks/results     # one GPU
+    python -m benchmarks.run --parts search --out benchmarks/results               # one GPU
+    python -m benchmarks.run --parts multi_gpu --out benchmarks/results            # two GPUs
+    python -m benchmarks.run --smoke --parts all --out /tmp/bench                  # CPU, tiny model, minutes
+
+Models are random-weight models of real shapes (Llama-3.2-1B, TinyLlama-1.1B) built on the device in
+bf16; speed does not depend on the weights. Data: the bundled GSM8K train set, packed into 512-token rows.
+Every part writes ``<part>.json`` (numbers, machine, versions, command); ``summary.json``, ``results.md``
+and the plots gather them. See benchmarks/README.md for what each number means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from trl import SFTConfig, SFTTrainer
+
+from optuna_rapidfire import RapidFireExecutor
+from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+from optuna_rapidfire.demo import build_tiny_model, load_gsm8k
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+    },
+    "tinyllama-1.1b": {
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+    },
+    "tiny": {  # --smoke: CPU dry runs of the whole harness
+        "vocab_size": 2048,
+        "hidden_size": 64,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+# -- models and configs ----------------------------------------------------------------------------
+
+
+def build_model(shape: str, tokenizer_dir: str) -> tuple[LlamaForCausalLM, Any]:
+    """A random-weight model of ``shape`` (bf16 on the GPU, fp32 on the CPU) and the local tokenizer.
+
+    Module level, so it reaches worker processes by pickling (``functools.partial`` of it).
+    """
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        **SHAPES[shape],
+        max_position_embeddings=2048,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    if torch.cuda.is_available():
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(config)
+    return model, tokenizer
+
+
+def lora(rank: int = 16) -> LoraConfig:
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+def sft_args(learning_rate: float, batch: int, **overrides: Any) -> SFTConfig:
+    gpu = torch.cuda.is_available()
+    settings: dict[str, Any] = {
+        "learning_rate": learning_rate,
+        "per_device_train_batch_size": batch,
+        "per_device_eval_batch_size": 16,
+        "num_train_epochs": 1,
+        "max_length": 512,
+        "packing": True,
+        "packing_strategy": "wrapped",
+        "bf16": gpu,
+        "use_cpu": not gpu,
+        "gradient_checkpointing": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    settings.update(overrides)
+    return SFTConfig(**settings)
+
+
+def configure_from_params(batch: int) -> Callable[[optuna.Trial], tuple[LoraConfig, SFTConfig]]:
+    return functools.partial(_configure, batch=batch)
+
+
+def _configure(trial: optuna.Trial, batch: int) -> tuple[LoraConfig, SFTConfig]:
+    lr = trial.suggest_float("learning_rate", 1e-5, 1e-2, log=True)
+    rank = trial.suggest_categorical("r", [8, 16])
+    return lora(rank), sft_args(lr, batch)
+
+
+def grid(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` configs spread over the search space (a fixed, seeded list shared by every method)."""
+    sampler = optuna.samplers.QMCSampler(seed=seed, scramble=True)
+    study = optuna.create_study(sampler=sampler)
+    params = []
+    for _ in range(n):
+        trial = study.ask()
+        params.append(
+            {
+                "learning_rate": trial.suggest_float("learning_rate", 1e-5, 1e-2, log=True),
+                "r": trial.suggest_categorical("r", [8, 16]),
+            }
+        )
+        study.tell(trial, 0.0)
+    return params
+
+
+# -- measurement helpers ---------------------------------------------------------------------------
+
+
+class Recorder:
+    """Hooks into the engine: chunk timings, tokens, evaluation time, switch latency (synchronized)."""
+
+    def __init__(self) -> None:
+        self.first_report: dict[int, float] = {}
+        self.eval_seconds = 0.0
+        self.train_seconds = 0.0
+        self.tokens = 0
+        self.switches: list[float] = []
+        self._originals: dict[str, Any] = {}
+
+    def __enter__(self) -> Recorder:
+        recorder = self
+        run_chunk, switch_to = TimeSlicedEngine.run_chunk, TimeSlicedEngine._switch_to
+        self._originals = {"run_chunk": run_chunk, "_switch_to": switch_to}
+
+        def timed_run_chunk(engine: TimeSlicedEngine, runtime: Any) -> Any:
+            before = runtime.trainer._total_train_tokens if hasattr(runtime.trainer, "_total_train_tokens") else 0
+            result = run_chunk(engine, runtime)
+            recorder.tokens += runtime.trainer._total_train_tokens - before
+            recorder.eval_seconds += result.eval_seconds
+            recorder.train_seconds += result.train_seconds
+            if result.step == 0:
+                recorder.first_report.setdefault(runtime.spec.number, time.perf_counter())
+            return result
+
+        def timed_switch(engine: TimeSlicedEngine, runtime: Any) -> None:
+            changes = engine._current is not runtime
+            _sync()
+            start = time.perf_counter()
+            switch_to(engine, runtime)
+            _sync()
+            if changes:
+                recorder.switches.append(time.perf_counter() - start)
+
+        TimeSlicedEngine.run_chunk = timed_run_chunk  # type: ignore[method-assign]
+        TimeSlicedEngine._switch_to = timed_switch  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        TimeSlicedEngine.run_chunk = self._originals["run_chunk"]  # type: ignore[method-assign]
+        TimeSlicedEngine._switch_to = self._originals["_switch_to"]  # type: ignore[method-assign]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _peak_memory_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def machine() -> dict[str, Any]:
+    import peft
+    import transformers
+    import trl
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "peft": peft.__version__,
+        "optuna": optuna.__version__,
+        "cpu_count": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+# -- the parts -------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, options: argparse.Namespace) -> None:
+        self.options = options
+        self.smoke = options.smoke
+        self.workdir = Path(tempfile.mkdtemp(prefix="rapidfire-bench-"))
+        self.tokenizer_dir = str(build_tiny_model(self.workdir / "tokenizer", vocab_size=2048))
+        self.device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        self.batch = options.batch
+        self.command = " ".join([sys.executable, "-m", "benchmarks.run", *sys.argv[1:]])
+
+    def save(self, part: str, data: dict[str, Any]) -> None:
+        """Write what a part has so far: a call cut short by a time limit keeps what finished."""
+        write_reports(Path(self.options.out), {part: data}, self.command)
+
+    def rows(self, n: int) -> Any:
+        return load_gsm8k("train", num_rows=n, format="text")
+
+    def eval_rows(self) -> Any:
+        return load_gsm8k("test", num_rows=64 if not self.smoke else 8, format="text")
+
+    def factory(self, shape: str) -> Callable[[], tuple[Any, Any]]:
+        return functools.partial(build_model, shape, self.tokenizer_dir)
+
+    def executor(self, shape: str, rows: int, num_chunks: int, concurrent: int, **kwargs: Any) -> RapidFireExecutor:
+        return RapidFireExecutor(
+            model=self.factory(shape),
+            train_dataset=self.rows(rows),
+            eval_dataset=self.eval_rows(),
+            num_chunks=num_chunks,
+            max_concurrent_trials=concurrent,
+            output_dir=self.workdir / "out",
+            show_progress_bar=False,
+            dashboard_controls=False,
+            **kwargs,
+        )
+
+    # (a) + (b)
+    def throughput(self, shape: str) -> dict[str, Any]:
+        rows, chunks = (256, 8) if not self.smoke else (32, 4)
+        learning_rates = [1e-4, 2e-4, 5e-4, 1e-3]
+        model, tokenizer = build_model(shape, self.tokenizer_dir)
+        base = model
+        sequential = []
+        for lr in learning_rates:
+            peft_model = get_peft_model(base, lora())
+            trainer = SFTTrainer(
+                model=peft_model,
+                args=sft_args(lr, self.batch, output_dir=str(self.workdir / "trl")),
+                train_dataset=self.rows(rows),
+                processing_class=tokenizer,
+            )
+            _sync()
+            start = time.perf_counter()
+            trainer.train()
+            _sync()
+            seconds = time.perf_counter() - start
+            sequential.append({"learning_rate": lr, "seconds": seconds, "tokens": trainer._total_train_tokens})
+            base = peft_model.unload()
+            del trainer, peft_model
+        del model, base
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        seq_tokens = sum(r["tokens"] for r in sequential)
+        seq_seconds = sum(r["seconds"] for r in sequential)
+
+        executor = self.executor(shape, rows, chunks, len(learning_rates))
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        for lr in learning_rates:
+            study.enqueue_trial({"learning_rate": lr, "r": 16})
+        objective_ready = executor.objective(configure_from_params(self.batch))  # loads the model
+        del objective_ready
+        _reset_peak()
+        with Recorder() as recorder:
+            start = time.perf_counter()
+            executor.optimize(study, configure_from_params(self.batch), n_trials=len(learning_rates))
+            wall = time.perf_counter() - start
+        peak = _peak_memory_gb()
+        executor.close()
+        first_decision = max(recorder.first_report.values()) - start
+        # Sequentially, the last config's first chunk ends after every other config has trained fully.
+        seq_first_decision = sum(r["seconds"] for r in sequential[:-1]) + sequential[-1]["seconds"] / chunks
+        train_tps = recorder.tokens / max(recorder.train_seconds + sum(recorder.switches), 1e-9)
+        return {
+            "model": shape,
+            "configs": len(learning_rates),
+            "rows": rows,
+            "num_chunks": chunks,
+            "batch": self.batch,
+            "sequential": {
+                "runs": sequential,
+                "tokens": seq_tokens,
+                "seconds": seq_seconds,
+                "tokens_per_second": seq_tokens / seq_seconds,
+            },
+            "executor": {
+                "tokens": recorder.tokens,
+                "wall_seconds": wall,
+                "train_seconds": recorder.train_seconds,
+                "eval_seconds": recorder.eval_seconds,
+                "eval_share": recorder.eval_seconds / max(recorder.train_seconds + recorder.eval_seconds, 1e-9),
+                "training_tokens_per_second": train_tps,
+                "wall_tokens_per_second": recorder.tokens / wall,
+                "switch_ms_median": statistics.median(recorder.switches) * 1e3 if recorder.switches else None,
+                "switch_ms_p95": _percentile(recorder.switches, 0.95) * 1e3,
+                "switches": len(recorder.switches),
+                "time_to_first_decision_seconds": first_decision,
+                "peak_memory_gb": peak,
+            },
+            "interleaved_over_sequential_throughput": train_tps / (seq_tokens / seq_seconds),
+            "interleaved_over_sequential_throughput_with_eval": (recorder.tokens / wall) / (seq_tokens / seq_seconds),
+            "sequential_time_to_first_decision_seconds": seq_first_decision,
+            "time_to_first_decision_speedup": seq_first_decision / first_decision,
+        }
+
+    # (d)
+    def scale(self, shape: str) -> dict[str, Any]:
+        sizes = [1, 4, 8, 16, 32] if not self.smoke else [1, 2, 4]
+        rows_per_trial_chunk = 32 if not self.smoke else 8
+        results = []
+        for k in sizes:
+            chunks = 16
+            executor = self.executor(shape, rows_per_trial_chunk * chunks, chunks, k)
+            executor.objective(configure_from_params(self.batch))
+            engine = executor._engine
+            assert engine is not None
+            # Room for 8 trials' states on the device: beyond that, idle trials move to pinned CPU memory.
+            executor._engine.state_budget = None if k <= 8 else 8 * _state_bytes(shape)
+            study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+            for i in range(k):
+                study.enqueue_trial({"learning_rate": 1e-4 * (1 + i % 4), "r": 16})
+            configure = functools.partial(_configure_two_chunks, batch=self.batch, chunks=chunks)
+            _reset_peak()
+            with Recorder() as recorder:
+                executor.optimize(study, configure, n_trials=k)
+            results.append(
+                {
+                    "live_trials": k,
+                    "switch_ms_median": statistics.median(recorder.switches) * 1e3 if recorder.switches else None,
+                    "switch_ms_p95": _percentile(recorder.switches, 0.95) * 1e3 if recorder.switches else None,
+                    "switches": len(recorder.switches),
+                    "offloads": engine.offloads,
+                    "peak_memory_gb": _peak_memory_gb(),
+                    "base_memory_gb": engine.resident.base_nbytes() / 2**30,
+                }
+            )
+            executor.close()
+        return {"model": shape, "results": results}
+
+    # (c)
+    def search(self, shape: str) -> dict[str, Any]:
+        sizes = [int(n) for n in self.options.search_sizes.split(",")] if not self.smoke else [4]
+        rows, chunks = (64, 4) if not self.smoke else (16, 2)
+        out = []
+        for n in sizes:
+            params = grid(n)
+            exhaustive = self._sweep(shape, rows, chunks, params, concurrent=1, pruner=optuna.pruners.NopPruner())
+            target = min(exhaustive["final_values"]) * 1.01
+            median = functools.partial(optuna.pruners.MedianPruner, n_startup_trials=4, n_warmup_steps=1)
+            runs = {
+                "exhaustive_sequential": exhaustive,
+                "sequential_pruned": self._sweep(shape, rows, chunks, params, concurrent=1, pruner=median()),
+                "executor_pruned": self._sweep(shape, rows, chunks, params, concurrent=min(8, n), pruner=median()),
+                "executor_pruned_clone": self._sweep(
+                    shape, rows, chunks, None, concurrent=min(8, n), pruner=median(), n_trials=n
+                ),
+            }
+            for run in runs.values():
+                run["time_to_target_seconds"] = _time_to(run["completions"], target)
+            base = runs["executor_pruned"]["time_to_target_seconds"]
+            out.append(
+                {
+                    "configs": n,
+                    "target_eval_loss": target,
+                    "runs": runs,
+                    "speedup_vs_sequential": exhaustive["wall_seconds"] / base if base else None,
+                    "speedup_vs_sequential_pruned": (runs["sequential_pruned"]["time_to_target_seconds"] or math.inf)
+                    / base
+                    if base
+                    else None,
+                }
+            )
+            self.save("search", {"model": shape, "rows": rows, "num_chunks": chunks, "sweeps": out})
+        return {"model": shape, "rows": rows, "num_chunks": chunks, "sweeps": out}
+
+    def _sweep(
+        self,
+        shape: str,
+        rows: int,
+        chunks: int,
+        params: list[dict[str, Any]] | None,
+        concurrent: int,
+        pruner: optuna.pruners.BasePruner,
+        n_trials: int | None = None,
+    ) -> dict[str, Any]:
+        from optuna_rapidfire.samplers import CloneSampler
+
+        executor = self.executor(shape, rows, chunks, concurrent)
+        executor.objective(configure_from_params(self.batch))  # load the model before the clock starts
+        sampler = CloneSampler(optuna.samplers.RandomSampler(seed=0), seed=0) if params is None else None
+        study = optuna.create_study(pruner=pruner, sampler=sampler)
+        for p in params or []:
+            study.enqueue_trial(p)
+        completions: list[tuple[float, float]] = []
+        start = time.perf_counter()
+
+        def on_end(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            if trial.state == optuna.trial.TrialState.COMPLETE and trial.value is not None:
+                completions.append((time.perf_counter() - start, trial.value))
+
+        executor.optimize(
+            study, configure_from_params(self.batch), n_trials=n_trials or len(params or []), callbacks=[on_end]
+        )
+        wall = time.perf_counter() - start
+        executor.close()
+        states = [t.state.name for t in study.trials]
+        return {
+            "wall_seconds": wall,
+            "completions": completions,
+            "final_values": [t.value for t in study.trials if t.value is not None],
+            "pruned": states.count("PRUNED"),
+            "complete": states.count("COMPLETE"),
+            "warm_clones": sum(t.user_attrs.get("rapidfire:clone") == "warm" for t in study.trials),
+        }
+
+    # multi-GPU
+    def multi_gpu(self, shape: str) -> dict[str, Any]:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 2
+        devices: list[str] = [f"cuda:{i}" for i in range(count)] if torch.cuda.is_available() else ["cpu", "cpu"]
+        rows, chunks, configs = (512, 8, 16) if not self.smoke else (32, 2, 4)
+        result: dict[str, Any] = {"model": shape, "configs": configs, "rows": rows, "devices": devices}
+        for label, chosen in (("one_gpu", devices[:1]), ("all_gpus", devices)):
+            url = f"sqlite:///{self.workdir / f'{label}.db'}"
+            study = optuna.create_study(storage=url, study_name=label, pruner=optuna.pruners.NopPruner())
+            for i in range(configs):
+                study.enqueue_trial({"learning_rate": 1e-4 * (1 + i % 4), "r": 16})
+            executor = self.executor(shape, rows, chunks, 8, devices=chosen if len(chosen) > 1 else chosen[0])
+            start = time.perf_counter()
+            executor.optimize(study, configure_from_params(self.batch), n_trials=configs)
+            wall = time.perf_counter() - start
+            trials = study.get_trials()
+            window = max(t.datetime_complete for t in trials) - min(t.datetime_start for t in trials)
+            tokens = configs * _tokens_per_trial(self, rows)
+            result[label] = {
+                "wall_seconds": wall,
+                "trial_window_seconds": window.total_seconds(),
+                "tokens": tokens,
+                "tokens_per_second": tokens / window.total_seconds(),
+                "workers": sorted({t.user_attrs.get("rapidfire:worker", "") for t in trials}),
+            }
+        result["two_gpu_over_one_gpu_throughput"] = (
+            result["all_gpus"]["tokens_per_second"] / result["one_gpu"]["tokens_per_second"]
+        )
+        return result
+
+
+def _configure_two_chunks(trial: optuna.Trial, batch: int, chunks: int) -> tuple[LoraConfig, SFTConfig]:
+    lr = trial.suggest_float("learning_rate", 1e-5, 1e-2, log=True)
+    rank = trial.suggest_categorical("r", [8, 16])
+    return lora(rank), sft_args(lr, batch, num_train_epochs=2 / chunks)
+
+
+def _state_bytes(shape: str) -> int:
+    """Adapter + Adam moments of LoRA r16 on q, k, v, o (fp32), for the budget of the scale part."""
+    s = SHAPES[shape]
+    head = s["hidden_size"] // s["num_attention_heads"]
+    kv = s["num_key_value_heads"] * head
+    per_layer = 16 * (4 * s["hidden_size"] + 2 * s["hidden_size"] + 2 * kv + 2 * s["hidden_size"])
+    return per_layer * s["num_hidden_layers"] * 4 * 3
+
+
+def _tokens_per_trial(bench: Bench, rows: int) -> int:
+    """Training tokens of one trial: packed 512-token rows, as many as the data fills."""
+    tokenizer = AutoTokenizer.from_pretrained(bench.tokenizer_dir)
+    text = bench.rows(rows)["text"]
+    return sum(len(tokenizer(t + tokenizer.eos_token)["input_ids"]) for t in text)
+
+
+def _time_to(completions: list[tuple[float, float]], target: float) -> float | None:
+    best = math.inf
+    for seconds, value in sorted(completions):
+        best = min(best, value)
+        if best <= target:
+            return seconds
+    return None
+
+
+# -- reports ---------------------------------------------------------------------------------------
+
+
+def write_reports(out: Path, results: dict[str, Any], command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    for name, data in results.items():
+        (out / f"{name}.json").write_text(json.dumps({"command": command, "machine": info, **data}, indent=1))
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary["device"] = (info.get("gpus") or ["cpu"])[0]
+    throughput = results.get("throughput")
+    if throughput:
+        main = throughput["runs"][0]
+        summary["switch_latency_ms_median"] = main["executor"]["switch_ms_median"]
+        summary["switch_latency_ms_p95"] = main["executor"]["switch_ms_p95"]
+        summary["interleaved_over_sequential_throughput"] = main["interleaved_over_sequential_throughput"]
+        summary["interleaved_over_sequential_throughput_with_eval"] = main[
+            "interleaved_over_sequential_throughput_with_eval"
+        ]
+        summary["eval_share_of_chunk_time"] = main["executor"]["eval_share"]
+        summary["time_to_first_decision_speedup"] = main["time_to_first_decision_speedup"]
+    search = results.get("search")
+    if search:
+        largest = search["sweeps"][-1]
+        summary["time_to_best_speedup_vs_sequential"] = largest["speedup_vs_sequential"]
+        summary["time_to_best_speedup_vs_sequential_pruned"] = largest["speedup_vs_sequential_pruned"]
+    multi = results.get("multi_gpu")
+    if multi:
+        summary["two_gpu_over_one_gpu_throughput"] = multi["two_gpu_over_one_gpu_throughput"]
+    summary["machine"] = info
+    summary_path.write_text(json.dumps(summary, indent=1))
+    (out / "results.md").write_text(_markdown(out))
+    _plots(out)
+
+
+def _markdown(out: Path) -> str:
+    def load(name: str) -> dict[str, Any] | None:
+        path = out / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    lines = ["# Benchmark results", ""]
+    summary = load("summary") or {}
+    lines += [f"Device: {summary.get('device')}", "", "| summary | value |", "|---|---|"]
+    for key, value in summary.items():
+        if key != "machine":
+            lines.append(f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |")
+    data = load("throughput")
+    if data:
+        lines += [
+            "",
+            "## Throughput (4 configs, sequential TRL vs interleaved)",
+            "",
+            "| model | sequential tok/s | interleaved tok/s (training) | ratio | ratio incl. eval | "
+            "switch ms median / p95 | first decision s (seq / ours) | peak GB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in data["runs"]:
+            e = r["executor"]
+            seq_tps, ratio_eval = (
+                r["sequential"]["tokens_per_second"],
+                r["interleaved_over_sequential_throughput_with_eval"],
+            )
+            lines.append(
+                f"| {r['model']} | {seq_tps:.0f} | {e['training_tokens_per_second']:.0f} | "
+                f"{r['interleaved_over_sequential_throughput']:.3f} | {ratio_eval:.3f} | "
+                f"{e['switch_ms_median']:.2f} / {e['switch_ms_p95']:.2f} | "
+                f"{r['sequential_time_to_first_decision_seconds']:.1f} / {e['time_to_first_decision_seconds']:.1f} | "
+                f"{e['peak_memory_gb']:.2f} |"
+            )
+    data = load("scale")
+    if data:
+        lines += [
+            "",
+            f"## Scale ({data['model']})",
+            "",
+            "| live trials | switch ms median | p95 | offloads | peak GB |",
+            "|---|---|---|---|---|",
+        ]
+        for r in data["results"]:
+            median = "-" if r["switch_ms_median"] is None else f"{r['switch_ms_median']:.2f}"
+            p95 = "-" if r["switch_ms_p95"] is None else f"{r['switch_ms_p95']:.2f}"
+            lines.append(f"| {r['live_trials']} | {median} | {p95} | {r['offloads']} | {r['peak_memory_gb']:.2f} |")
+    data = load("search")
+    if data:
+        lines += [
+            "",
+            f"## Search efficiency ({data['model']})",
+            "",
+            "| configs | exhaustive s | sequential+pruner s | executor+pruner s | executor+pruner+clone s | "
+            "speedup vs exhaustive | vs sequential+pruner |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for sweep in data["sweeps"]:
+            runs = sweep["runs"]
+
+            def fmt(value: float | None) -> str:
+                return "not reached" if value is None else f"{value:.1f}"
+
+            speed = "-" if sweep["speedup_vs_sequential"] is None else f"{sweep['speedup_vs_sequential']:.2f}x"
+            speed_p = (
+                "-"
+                if sweep["speedup_vs_sequential_pruned"] is None
+                else f"{sweep['speedup_vs_sequential_pruned']:.2f}x"
+            )
+            lines.append(
+                f"| {sweep['configs']} | {runs['exhaustive_sequential']['wall_seconds']:.1f} | "
+                f"{fmt(runs['sequential_pruned']['time_to_target_seconds'])} | "
+                f"{fmt(runs['executor_pruned']['time_to_target_seconds'])} | "
+                f"{fmt(runs['executor_pruned_clone']['time_to_target_seconds'])} | {speed} | {speed_p} |"
+            )
+    data = load("multi_gpu")
+    if data:
+        lines += [
+            "",
+            f"## Several GPUs ({data['model']}, {data['configs']} configs)",
+            "",
+            "| | tokens/s | trial window s |",
+            "|---|---|---|",
+        ]
+        for label in ("one_gpu", "all_gpus"):
+            lines.append(
+                f"| {label} | {data[label]['tokens_per_second']:.0f} | {data[label]['trial_window_seconds']:.1f} |"
+            )
+        lines.append(f"\nRatio: {data['two_gpu_over_one_gpu_throughput']:.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def _plots(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scale_path = out / "scale.json"
+    throughput_path = out / "throughput.json"
+    if not (scale_path.exists() or throughput_path.exists()):
+        return
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if throughput_path.exists():
+        runs = json.loads(throughput_path.read_text())["runs"]
+        names = [r["model"] for r in runs]
+        seq = [r["sequential"]["tokens_per_second"] for r in runs]
+        ours = [r["executor"]["training_tokens_per_second"] for r in runs]
+        x = range(len(names))
+        axes[0].bar([i - 0.2 for i in x], seq, width=0.4, label="sequential TRL")
+        axes[0].bar([i + 0.2 for i in x], ours, width=0.4, label="optuna-rapidfire (interleaved)")
+        axes[0].set_xticks(list(x), names)
+        axes[0].set_ylabel("training tokens / s")
+        axes[0].legend()
+        axes[0].set_title("Throughput, 4 configs")
+    if scale_path.exists():
+        results = json.loads(scale_path.read_text())["results"]
+        ks = [r["live_trials"] for r in results if r["switch_ms_median"] is not None]
+        axes[1].plot(
+            ks,
+            [r["switch_ms_median"] for r in results if r["switch_ms_median"] is not None],
+            "o-",
+            label="switch median (ms)",
+        )
+        axes[1].plot(
+            ks, [r["switch_ms_p95"] for r in results if r["switch_ms_p95"] is not None], "s--", label="switch p95 (ms)"
+        )
+        axes[1].set_xlabel("live trials")
+        axes[1].set_ylabel("ms")
+        twin = axes[1].twinx()
+        twin.plot(
+            [r["live_trials"] for r in results],
+            [r["peak_memory_gb"] for r in results],
+            "^:",
+            color="gray",
+            label="peak GB",
+        )
+        twin.set_ylabel("peak GPU memory (GB)")
+        axes[1].legend(loc="upper left")
+        axes[1].set_title("Switch latency and memory vs live trials")
+    figure.tight_layout()
+    figure.savefig(out / "performance.png", dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="throughput,scale", help="throughput, scale, search, multi_gpu or all")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--batch", type=int, default=4, help="per-trial batch of 512-token rows")
+    parser.add_argument("--search-sizes", default="8,16,32", help="numbers of configs the search part sweeps")
+    parser.add_argument("--smoke", action="store_true", help="tiny model and sizes: a CPU dry run of the harness")
+    options = parser.parse_args(argv)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    parts = ["throughput", "scale", "search", "multi_gpu"] if options.parts == "all" else options.parts.split(",")
+    bench = Bench(options)
+    shapes = ["tiny"] if options.smoke else ["llama-3.2-1b", "tinyllama-1.1b"]
+    results: dict[str, Any] = {}
+    for part in parts:
+        start = time.perf_counter()
+        if part == "throughput":
+            results[part] = {"runs": [bench.throughput(shape) for shape in shapes]}
+        elif part in ("scale", "search", "multi_gpu"):
+            results[part] = getattr(bench, part)(shapes[0])
+        else:
+            raise SystemExit(f"unknown part {part!r}")
+        results[part]["seconds"] = time.perf_counter() - start
+        print(f"{part}: {results[part]['seconds']:.1f} s", flush=True)
+        write_reports(
+            Path(options.out),
+            {part: results[part]},
+            " ".join([sys.executable, "-m", "benchmarks.run", *(argv or sys.argv[1:])]),
+        )
+
+
+if __name__ == "__main__":
+    main()
