@@ -722,7 +722,10 @@ def main(argv: list[str] | None = None) -> None:
     for part in parts:
         start = time.perf_counter()
         if part == "throughput":
-            results[part] = {"runs": [bench.throughput(shape) for shape in shapes]}
+            results[part] = {"runs": []}
+            for shape in shapes:
+                results[part]["runs"].append(bench.throughput(shape))
+                bench.save(part, results[part])
         elif part in ("scale", "search", "multi_gpu"):
             results[part] = getattr(bench, part)(shapes[0])
         else:
