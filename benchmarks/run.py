@@ -467,7 +467,7 @@ class Bench:
     def multi_gpu(self, shape: str) -> dict[str, Any]:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 2
         devices: list[str] = [f"cuda:{i}" for i in range(count)] if torch.cuda.is_available() else ["cpu", "cpu"]
-        rows, chunks, configs = (512, 8, 16) if not self.smoke else (32, 2, 4)
+        rows, chunks, configs = (256, 8, 16) if not self.smoke else (32, 2, 4)
         result: dict[str, Any] = {"model": shape, "configs": configs, "rows": rows, "devices": devices}
         for label, chosen in (("one_gpu", devices[:1]), ("all_gpus", devices)):
             url = f"sqlite:///{self.workdir / f'{label}.db'}"
