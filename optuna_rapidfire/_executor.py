@@ -207,6 +207,7 @@ class RapidFireExecutor:
         self._devices = resolve_devices(devices)
         self._device = self._devices[0]
         self._worker_label = str(self._device)
+        self._trial_tickets: Any = None  # set in worker processes: the trials left to start, shared
         self._several_explicit = len(self._devices) > 1 and not (isinstance(devices, str) and devices == "auto")
         self._budget_setting = state_memory_budget
         self.show_progress_bar = show_progress_bar
@@ -302,6 +303,7 @@ class RapidFireExecutor:
         objective = self.objective(configure)
         first_wave = self.max_concurrent_trials if n_trials is None else min(n_trials, self.max_concurrent_trials)
         self._scheduler.expect(first_wave)
+        tickets = self._trial_tickets  # several worker processes share one count of trials to start
         self._call_error = None
         self._progress = Progress(self.show_progress_bar, total_trials=n_trials)
         self._pool = TrialPool(
@@ -317,6 +319,7 @@ class RapidFireExecutor:
             end_paused=self._end_paused,
             pause_grace=self.pause_grace_seconds,
             externally_finished=lambda number: number in self._externally_finished,
+            take_ticket=tickets.take if tickets is not None else None,
         )
         try:
             self._pool.run()

@@ -126,6 +126,8 @@ class TrialPool:
             ``end_paused``.
         externally_finished: Whether the trial ``number`` was finished from outside (dashboard "Fail
             Trial"): Optuna's tell then raises, and the pool goes on instead of failing.
+        take_ticket: With several worker processes, takes one of the trials left to start among all
+            of them (``False``: none is left), so a worker that started late takes fewer trials.
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class TrialPool:
         end_paused: Callable[[], None],
         pause_grace: float,
         externally_finished: Callable[[int], bool],
+        take_ticket: Callable[[], bool] | None = None,
     ) -> None:
         self.study = study
         self.objective = objective
@@ -156,6 +159,7 @@ class TrialPool:
         self._end_paused = end_paused
         self._pause_grace = pause_grace
         self._externally_finished = externally_finished
+        self._take_ticket = take_ticket
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._stop = False
@@ -171,6 +175,9 @@ class TrialPool:
                 self.slots.wait_for_change(0.5)
                 continue
             self.slots.acquire()
+            if self._take_ticket is not None and not self._take_ticket():
+                self.slots.release()
+                break
             thread = threading.Thread(target=self._one_trial, name=f"rapidfire-trial-{started}", daemon=True)
             with self._lock:
                 self._threads.append(thread)

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import tempfile
 import time
 import traceback
 from typing import TYPE_CHECKING, Any
@@ -54,12 +55,21 @@ def open_storage(spec: tuple[str, str]) -> Any:
     return JournalStorage(JournalFileBackend(where))
 
 
-def shares(n_trials: int | None, workers: int) -> list[int | None]:
-    """Split ``n_trials`` among ``workers`` as evenly as possible (``None``: each runs until stopped)."""
-    if n_trials is None:
-        return [None] * workers
-    base, extra = divmod(n_trials, workers)
-    return [base + (1 if i < extra else 0) for i in range(workers)]
+class Tickets:
+    """The number of trials left to start, shared by the worker processes: each takes one per trial.
+
+    A worker that loads its model late (or trains a slower device) simply takes fewer trials.
+    """
+
+    def __init__(self, context: Any, n_trials: int) -> None:
+        self._left = context.Value("q", n_trials)
+
+    def take(self) -> bool:
+        with self._left.get_lock():
+            if self._left.value <= 0:
+                return False
+            self._left.value -= 1
+            return True
 
 
 @contextlib.contextmanager
@@ -108,22 +118,28 @@ def run_workers(
             ) from None
     context = multiprocessing.get_context("spawn")
     results: Any = context.Queue()
+    n_trials = optimize_kwargs["n_trials"]
+    tickets = Tickets(context, n_trials) if n_trials is not None else None
     started = time.time()
     processes = []
-    for index, (device, share) in enumerate(
-        zip(devices, shares(optimize_kwargs["n_trials"], len(devices)), strict=True)
-    ):
-        if share == 0:
-            continue
-        visible = {"CUDA_VISIBLE_DEVICES": str(device.index)} if device.type == "cuda" else {}
-        local = "cuda:0" if device.type == "cuda" else "cpu"
-        job = {**payload, "n_trials": share, "device": local, "label": str(device)}
-        with _environ(visible):
-            process = context.Process(target=_worker_main, args=(index, job, results), name=f"rapidfire-{device}")
-            process.start()
-        processes.append((index, device, process))
-        _logger.info("Worker %d started on %s (pid %d) for %s trials.", index, device, process.pid, share or "all")
-    _wait(processes, results, study, started, show_progress_bar)
+    # The job goes through a file: a large one (datasets, a model object) sent through the process's
+    # pipe would hold its start() until the child had imported torch, so workers would start in turn.
+    with tempfile.TemporaryDirectory(prefix="rapidfire-workers-") as folder:
+        job_path = os.path.join(folder, "job.pkl")
+        with open(job_path, "wb") as handle:
+            pickle.dump(payload, handle)
+        for index, device in enumerate(devices):
+            visible = {"CUDA_VISIBLE_DEVICES": str(device.index)} if device.type == "cuda" else {}
+            local = "cuda:0" if device.type == "cuda" else "cpu"
+            job = {"path": job_path, "device": local, "label": str(device)}
+            with _environ(visible):
+                process = context.Process(
+                    target=_worker_main, args=(index, job, tickets, results), name=f"rapidfire-{device}"
+                )
+                process.start()
+            processes.append((index, device, process))
+            _logger.info("Worker %d started on %s (pid %d).", index, device, process.pid)
+        _wait(processes, results, study, started, show_progress_bar)
 
 
 def _wait(
@@ -163,28 +179,31 @@ def _wait(
 _FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
 
 
-def _worker_main(index: int, job: dict[str, Any], results: Any) -> None:
-    """Body of a worker process: one executor on one device, its share of the trials."""
+def _worker_main(index: int, job: dict[str, Any], tickets: Tickets | None, results: Any) -> None:
+    """Body of a worker process: one executor on one device, taking trials while any are left."""
     try:
         from optuna_rapidfire._executor import RapidFireExecutor
 
+        with open(job["path"], "rb") as handle:
+            payload = pickle.load(handle)
         study = optuna.load_study(
-            study_name=job["study_name"],
-            storage=open_storage(job["spec"]),
-            sampler=job["sampler"],
-            pruner=job["pruner"],
+            study_name=payload["study_name"],
+            storage=open_storage(payload["spec"]),
+            sampler=payload["sampler"],
+            pruner=payload["pruner"],
         )
-        executor = RapidFireExecutor(**job["init_kwargs"], devices=job["device"])
+        executor = RapidFireExecutor(**payload["init_kwargs"], devices=job["device"])
         executor._worker_label = job["label"]
+        executor._trial_tickets = tickets
         with executor:
             executor.optimize(
                 study,
-                job["configure"],
-                n_trials=job["n_trials"],
-                timeout=job["timeout"],
-                callbacks=job["callbacks"],
-                catch=job["catch"],
-                gc_after_trial=job["gc_after_trial"],
+                payload["configure"],
+                n_trials=payload["n_trials"],
+                timeout=payload["timeout"],
+                callbacks=payload["callbacks"],
+                catch=payload["catch"],
+                gc_after_trial=payload["gc_after_trial"],
             )
         results.put((index, None))
     except BaseException:

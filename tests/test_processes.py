@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import optuna
@@ -10,7 +11,7 @@ from conftest import lora, sft_args
 from optuna.trial import TrialState
 
 from optuna_rapidfire import RapidFireExecutor, _attrs
-from optuna_rapidfire._processes import shares
+from optuna_rapidfire._processes import Tickets
 
 
 def configure(trial: optuna.Trial):
@@ -64,7 +65,6 @@ def test_several_devices_need_a_shared_storage_and_picklable_arguments(tiny_mode
         executor.objective(configure)
 
 
-def test_trial_shares() -> None:
-    assert shares(5, 2) == [3, 2]
-    assert shares(1, 3) == [1, 0, 0]
-    assert shares(None, 2) == [None, None]
+def test_tickets_count_the_trials_left_to_start_across_processes() -> None:
+    tickets = Tickets(multiprocessing.get_context("spawn"), 3)
+    assert [tickets.take() for _ in range(5)] == [True, True, True, False, False]
