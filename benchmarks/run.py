@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import math
 import os
@@ -210,6 +211,14 @@ def _peak_memory_gb() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
+def _drop(executor: RapidFireExecutor) -> None:
+    """Close the executor and free its model now, so the next run's peak memory is its own."""
+    executor.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _reset_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -327,7 +336,7 @@ class Bench:
             executor.optimize(study, configure_from_params(self.batch), n_trials=len(learning_rates))
             wall = time.perf_counter() - start
         peak = _peak_memory_gb()
-        executor.close()
+        _drop(executor)
         first_decision = max(recorder.first_report.values()) - start
         # Sequentially, the last config's first chunk ends after every other config has trained fully.
         seq_first_decision = sum(r["seconds"] for r in sequential[:-1]) + sequential[-1]["seconds"] / chunks
@@ -395,7 +404,7 @@ class Bench:
                     "base_memory_gb": engine.resident.base_nbytes() / 2**30,
                 }
             )
-            executor.close()
+            _drop(executor)
         return {"model": shape, "results": results}
 
     # (c)
@@ -463,7 +472,7 @@ class Bench:
             study, configure_from_params(self.batch), n_trials=n_trials or len(params or []), callbacks=[on_end]
         )
         wall = time.perf_counter() - start
-        executor.close()
+        _drop(executor)
         states = [t.state.name for t in study.trials]
         return {
             "wall_seconds": wall,
@@ -540,14 +549,29 @@ def _time_to(completions: list[tuple[float, float]], target: float) -> float | N
 
 
 def write_reports(out: Path, results: dict[str, Any], command: str) -> None:
+    """Write ``<part>.json`` for each part in ``results``, then rebuild the summary, table and plot."""
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
     for name, data in results.items():
         (out / f"{name}.json").write_text(json.dumps({"command": command, "machine": info, **data}, indent=1))
-    summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    summary["device"] = (info.get("gpus") or ["cpu"])[0]
-    throughput = results.get("throughput")
+    rebuild(out)
+
+
+def rebuild(out: Path) -> None:
+    """``summary.json``, ``results.md`` and ``performance.png`` from the part JSONs in ``out``.
+
+    Parts may come from separate runs (one GPU, then two): each keeps its own command and machine.
+    """
+
+    def load(name: str) -> dict[str, Any] | None:
+        path = out / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    summary: dict[str, Any] = {}
+    parts = {name: load(name) for name in ("throughput", "scale", "search", "multi_gpu")}
+    first = next((data for data in parts.values() if data), None)
+    summary["device"] = ((first or {}).get("machine", {}).get("gpus") or ["cpu"])[0]
+    throughput = parts["throughput"]
     if throughput:
         main = throughput["runs"][0]
         summary["switch_latency_ms_median"] = main["executor"]["switch_ms_median"]
@@ -558,16 +582,18 @@ def write_reports(out: Path, results: dict[str, Any], command: str) -> None:
         ]
         summary["eval_share_of_chunk_time"] = main["executor"]["eval_share"]
         summary["time_to_first_decision_speedup"] = main["time_to_first_decision_speedup"]
-    search = results.get("search")
+    search = parts["search"]
     if search:
         largest = search["sweeps"][-1]
         summary["time_to_best_speedup_vs_sequential"] = largest["speedup_vs_sequential"]
         summary["time_to_best_speedup_vs_sequential_pruned"] = largest["speedup_vs_sequential_pruned"]
-    multi = results.get("multi_gpu")
+    multi = parts["multi_gpu"]
     if multi:
         summary["two_gpu_over_one_gpu_throughput"] = multi["two_gpu_over_one_gpu_throughput"]
-    summary["machine"] = info
-    summary_path.write_text(json.dumps(summary, indent=1))
+        summary["two_gpu_over_one_gpu_wall"] = multi["one_gpu"]["wall_seconds"] / multi["all_gpus"]["wall_seconds"]
+    summary["machines"] = {name: data["machine"] for name, data in parts.items() if data}
+    summary["commands"] = {name: data["command"] for name, data in parts.items() if data}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "results.md").write_text(_markdown(out))
     _plots(out)
 
@@ -581,7 +607,7 @@ def _markdown(out: Path) -> str:
     summary = load("summary") or {}
     lines += [f"Device: {summary.get('device')}", "", "| summary | value |", "|---|---|"]
     for key, value in summary.items():
-        if key != "machine":
+        if key not in ("machines", "commands"):
             lines.append(f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |")
     data = load("throughput")
     if data:
@@ -653,12 +679,14 @@ def _markdown(out: Path) -> str:
             "",
             f"## Several GPUs ({data['model']}, {data['configs']} configs)",
             "",
-            "| | tokens/s | trial window s |",
-            "|---|---|---|",
+            "| | tokens/s (first trial start to last trial end) | trial window s | wall s (incl. process start) |",
+            "|---|---|---|---|",
         ]
         for label in ("one_gpu", "all_gpus"):
+            run = data[label]
             lines.append(
-                f"| {label} | {data[label]['tokens_per_second']:.0f} | {data[label]['trial_window_seconds']:.1f} |"
+                f"| {label} | {run['tokens_per_second']:.0f} | {run['trial_window_seconds']:.1f} | "
+                f"{run['wall_seconds']:.1f} |"
             )
         lines.append(f"\nRatio: {data['two_gpu_over_one_gpu_throughput']:.2f}")
     return "\n".join(lines) + "\n"
@@ -722,8 +750,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--batch", type=int, default=4, help="per-trial batch of 512-token rows")
     parser.add_argument("--search-sizes", default="8,16,32", help="numbers of configs the search part sweeps")
+    parser.add_argument(
+        "--rebuild", action="store_true", help="only rebuild summary, table and plot from the JSONs in --out"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model and sizes: a CPU dry run of the harness")
     options = parser.parse_args(argv)
+    if options.rebuild:
+        rebuild(Path(options.out))
+        return
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     parts = ["throughput", "scale", "search", "multi_gpu"] if options.parts == "all" else options.parts.split(",")
