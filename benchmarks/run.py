@@ -1,7 +1,7 @@
 """optuna-rapidfire benchmarks: sequential TRL against the executor, on one machine, in one run.
 
-    python -m benchmarks.run --parts throughput,scale --out benchmarks/results     # one GPU
-    python -m benchmarks.run --parts search --out benchmarks/results               # one GPU
+    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.run --parts throughput,scale --out benchmarks/results
+    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.run --parts search --out benchmarks/results
     python -m benchmarks.run --parts multi_gpu --out benchmarks/results            # two GPUs
     python -m benchmarks.run --smoke --parts all --out /tmp/bench                  # CPU, tiny model, minutes
 
@@ -761,6 +761,15 @@ def main(argv: list[str] | None = None) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     parts = ["throughput", "scale", "search", "multi_gpu"] if options.parts == "all" else options.parts.split(",")
+    unknown = sorted(set(parts) - {"throughput", "scale", "search", "multi_gpu"})
+    if unknown:
+        raise SystemExit(f"unknown parts {unknown}: choose among throughput, scale, search, multi_gpu, all")
+    one_gpu_parts = [p for p in parts if p != "multi_gpu"]
+    if one_gpu_parts and torch.cuda.device_count() > 1:
+        raise SystemExit(
+            f"{', '.join(one_gpu_parts)} measure one GPU (TRL's trainer would use DataParallel over "
+            f"{torch.cuda.device_count()}): run them with CUDA_VISIBLE_DEVICES=0, and multi_gpu separately."
+        )
     bench = Bench(options)
     shapes = ["tiny"] if options.smoke else ["llama-3.2-1b", "tinyllama-1.1b"]
     results: dict[str, Any] = {}
