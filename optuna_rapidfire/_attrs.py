@@ -62,3 +62,17 @@ COMMAND_PREFIX = PREFIX + "command:"
 
 DONE_PREFIX = PREFIX + "done:"
 """Study system attrs marking a command as applied (so none is applied twice)."""
+
+RESUMED_FROM_STEP = PREFIX + "resumed_from_step"
+"""On the retry of a trial whose worker died: the chunks it continued from (its predecessor's checkpoint);
+it trained only the chunks after them."""
+
+RETRY_OF = PREFIX + "retry_of"
+"""On a retry: the number of the trial whose worker died."""
+
+RESUME_FAILED = PREFIX + "resume_failed"
+"""On a retry that had to start from scratch: why its predecessor's checkpoint could not be used."""
+
+CHECKPOINT = PREFIX + "checkpoint"
+"""System attr: the trial's latest per-chunk checkpoint in the artifact store, ``{"artifact_id", "step",
+"sha256", "bytes"}``. Optuna's retry of a stale trial copies it to the retry, which resumes from it."""

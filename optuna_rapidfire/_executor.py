@@ -13,6 +13,7 @@ import torch
 from optuna.study import StudyDirection
 
 from optuna_rapidfire import _attrs
+from optuna_rapidfire._checkpoints import Checkpoints, default_store
 from optuna_rapidfire._commands import register_dashboard_form
 from optuna_rapidfire._data import ChunkPlan, PreparedData
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
@@ -121,6 +122,13 @@ class RapidFireExecutor:
         poll_seconds: How often a paused trial checks the storage for a resume or delete.
         pause_grace_seconds: When only paused trials are left in :meth:`optimize`, how long to wait for
             a resume before finishing them as PRUNED (their state is kept for clones).
+        artifact_store: Where each trial's state is checkpointed after every chunk (adapter weights and
+            optimizer moments as safetensors; schedule, RNG and data position as JSON), linked from the
+            trial: any Optuna artifact store (``FileSystemArtifactStore``, ``Boto3ArtifactStore``, ...).
+            Optuna's retry of a trial whose worker died (``RetryHeartbeatStaleTrialCallback``) resumes
+            from it on any worker, and warm clones of trials that ran elsewhere start from it. ``"auto"``:
+            a folder beside an SQLite or journal-file storage (``<file>.artifacts``), else
+            ``output_dir/artifacts``. ``None``: no checkpoints (a retry then starts from scratch).
     """
 
     def __init__(
@@ -148,6 +156,7 @@ class RapidFireExecutor:
         dashboard_controls: bool = True,
         poll_seconds: float = 1.0,
         pause_grace_seconds: float = 120.0,
+        artifact_store: Any = "auto",
     ) -> None:
         # Everything but the devices, to build one executor per device in worker processes.
         self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "devices")}
@@ -181,6 +190,17 @@ class RapidFireExecutor:
             raise ValueError(f"poll_seconds must be positive, but got {poll_seconds=}.")
         if not pause_grace_seconds >= 0:
             raise ValueError(f"pause_grace_seconds must not be negative, but got {pause_grace_seconds=}.")
+        if isinstance(artifact_store, str) and artifact_store != "auto":
+            raise ValueError(
+                f"artifact_store must be 'auto', None or an Optuna artifact store, but got {artifact_store=}."
+            )
+        if not isinstance(artifact_store, str) and artifact_store is not None:
+            missing = [m for m in ("write", "open_reader", "remove") if not callable(getattr(artifact_store, m, None))]
+            if missing:
+                raise TypeError(
+                    f"artifact_store must be an Optuna artifact store (FileSystemArtifactStore, Boto3ArtifactStore, "
+                    f"...), but {type(artifact_store).__name__} has no {', '.join(missing)}."
+                )
 
         self._plan = ChunkPlan(num_rows=len(train_dataset), num_chunks=num_chunks, seed=seed)
         self._model_source = model
@@ -221,6 +241,8 @@ class RapidFireExecutor:
         self._poll_seconds = poll_seconds
         self.dashboard_controls = dashboard_controls
         self.pause_grace_seconds = pause_grace_seconds
+        self._artifact_setting = artifact_store
+        self._checkpoint_stores: dict[str, Checkpoints | None] = {}
         self._scheduler = Scheduler()
         self._scheduler.expect(max_concurrent_trials)
         self._worker: DeviceWorker | None = None
@@ -268,6 +290,7 @@ class RapidFireExecutor:
         callbacks: Iterable[Callable[[optuna.Study, optuna.trial.FrozenTrial], None]] | None = None,
         catch: Iterable[type[Exception]] | type[Exception] = (),
         gc_after_trial: bool = False,
+        study_trials: int | None = None,
     ) -> None:
         """Run ``n_trials`` trials of ``configure`` on ``study``, ``max_concurrent_trials`` at a time.
 
@@ -277,9 +300,17 @@ class RapidFireExecutor:
         cleanly while the study goes on. ``timeout`` stops new trials from starting, as in Optuna.
         Trials still paused ``pause_grace_seconds`` after nothing else is left to run are finished as
         PRUNED (their state is kept for clones).
+
+        ``study_trials`` is for several workers (processes or machines) sharing one study: run until
+        the study, all workers together, has that many COMPLETE or PRUNED trials, and stay while
+        trials run elsewhere, so that the retries of a dead worker's trials (with heartbeats and
+        ``RetryHeartbeatStaleTrialCallback``) find a live worker. Each worker may start a few trials
+        more than needed when they start at the same moment.
         """
         if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
             raise ValueError(f"n_trials must be None or a positive integer, but got {n_trials=}.")
+        if study_trials is not None and (not isinstance(study_trials, int) or study_trials < 1):
+            raise ValueError(f"study_trials must be None or a positive integer, but got {study_trials=}.")
         catch = tuple(catch) if isinstance(catch, Iterable) else (catch,)
         self._check_study(study)
         if len(self._devices) > 1:
@@ -296,12 +327,14 @@ class RapidFireExecutor:
                     "callbacks": list(callbacks or []),
                     "catch": catch,
                     "gc_after_trial": gc_after_trial,
+                    "study_trials": study_trials,
                 },
                 self.show_progress_bar,
             )
             return
         objective = self.objective(configure)
-        first_wave = self.max_concurrent_trials if n_trials is None else min(n_trials, self.max_concurrent_trials)
+        budget = n_trials if n_trials is not None else study_trials
+        first_wave = self.max_concurrent_trials if budget is None else min(budget, self.max_concurrent_trials)
         self._scheduler.expect(first_wave)
         tickets = self._trial_tickets  # several worker processes share one count of trials to start
         self._call_error = None
@@ -320,6 +353,7 @@ class RapidFireExecutor:
             pause_grace=self.pause_grace_seconds,
             externally_finished=lambda number: number in self._externally_finished,
             take_ticket=tickets.take if tickets is not None else None,
+            target=study_trials,
         )
         try:
             self._pool.run()
@@ -444,6 +478,20 @@ class RapidFireExecutor:
         _logger.warning(message)
 
     # -- what the trial drivers share ---------------------------------------------------------------
+
+    def _checkpoints(self, study: optuna.Study) -> Checkpoints | None:
+        """The study's per-chunk checkpoint store (``None``: checkpoints are off)."""
+        with self._notes_lock:
+            if study.study_name not in self._checkpoint_stores:
+                setting = self._artifact_setting
+                if setting is None:
+                    store = None
+                elif setting == "auto":
+                    store = Checkpoints(default_store(study, self.output_dir))
+                else:
+                    store = Checkpoints(setting)
+                self._checkpoint_stores[study.study_name] = store
+            return self._checkpoint_stores[study.study_name]
 
     def _check_study(self, study: optuna.Study) -> None:
         if len(study.directions) > 1:

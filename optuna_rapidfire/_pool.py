@@ -17,14 +17,17 @@ import threading
 import time
 from typing import IO, TYPE_CHECKING, Any
 
+import optuna
+from optuna.storages._heartbeat import is_heartbeat_enabled
+from optuna.trial import TrialState
+
 from optuna_rapidfire._logging import get_logger
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    import optuna
-
 _logger = get_logger(__name__)
+_WAIT_SECONDS = 1.0  # how often a worker waiting for the study's end looks at the storage
 
 
 class Slots:
@@ -126,6 +129,8 @@ class TrialPool:
             ``end_paused``.
         externally_finished: Whether the trial ``number`` was finished from outside (dashboard "Fail
             Trial"): Optuna's tell then raises, and the pool goes on instead of failing.
+        target: Run until the study (all workers together) has this many COMPLETE or PRUNED trials,
+            and nothing is left running elsewhere that could still come back as a retry.
         take_ticket: With several worker processes, takes one of the trials left to start among all
             of them (``False``: none is left), so a worker that started late takes fewer trials.
     """
@@ -146,6 +151,7 @@ class TrialPool:
         pause_grace: float,
         externally_finished: Callable[[int], bool],
         take_ticket: Callable[[], bool] | None = None,
+        target: int | None = None,
     ) -> None:
         self.study = study
         self.objective = objective
@@ -160,6 +166,7 @@ class TrialPool:
         self._pause_grace = pause_grace
         self._externally_finished = externally_finished
         self._take_ticket = take_ticket
+        self.target = target
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._stop = False
@@ -174,6 +181,13 @@ class TrialPool:
             if self.slots.free() <= 0:
                 self.slots.wait_for_change(0.5)
                 continue
+            if self.target is not None:
+                verdict = self._target_verdict()
+                if verdict == "done":
+                    break
+                if verdict == "wait":
+                    self.slots.wait_for_change(_WAIT_SECONDS)
+                    continue
             self.slots.acquire()
             if self._take_ticket is not None and not self._take_ticket():
                 self.slots.release()
@@ -203,6 +217,24 @@ class TrialPool:
             thread.join()
         if self._error is not None:
             raise self._error
+
+    def _target_verdict(self) -> str:
+        """With ``target``: ``start`` a trial, ``wait`` (another worker's trials may still need a retry),
+        or ``done`` (the study has ``target`` COMPLETE or PRUNED trials and nothing is left to run)."""
+        storage = self.study._storage
+        if is_heartbeat_enabled(storage):
+            # Optuna does this when a trial starts; a worker waiting for the study's end does it too, so
+            # the trials of a dead worker come back (as retries) while others can take them.
+            optuna.storages.fail_stale_trials(self.study)
+        trials = storage.get_all_trials(self.study._study_id, deepcopy=False)
+        states = [t.state for t in trials]
+        finished = states.count(TrialState.COMPLETE) + states.count(TrialState.PRUNED)
+        running = states.count(TrialState.RUNNING)
+        if TrialState.WAITING in states or finished + running < (self.target or 0):
+            return "start"
+        with self._lock:
+            mine = sum(t.is_alive() for t in self._threads)
+        return "wait" if running > mine else "done"
 
     def _should_stop_starting(self, started: int, deadline: float | None) -> bool:
         if self._stop or self._error is not None:

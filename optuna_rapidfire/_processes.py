@@ -33,14 +33,22 @@ if TYPE_CHECKING:
 _logger = get_logger(__name__)
 
 
-def storage_spec(study: optuna.Study) -> tuple[str, str]:
-    """How another process opens ``study``'s storage: ``("rdb", url)`` or ``("journal", path)``."""
+def storage_spec(study: optuna.Study) -> tuple[str, str, dict[str, Any]]:
+    """How another process opens ``study``'s storage: ``("rdb", url, settings)`` or ``("journal", path, {})``.
+
+    An RDB storage's heartbeat settings (interval, grace period, retry callback) travel with it.
+    """
     storage: Any = study._storage
     storage = getattr(storage, "_backend", storage)  # RDB storages come wrapped in a cache
     if isinstance(storage, RDBStorage):
-        return "rdb", storage.url
+        settings = {
+            "heartbeat_interval": storage.heartbeat_interval,
+            "grace_period": storage.grace_period,
+            "heartbeat_stale_trial_callback": storage.heartbeat_stale_trial_callback,
+        }
+        return "rdb", storage.url, settings
     if isinstance(storage, JournalStorage) and isinstance(storage._backend, JournalFileBackend):
-        return "journal", storage._backend._file_path
+        return "journal", storage._backend._file_path, {}
     raise ValueError(
         "Several devices run one worker process each, so the study needs a storage they can all open: an "
         "RDB URL (sqlite:///study.db, postgresql://...) or a JournalStorage on a file, not "
@@ -48,10 +56,10 @@ def storage_spec(study: optuna.Study) -> tuple[str, str]:
     )
 
 
-def open_storage(spec: tuple[str, str]) -> Any:
-    kind, where = spec
+def open_storage(spec: tuple[str, str, dict[str, Any]]) -> Any:
+    kind, where, settings = spec
     if kind == "rdb":
-        return where
+        return RDBStorage(where, **settings)
     return JournalStorage(JournalFileBackend(where))
 
 
@@ -204,6 +212,7 @@ def _worker_main(index: int, job: dict[str, Any], tickets: Tickets | None, resul
                 callbacks=payload["callbacks"],
                 catch=payload["catch"],
                 gc_after_trial=payload["gc_after_trial"],
+                study_trials=payload["study_trials"],
             )
         results.put((index, None))
     except BaseException:

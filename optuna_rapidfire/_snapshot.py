@@ -2,29 +2,30 @@
 
 A snapshot holds CPU copies of everything a trial needs to continue: adapter weights (keyed by their
 name without the adapter's own name), optimizer state, LR-schedule position, grad-scaler state, RNG
-states, data position, and the per-chunk metrics so far. It is written to a directory as safetensors
-(tensors) plus JSON (everything else), atomically, and loaded back without unpickling.
+states, data position, and the per-chunk metrics so far. It is one safetensors blob (the tensors, with
+everything else as JSON in the header's metadata), written atomically and loaded back without unpickling:
+to a local folder (clones on the same machine) or to an artifact store (per-chunk checkpoints).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 
 from optuna_rapidfire._state import Position, RngState
 
 if TYPE_CHECKING:
     from optuna_rapidfire._state import TrialState
 
-_FORMAT = 1
+_FORMAT = 2
+_FILE = "snapshot.safetensors"
 
 
 @dataclass
@@ -91,59 +92,57 @@ class TrialSnapshot:
             return f"the adapter's weights differ from the parent's (rank or target modules), e.g. {changed[0]}"
         return None
 
-    # -- files -----------------------------------------------------------------------------------
+    # -- bytes and files ---------------------------------------------------------------------------
 
-    def save(self, directory: str) -> None:
-        """Write the snapshot to ``directory`` atomically (a crash leaves the old one or none)."""
-        parent = os.path.dirname(os.path.abspath(directory))
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".snapshot-", dir=parent)
-        try:
-            tensors = {f"weights/{k}": v.contiguous() for k, v in self.weights.items()}
-            optimizer_meta = {"param_groups": self.optimizer["param_groups"], "state": {}}
-            for index, entries in self.optimizer["state"].items():
-                meta: dict[str, Any] = {}
-                for name, value in entries.items():
-                    if isinstance(value, torch.Tensor):
-                        tensors[f"optimizer/{index}/{name}"] = value.contiguous()
-                    else:
-                        meta[name] = value
-                optimizer_meta["state"][str(index)] = meta
-            tensors["rng/cpu"] = self.rng.cpu
-            if self.rng.device is not None:
-                tensors["rng/device"] = self.rng.device
-            save_file(tensors, os.path.join(staging, "tensors.safetensors"))
-            meta_json = {
-                "format": _FORMAT,
-                "trial_number": self.trial_number,
-                "kind": self.kind,
-                "optimizer": optimizer_meta,
-                "scheduler_steps": self.scheduler_steps,
-                "scaler": self.scaler,
-                "rng_python": [self.rng.python[0], list(self.rng.python[1]), self.rng.python[2]],
-                "rng_numpy": _numpy_state_to_json(self.rng.numpy),
-                "position": {
-                    "chunks_done": self.position.chunks_done,
-                    "optimizer_steps": self.position.optimizer_steps,
-                },
-                "history": self.history,
-            }
-            with open(os.path.join(staging, "state.json"), "w", encoding="utf-8") as out:
-                json.dump(meta_json, out)
-            if os.path.isdir(directory):
-                shutil.rmtree(directory)
-            os.replace(staging, directory)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    def to_bytes(self, study_name: str = "") -> bytes:
+        """One safetensors blob: the tensors, with everything else as JSON in its header's metadata."""
+        tensors = {f"weights/{k}": v.contiguous() for k, v in self.weights.items()}
+        optimizer_meta: dict[str, Any] = {"param_groups": self.optimizer["param_groups"], "state": {}}
+        for index, entries in self.optimizer["state"].items():
+            meta: dict[str, Any] = {}
+            for name, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optimizer/{index}/{name}"] = value.contiguous()
+                else:
+                    meta[name] = value
+            optimizer_meta["state"][str(index)] = meta
+        tensors["rng/cpu"] = self.rng.cpu
+        if self.rng.device is not None:
+            tensors["rng/device"] = self.rng.device
+        meta_json = {
+            "format": _FORMAT,
+            "study_name": study_name,
+            "trial_number": self.trial_number,
+            "kind": self.kind,
+            "optimizer": optimizer_meta,
+            "scheduler_steps": self.scheduler_steps,
+            "scaler": self.scaler,
+            "rng_python": [self.rng.python[0], list(self.rng.python[1]), self.rng.python[2]],
+            "rng_numpy": _numpy_state_to_json(self.rng.numpy),
+            "position": {"chunks_done": self.position.chunks_done, "optimizer_steps": self.position.optimizer_steps},
+            "history": self.history,
+        }
+        return bytes(save(tensors, metadata={"rapidfire": json.dumps(meta_json)}))
 
     @classmethod
-    def load(cls, directory: str) -> TrialSnapshot:
-        """Read a snapshot written by :meth:`save` (safetensors and JSON only: nothing is unpickled)."""
-        with open(os.path.join(directory, "state.json"), encoding="utf-8") as source:
-            meta = json.load(source)
+    def from_bytes(cls, blob: bytes, *, source: str = "snapshot") -> tuple[TrialSnapshot, str]:
+        """Read :meth:`to_bytes` output (safetensors and JSON only: nothing is unpickled).
+
+        Returns:
+            The snapshot and the study name it was taken in.
+
+        Raises:
+            ValueError: If ``blob`` is not a snapshot of this format (truncated, corrupted, foreign).
+        """
+        try:
+            header_size = int.from_bytes(blob[:8], "little")
+            header = json.loads(blob[8 : 8 + header_size])
+            meta = json.loads(header["__metadata__"]["rapidfire"])
+            tensors = load(blob)
+        except Exception as error:  # any damage to the blob: say so, never half-load
+            raise ValueError(f"{source} is not a readable trial snapshot ({type(error).__name__}: {error}).") from None
         if meta.get("format") != _FORMAT:
-            raise ValueError(f"{directory} holds a snapshot of an unknown format ({meta.get('format')!r}).")
-        tensors = load_file(os.path.join(directory, "tensors.safetensors"))
+            raise ValueError(f"{source} holds a snapshot of an unknown format ({meta.get('format')!r}).")
         weights = {k.removeprefix("weights/"): v for k, v in tensors.items() if k.startswith("weights/")}
         state: dict[int, dict[str, Any]] = {}
         for index, entries in meta["optimizer"]["state"].items():
@@ -153,7 +152,7 @@ class TrialSnapshot:
                 _, index, name = key.split("/", 2)
                 state.setdefault(int(index), {})[name] = value
         python = meta["rng_python"]
-        return cls(
+        snapshot = cls(
             trial_number=meta["trial_number"],
             kind=meta["kind"],
             weights=weights,
@@ -169,6 +168,32 @@ class TrialSnapshot:
             position=Position(**meta["position"]),
             history=meta["history"],
         )
+        return snapshot, str(meta.get("study_name", ""))
+
+    def save(self, directory: str) -> None:
+        """Write the snapshot to ``directory/snapshot.safetensors`` atomically (old one or new one, never half)."""
+        os.makedirs(directory, exist_ok=True)
+        handle, staging = tempfile.mkstemp(prefix=".snapshot-", dir=directory)
+        try:
+            with os.fdopen(handle, "wb") as out:
+                out.write(self.to_bytes())
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(staging, os.path.join(directory, _FILE))
+        finally:
+            if os.path.exists(staging):
+                os.remove(staging)
+
+    @classmethod
+    def load(cls, directory: str) -> TrialSnapshot:
+        """Read a snapshot written by :meth:`save`."""
+        path = os.path.join(directory, _FILE)
+        with open(path, "rb") as source:
+            return cls.from_bytes(source.read(), source=path)[0]
+
+    @staticmethod
+    def exists(directory: str) -> bool:
+        return os.path.isfile(os.path.join(directory, _FILE))
 
 
 def _to_cpu(value: Any) -> Any:

@@ -8,6 +8,7 @@ commands) in between.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import queue
@@ -18,6 +19,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 
 from optuna_rapidfire import _attrs, _commands
+from optuna_rapidfire._checkpoints import CheckpointError
 from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, TrialSpec
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._pruning import prune_decision, resolve_auto_resources
@@ -25,7 +27,9 @@ from optuna_rapidfire._scheduler import Entry, Phase
 from optuna_rapidfire._worker import Built, Failed, Paused, Released, Saved
 
 if TYPE_CHECKING:
+    from optuna_rapidfire._checkpoints import Checkpoints
     from optuna_rapidfire._executor import Configure, RapidFireExecutor
+    from optuna_rapidfire._snapshot import TrialSnapshot
 
 _logger = get_logger(__name__)
 
@@ -36,6 +40,16 @@ class EndPaused:
 
 class FinishedElsewhere(Exception):
     """The trial was finished from outside the executor (optuna-dashboard's "Fail Trial" button)."""
+
+
+def _fetch_parent(checkpoints: Checkpoints, study: optuna.Study, parent: int) -> TrialSnapshot:
+    """The latest checkpoint of trial ``parent`` (for a warm clone of a trial that ran elsewhere)."""
+    trials = study._storage.get_all_trials(study._study_id, deepcopy=False)
+    match = next((t for t in trials if t.number == parent), None)
+    link = None if match is None else match.system_attrs.get(_attrs.CHECKPOINT)
+    if link is None:
+        raise CheckpointError(f"trial {parent} has no checkpoint in the artifact store")
+    return checkpoints.load(study, link, {parent})
 
 
 class TrialDriver:
@@ -105,15 +119,32 @@ class TrialDriver:
             adapter_dir=os.path.join(root, f"trial-{self.trial.number}"),
             state_dir=os.path.join(root, "state"),
             clone_of=self._clone_request(),
+            checkpoint=ex._checkpoints(self.study) is not None,
         )
 
     def _clone_request(self) -> CloneOf | None:
-        request = self.trial.user_attrs.get(_attrs.CLONE_OF)
-        if request is None:
-            request = self.study._storage.get_trial(self.trial._trial_id).system_attrs.get(_attrs.CLONE_OF)
+        study, checkpoints = self.study, self.ex._checkpoints(self.study)
+        system_attrs = study._storage.get_trial(self.trial._trial_id).system_attrs
+        # Optuna's RetryHeartbeatStaleTrialCallback re-enqueues a stale trial with the dead one's system
+        # attrs (our checkpoint link among them) plus "failed_trial" and "retry_history".
+        if "failed_trial" in system_attrs and checkpoints is not None:
+            history = [
+                n for n in system_attrs.get("retry_history") or [system_attrs["failed_trial"]] if isinstance(n, int)
+            ]
+            link = system_attrs.get(_attrs.CHECKPOINT)
+            if history and link is not None:
+                return CloneOf(
+                    parent=history[-1],
+                    warm=True,
+                    resume=True,
+                    fetch=functools.partial(checkpoints.load, study, link, set(history)),
+                )
+        request = self.trial.user_attrs.get(_attrs.CLONE_OF) or system_attrs.get(_attrs.CLONE_OF)
         if not isinstance(request, dict) or not isinstance(request.get("parent"), int):
             return None
-        return CloneOf(parent=request["parent"], warm=bool(request.get("warm", True)))
+        parent = request["parent"]
+        fetch = None if checkpoints is None else functools.partial(_fetch_parent, checkpoints, study, parent)
+        return CloneOf(parent=parent, warm=bool(request.get("warm", True)), fetch=fetch)
 
     def _follow(self) -> float:
         entry = self.entry
@@ -144,6 +175,9 @@ class TrialDriver:
 
     def _record_branch(self, branch: Branch) -> None:
         trial = self.trial
+        if branch.resume:
+            self._record_resume(branch)
+            return
         trial.set_user_attr(_attrs.PARENT, branch.parent)
         trial.set_user_attr(_attrs.BRANCH_STEP, branch.step)
         trial.set_user_attr(_attrs.CLONE, "warm" if branch.warm else "cold")
@@ -157,6 +191,44 @@ class TrialDriver:
             trial.set_user_attr(_attrs.COLD_REASON, branch.reason)
             _logger.info("Trial %d is a cold clone of trial %d: %s.", trial.number, branch.parent, branch.reason)
 
+    def _record_resume(self, branch: Branch) -> None:
+        trial = self.trial
+        trial.set_user_attr(_attrs.RETRY_OF, branch.parent)
+        if not branch.warm:
+            trial.set_user_attr(_attrs.RESUME_FAILED, branch.reason)
+            _logger.warning("Trial %d retries trial %d from scratch: %s.", trial.number, branch.parent, branch.reason)
+            return
+        # The retry keeps its predecessor's curve (Optuna's retry callback copies no values by default).
+        reported = self.study._storage.get_trial(trial._trial_id).intermediate_values
+        for step, metrics in enumerate(branch.history):
+            if step not in reported:
+                trial.report(metrics[self.ex.metric], step)
+        trial.set_user_attr(_attrs.CHUNKS_DONE, branch.step)
+        trial.set_user_attr(_attrs.RESUMED_FROM_STEP, branch.step)
+        _logger.info(
+            "Trial %d resumes trial %d (its worker died) from its checkpoint after chunk %d.",
+            trial.number,
+            branch.parent,
+            branch.step,
+        )
+
+    def _checkpoint(self, event: ChunkResult) -> None:
+        """Save the chunk's state to the artifact store and link it, before the chunk is reported."""
+        checkpoints = self.ex._checkpoints(self.study)
+        if event.snapshot is None or checkpoints is None:
+            return
+        try:
+            checkpoints.save(self.study, self.trial._trial_id, event.snapshot)
+        except Exception as error:  # the trial goes on; a retry would resume from an older checkpoint
+            _logger.warning(
+                "Trial %d: the checkpoint after chunk %d could not be saved (%s: %s).",
+                self.trial.number,
+                event.step,
+                type(error).__name__,
+                error,
+            )
+        event.snapshot = None
+
     # -- after each chunk --------------------------------------------------------------------------
 
     def _after_chunk(self, event: ChunkResult) -> float | None:
@@ -168,6 +240,7 @@ class TrialDriver:
         try:
             if self.study._storage.get_trial(trial._trial_id).state.is_finished():
                 raise UpdateFinishedTrialError("finished outside the executor")
+            self._checkpoint(event)
             trial.report(value, step)
             trial.set_user_attr(_attrs.CHUNKS_DONE, step + 1)
             for key, attr in (("train_loss", _attrs.TRAIN_LOSS), ("train_learning_rate", _attrs.LEARNING_RATE)):

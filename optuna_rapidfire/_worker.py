@@ -116,6 +116,8 @@ class DeviceWorker(threading.Thread):
             entry.events.put(Built(total, branch))
         elif task is Task.TRAIN:
             result = self.engine.run_chunk(entry.runtime)
+            if entry.spec.checkpoint:
+                result.snapshot = self.engine.snapshot(entry.runtime)
             self.scheduler.chunk_done(entry)
             entry.events.put(result)
         elif task is Task.PAUSE:

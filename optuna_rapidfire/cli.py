@@ -5,13 +5,20 @@
     optuna-rapidfire resume --storage sqlite:///rf.db --study-name demo 3
     optuna-rapidfire delete --storage sqlite:///rf.db --study-name demo 7 --reason diverged
     optuna-rapidfire clone  --storage sqlite:///rf.db --study-name demo 5 --set learning_rate=1e-4 [--cold]
+    optuna-rapidfire worker --storage postgresql://... --study-name demo --app mymodule:app --study-trials 64
 
-Commands go through the study's storage and take effect before the trial's next chunk starts.
+Commands go through the study's storage and take effect before the trial's next chunk starts. A worker
+joins a study from any machine: ``app`` is a function of the user's module, called as
+``app(devices=...)``, that returns ``(executor, configure)`` or ``(executor, configure, study_kwargs)``
+(``sampler=``, ``pruner=`` for ``optuna.load_study``). Workers record heartbeats; the trials of a worker
+that dies are retried on a live one from their last per-chunk checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +46,20 @@ def _parser() -> argparse.ArgumentParser:
     command("delete", "stop a trial for good and free its state").add_argument(
         "--reason", default="deleted by user", help="recorded in the trial's user attrs"
     )
+    worker = command("worker", "join a study as a worker: pull trials from the storage and train them", False)
+    worker.add_argument("--app", required=True, metavar="MODULE:ATTR", help="app(devices=...) -> (executor, configure)")
+    worker.add_argument("--devices", default="auto", help="auto, cpu, cuda:0, or cuda:0,cuda:1 (one process each)")
+    budget = worker.add_mutually_exclusive_group()
+    budget.add_argument("--n-trials", type=int, default=None, help="trials this worker runs")
+    budget.add_argument(
+        "--study-trials", type=int, default=None, help="run until the study has this many COMPLETE or PRUNED trials"
+    )
+    worker.add_argument("--timeout", type=float, default=None, help="seconds after which no new trial starts")
+    worker.add_argument("--heartbeat-interval", type=int, default=10, help="seconds between a trial's heartbeats")
+    worker.add_argument(
+        "--grace-period", type=int, default=None, help="seconds without a heartbeat before a trial counts as dead"
+    )
+    worker.add_argument("--max-retry", type=int, default=3, help="retries of a trial whose worker died")
     clone = command("clone", "enqueue a warm (or --cold) clone of a trial")
     clone.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="change a parameter")
     clone.add_argument("--cold", action="store_true", help="start from scratch instead of the parent's state")
@@ -84,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     import optuna
 
     options = _parser().parse_args(argv)
+    if options.command == "worker":
+        return _worker(options)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         study = optuna.load_study(study_name=options.study_name, storage=options.storage)
@@ -105,6 +128,76 @@ def main(argv: list[str] | None = None) -> int:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"optuna-rapidfire: error: {message}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _load_app(spec: str) -> Any:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--app takes MODULE:ATTR (e.g. mypackage.tuning:app), but got {spec!r}.")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"--app {spec!r}: cannot import {module_name!r} ({error}).") from None
+    target = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"--app {spec!r}: {module_name!r} has no attribute {attr!r}.")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"--app {spec!r} must name a function returning (executor, configure).")
+    return target
+
+
+def _worker(options: argparse.Namespace) -> int:
+    """``optuna-rapidfire worker``: one executor joined to a shared study, with heartbeats."""
+    import optuna
+
+    from optuna_rapidfire._executor import RapidFireExecutor
+    from optuna_rapidfire._logging import get_logger
+    from optuna_rapidfire._storages import hide_password
+
+    logger = get_logger("optuna_rapidfire.worker")
+    for name in ("n_trials", "study_trials", "heartbeat_interval", "max_retry"):
+        value = getattr(options, name)
+        if value is not None and value < (0 if name == "max_retry" else 1):
+            print(f"optuna-rapidfire: error: --{name.replace('_', '-')} must be positive, got {value}", file=sys.stderr)
+            return 2
+    try:
+        scheme = options.storage.split(":", 1)[0].split("+")[0]
+        if scheme not in {"sqlite", "postgresql", "mysql", "oracle", "mssql"}:
+            shown = hide_password(options.storage)
+            raise ValueError(f"--storage must be an RDB URL (postgresql://..., sqlite:///...), got {shown!r}.")
+        app = _load_app(options.app)
+        storage = optuna.storages.RDBStorage(
+            options.storage,
+            heartbeat_interval=options.heartbeat_interval,
+            grace_period=options.grace_period,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                max_retry=options.max_retry
+            ),
+        )
+        made = app(devices=options.devices)
+        if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], RapidFireExecutor)):
+            raise TypeError(f"--app {options.app!r} must return (executor, configure[, study_kwargs]).")
+        executor, configure = made[0], made[1]
+        study_kwargs = dict(made[2]) if len(made) == 3 else {}
+        study = optuna.load_study(study_name=options.study_name, storage=storage, **study_kwargs)
+    except (ValueError, TypeError, KeyError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"optuna-rapidfire: error: {message}", file=sys.stderr)
+        return 2
+    logger.info("Worker %s joined study %r on %s.", os.getpid(), options.study_name, hide_password(options.storage))
+    with executor:
+        executor.optimize(
+            study,
+            configure,
+            n_trials=options.n_trials,
+            timeout=options.timeout,
+            study_trials=options.study_trials,
+        )
+    logger.info("Worker %s is done.", os.getpid())
     return 0
 
 

@@ -122,7 +122,7 @@ def test_a_trial_still_paused_at_the_end_is_pruned_and_can_be_continued(make_exe
     paused = study.trials[0]
     assert paused.state == TrialState.PRUNED
     assert paused.user_attrs[_attrs.STATUS] == "paused-at-end"
-    assert (tmp_path / "out" / "end" / "state" / "trial-0" / "state.json").is_file()
+    assert (tmp_path / "out" / "end" / "state" / "trial-0" / "snapshot.safetensors").is_file()
     assert study.trials[1].state == TrialState.COMPLETE
 
     child = control.clone(study, 0)

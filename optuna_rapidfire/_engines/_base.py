@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from peft import PeftConfig
     from transformers import TrainingArguments
 
@@ -21,10 +23,16 @@ class CloneOf:
         parent: Number of the trial to copy.
         warm: Continue from the parent's state at its latest chunk boundary (else start cold, from
             scratch, with the new params).
+        fetch: Loads the parent's latest checkpoint from the artifact store (when it is neither live on
+            this device nor saved on this machine); raises when there is none or it is unusable.
+        resume: The trial is Optuna's retry of ``parent``, whose worker died: continue from its
+            checkpoint (and only from that).
     """
 
     parent: int
     warm: bool = True
+    fetch: Callable[[], Any] | None = field(default=None, compare=False)
+    resume: bool = False
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class Branch:
         warm: Whether the clone continues from the parent's state.
         reason: Why a requested warm clone started cold.
         history: The parent's per-chunk metrics up to ``step`` (a warm clone inherits them).
+        resume: The trial is a retry resuming its dead predecessor ``parent``.
     """
 
     parent: int
@@ -44,6 +53,7 @@ class Branch:
     warm: bool
     reason: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
+    resume: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ class TrialSpec:
     adapter_dir: str
     state_dir: str
     clone_of: CloneOf | None = None
+    checkpoint: bool = False
 
 
 @dataclass
@@ -79,6 +90,7 @@ class ChunkResult:
         last: Whether this was the trial's final chunk.
         train_seconds: Wall time of the training part.
         eval_seconds: Wall time of the evaluation part.
+        snapshot: The trial's state after the chunk (CPU copies), when the trial is checkpointed.
     """
 
     step: int
@@ -87,6 +99,7 @@ class ChunkResult:
     train_seconds: float = 0.0
     eval_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    snapshot: Any = None
 
 
 class Engine(ABC):
@@ -111,6 +124,10 @@ class Engine(ABC):
     @abstractmethod
     def pause(self, runtime: Any) -> None:
         """Move an idle trial's state off the device until it trains again."""
+
+    @abstractmethod
+    def snapshot(self, runtime: Any) -> Any:
+        """The trial's state at its latest chunk boundary, as CPU copies (a per-chunk checkpoint)."""
 
     @abstractmethod
     def save_snapshot(self, runtime: Any) -> None:

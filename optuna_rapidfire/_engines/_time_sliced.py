@@ -145,14 +145,23 @@ class TimeSlicedEngine(Engine):
 
     def _parent_snapshot(self, spec: TrialSpec) -> TrialSnapshot | str:
         """The parent's state now (a live parent) or as saved when it ended; else why there is none."""
-        assert spec.clone_of is not None
-        number = spec.clone_of.parent
-        live = self._live(number)
-        if live is not None:
-            return self.snapshot(live)
-        directory = os.path.join(spec.state_dir, f"trial-{number}")
-        if os.path.isdir(directory):
-            return TrialSnapshot.load(directory)
+        clone_of = spec.clone_of
+        assert clone_of is not None
+        number = clone_of.parent
+        if not clone_of.resume:
+            live = self._live(number)
+            if live is not None:
+                return self.snapshot(live)
+            directory = os.path.join(spec.state_dir, f"trial-{number}")
+            if TrialSnapshot.exists(directory):
+                return TrialSnapshot.load(directory)
+        if clone_of.fetch is not None:
+            try:
+                fetched = clone_of.fetch()
+            except Exception as error:  # missing, corrupted or foreign: start from scratch, say why
+                return str(error)
+            assert isinstance(fetched, TrialSnapshot)
+            return fetched
         return f"no state of trial {number} is available here"
 
     def snapshot(self, runtime: TrialRuntime) -> TrialSnapshot:
@@ -181,7 +190,7 @@ class TimeSlicedEngine(Engine):
             shapes = {k: v.shape for k, v in self.resident.adapter_weights(runtime.state.adapter_name).items()}
             reason = parent.compatible_with(runtime.spec.kind.name, shapes)
         if reason is not None:
-            return Branch(parent=clone_of.parent, step=0, warm=False, reason=reason)
+            return Branch(parent=clone_of.parent, step=0, warm=False, reason=reason, resume=clone_of.resume)
         assert isinstance(parent, TrialSnapshot)
         self._restore(runtime, parent)
         return Branch(
@@ -189,6 +198,7 @@ class TimeSlicedEngine(Engine):
             step=parent.position.chunks_done,
             warm=True,
             history=[dict(h) for h in parent.history],
+            resume=clone_of.resume,
         )
 
     def _restore(self, runtime: TrialRuntime, parent: TrialSnapshot) -> None:

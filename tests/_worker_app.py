@@ -1,0 +1,57 @@
+"""The app that ``optuna-rapidfire worker --app _worker_app:app`` runs in the multi-worker tests.
+
+Its settings come from environment variables the test sets: the tiny model's path and the shared
+artifact folder (what a team would put on a shared filesystem or S3).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import optuna
+from optuna.artifacts import FileSystemArtifactStore
+from peft import LoraConfig
+from trl import SFTConfig
+
+from optuna_rapidfire import RapidFireExecutor
+from optuna_rapidfire.demo import load_gsm8k
+
+LEARNING_RATES = [1e-3, 3e-3, 1e-2, 3e-2]
+
+
+def configure(trial: optuna.Trial) -> tuple[LoraConfig, SFTConfig]:
+    lr = trial.suggest_categorical("learning_rate", LEARNING_RATES)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+    args = SFTConfig(
+        learning_rate=lr,
+        per_device_train_batch_size=2,
+        num_train_epochs=1,
+        bf16=False,
+        max_length=128,
+        gradient_checkpointing=False,
+        lr_scheduler_type="cosine",
+        seed=7,
+    )
+    return lora, args
+
+
+def executor(devices: str = "cpu", **overrides: Any) -> RapidFireExecutor:
+    settings: dict[str, Any] = {
+        "model": os.environ["RF_TEST_MODEL"],
+        "train_dataset": load_gsm8k("train", num_rows=96),
+        "eval_dataset": load_gsm8k("test", num_rows=8),
+        "num_chunks": 4,
+        "max_concurrent_trials": 2,
+        "output_dir": os.environ.get("RF_TEST_OUTPUT", "rapidfire-output"),
+        "artifact_store": FileSystemArtifactStore(os.environ["RF_TEST_ARTIFACTS"]),
+        "show_progress_bar": False,
+        "dashboard_controls": False,
+        "devices": devices,
+    }
+    settings.update(overrides)
+    return RapidFireExecutor(**settings)
+
+
+def app(devices: str) -> tuple[RapidFireExecutor, Any, dict[str, Any]]:
+    return executor(devices), configure, {"pruner": optuna.pruners.NopPruner()}

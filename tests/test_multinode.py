@@ -1,0 +1,180 @@
+"""Several workers on one PostgreSQL study: checkpoints, a worker killed mid-chunk, corrupted checkpoints.
+
+Workers are real ``optuna-rapidfire worker`` processes (as on separate machines, sharing the storage and
+an artifact folder); the PostgreSQL server is started on loopback by the test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from _servers import postgres_server
+from optuna.artifacts import FileSystemArtifactStore
+from optuna.trial import TrialState
+
+from optuna_rapidfire import _attrs
+
+TESTS = Path(__file__).parent
+PASSWORD = "s3cret-pw-7731"  # in the storage URL: must never show in logs or attributes
+
+
+def _env(tiny_model: str, tmp_path: Path) -> dict[str, str]:
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    return {
+        **os.environ,
+        "RF_TEST_MODEL": tiny_model,
+        "RF_TEST_ARTIFACTS": str(artifacts),
+        "RF_TEST_OUTPUT": str(tmp_path / "out"),
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
+def _worker(url: str, env: dict[str, str], log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "optuna_rapidfire", "worker", "--storage", url, "--study-name", "multi"]
+    command += ["--app", "_worker_app:app", "--devices", "cpu", "--heartbeat-interval", "1", "--grace-period", "3"]
+    with open(log, "wb") as out:
+        return subprocess.Popen([*command, *extra], env=env, cwd=TESTS, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _reference_values(tiny_model: str, tmp_path: Path, learning_rate: float) -> dict[int, float]:
+    """What the config reports when it trains alone, start to end, in this process."""
+    os.environ.update({k: v for k, v in _env(tiny_model, tmp_path).items() if k.startswith("RF_TEST_")})
+    import _worker_app
+
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial({"learning_rate": learning_rate})
+    with _worker_app.executor("cpu", artifact_store=None, output_dir=tmp_path / "ref") as executor:
+        executor.optimize(study, _worker_app.configure, n_trials=1)
+    return dict(study.trials[0].intermediate_values)
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_worker_s_trials_resume_on_another_worker_from_their_checkpoints(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    with postgres_server() as plain_url:
+        url = plain_url.replace("rapidfire@", f"rapidfire:{PASSWORD}@")  # the server trusts loopback
+        study = optuna.create_study(storage=url, study_name="multi", pruner=optuna.pruners.NopPruner())
+        for lr in (1e-3, 3e-3, 1e-2, 3e-2):
+            study.enqueue_trial({"learning_rate": lr})
+        env = _env(tiny_model, tmp_path)
+        doomed = _worker(url, env, tmp_path / "a.log", "--study-trials", "4")
+        # Kill worker A in the middle of a chunk: once one of its trials has a checkpoint and a report.
+        deadline = time.monotonic() + 240
+        victims: list[optuna.trial.FrozenTrial] = []
+        while not victims:
+            assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()
+            assert doomed.poll() is None, (tmp_path / "a.log").read_text()
+            running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if len(running) == 2 and all(_attrs.CHECKPOINT in t.system_attrs for t in running):
+                victims = running
+            time.sleep(0.05)
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        killed = {t.number: len(t.intermediate_values) for t in study.get_trials(deepcopy=False)}
+        assert all(killed[v.number] < 4 for v in victims), killed  # they died before their last chunk
+
+        # One dead trial's checkpoint gets corrupted on the shared store: its retry must start over.
+        store = tmp_path / "artifacts"
+        corrupted = study.trials[victims[1].number].system_attrs[_attrs.CHECKPOINT]
+        blob = store / corrupted["artifact_id"]
+        data = bytearray(blob.read_bytes())
+        middle = len(data) // 2
+        data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+        blob.write_bytes(bytes(data))
+
+        survivor = _worker(url, env, tmp_path / "b.log", "--study-trials", "4")
+        assert survivor.wait(timeout=400) == 0, (tmp_path / "b.log").read_text()
+        log = (tmp_path / "b.log").read_text() + (tmp_path / "a.log").read_text()
+
+        trials = study.get_trials()
+        by_number = {t.number: t for t in trials}
+        # The dead worker's trials were failed by heartbeat and retried, each once.
+        for victim in victims:
+            assert by_number[victim.number].state == TrialState.FAIL
+        retries = {t.system_attrs["failed_trial"]: t for t in trials if "failed_trial" in t.system_attrs}
+        assert sorted(retries) == sorted(v.number for v in victims)
+        assert all(r.state == TrialState.COMPLETE for r in retries.values())
+
+        # Every config completed exactly once: nothing lost, nothing trained twice.
+        complete = [t for t in trials if t.state == TrialState.COMPLETE]
+        assert sorted(t.params["learning_rate"] for t in complete) == [1e-3, 3e-3, 1e-2, 3e-2]
+
+        good = retries[victims[0].number]
+        resumed_from = good.user_attrs[_attrs.RESUMED_FROM_STEP]
+        assert resumed_from >= 1 and good.user_attrs[_attrs.RETRY_OF] == victims[0].number
+        # The retry kept its predecessor's curve and continued it exactly as an uninterrupted run.
+        lr = good.params["learning_rate"]
+        assert good.intermediate_values == _reference_values(tiny_model, tmp_path, lr)
+
+        bad = retries[victims[1].number]
+        assert "corrupted" in bad.user_attrs.get(_attrs.RESUME_FAILED, ""), (bad.user_attrs, log[-3000:])
+        assert _attrs.RESUMED_FROM_STEP not in bad.user_attrs
+        assert sorted(bad.intermediate_values) == [0, 1, 2, 3]
+        assert bad.intermediate_values == _reference_values(tiny_model, tmp_path, bad.params["learning_rate"])
+
+        # Only the latest checkpoint of each trial is kept in the shared store.
+        links = {t.system_attrs[_attrs.CHECKPOINT]["artifact_id"] for t in complete}
+        kept = {p.name for p in store.iterdir()} - {blob.name}
+        assert links <= kept
+        assert len(kept - links) <= len(victims)  # at most a dead trial's orphan, never a pile-up
+
+        # Credentials stay out of logs and attributes.
+        assert PASSWORD not in log
+        for trial in trials:
+            assert PASSWORD not in repr(trial.user_attrs) + repr(trial.system_attrs)
+
+
+def test_checkpoints_load_only_into_their_own_study_and_trial(tiny_model: str, tmp_path: Path) -> None:
+    os.environ.update({k: v for k, v in _env(tiny_model, tmp_path).items() if k.startswith("RF_TEST_")})
+    import _worker_app
+
+    from optuna_rapidfire._checkpoints import CheckpointError, Checkpoints
+
+    storage = f"sqlite:///{tmp_path / 'c.db'}"
+    study = optuna.create_study(storage=storage, study_name="multi", pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial({"learning_rate": 1e-2})
+    with _worker_app.executor("cpu") as executor:
+        executor.optimize(study, _worker_app.configure, n_trials=1)
+    trial = study.trials[0]
+    link = trial.system_attrs[_attrs.CHECKPOINT]
+    assert link["step"] == 4 and link["bytes"] > 0
+    checkpoints = Checkpoints(FileSystemArtifactStore(str(tmp_path / "artifacts")))
+    assert checkpoints.load(study, link, {0}).position.chunks_done == 4
+    with pytest.raises(CheckpointError, match="belongs to trial 0"):
+        checkpoints.load(study, link, {3})
+    other = optuna.create_study(storage=storage, study_name="other")
+    with pytest.raises(CheckpointError, match="belongs to study 'multi'"):
+        checkpoints.load(other, link, {0})
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        checkpoints.load(study, {**link, "artifact_id": "missing"}, {0})
+    # A blob that is not a snapshot (or is truncated) is refused before anything is unpickled.
+    fake = tmp_path / "artifacts" / "fake"
+    fake.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    import hashlib
+
+    forged = {**link, "artifact_id": "fake", "sha256": hashlib.sha256(fake.read_bytes()).hexdigest()}
+    with pytest.raises(CheckpointError, match="not a readable trial snapshot"):
+        checkpoints.load(study, forged, {0})
+
+
+def test_worker_command_refuses_bad_input(tmp_path: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "optuna_rapidfire", "worker", "--study-name", "s", *args]
+        return subprocess.run(command, capture_output=True, text=True, cwd=TESTS, timeout=120)
+
+    bad_app = run("--storage", f"sqlite:///{tmp_path / 'x.db'}", "--app", "no_such_module:app")
+    assert bad_app.returncode == 2 and "cannot import 'no_such_module'" in bad_app.stderr
+    bad_storage = run("--storage", f"redis://user:{PASSWORD}@host/0", "--app", "_worker_app:app")
+    assert bad_storage.returncode == 2 and "must be an RDB URL" in bad_storage.stderr
+    assert PASSWORD not in bad_storage.stderr
+    bad_count = run("--storage", "sqlite:///x.db", "--app", "_worker_app:app", "--study-trials", "0")
+    assert bad_count.returncode == 2 and "--study-trials must be positive" in bad_count.stderr
