@@ -6,10 +6,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["RapidFireExecutor", "__version__", "best_adapter_path"]
+__all__ = ["RapidFireExecutor", "StorageUnavailableError", "__version__", "best_adapter_path"]
 
 if TYPE_CHECKING:
     from optuna_rapidfire._executor import RapidFireExecutor, best_adapter_path
+    from optuna_rapidfire._storages import StorageUnavailableError
 
 
 def __getattr__(name: str) -> Any:
@@ -18,4 +19,8 @@ def __getattr__(name: str) -> Any:
         from optuna_rapidfire import _executor
 
         return getattr(_executor, name)
+    if name == "StorageUnavailableError":
+        from optuna_rapidfire._storages import StorageUnavailableError
+
+        return StorageUnavailableError
     raise AttributeError(f"module 'optuna_rapidfire' has no attribute {name!r}")

@@ -129,6 +129,9 @@ class RapidFireExecutor:
             from it on any worker, and warm clones of trials that ran elsewhere start from it. ``"auto"``:
             a folder beside an SQLite or journal-file storage (``<file>.artifacts``), else
             ``output_dir/artifacts``. ``None``: no checkpoints (a retry then starts from scratch).
+        storage_retry_seconds: In :meth:`optimize`, how long calls to the study's storage are retried
+            (with exponential backoff) while it is unreachable, before the study stops with
+            ``StorageUnavailableError``. 0 turns retries off.
     """
 
     def __init__(
@@ -157,6 +160,7 @@ class RapidFireExecutor:
         poll_seconds: float = 1.0,
         pause_grace_seconds: float = 120.0,
         artifact_store: Any = "auto",
+        storage_retry_seconds: float = 60.0,
     ) -> None:
         # Everything but the devices, to build one executor per device in worker processes.
         self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "devices")}
@@ -190,6 +194,8 @@ class RapidFireExecutor:
             raise ValueError(f"poll_seconds must be positive, but got {poll_seconds=}.")
         if not pause_grace_seconds >= 0:
             raise ValueError(f"pause_grace_seconds must not be negative, but got {pause_grace_seconds=}.")
+        if not (isinstance(storage_retry_seconds, (int, float)) and storage_retry_seconds >= 0):
+            raise ValueError(f"storage_retry_seconds must be a number of at least 0, but got {storage_retry_seconds=}.")
         if isinstance(artifact_store, str) and artifact_store != "auto":
             raise ValueError(
                 f"artifact_store must be 'auto', None or an Optuna artifact store, but got {artifact_store=}."
@@ -242,6 +248,7 @@ class RapidFireExecutor:
         self.dashboard_controls = dashboard_controls
         self.pause_grace_seconds = pause_grace_seconds
         self._artifact_setting = artifact_store
+        self.storage_retry_seconds = float(storage_retry_seconds)
         self._checkpoint_stores: dict[str, Checkpoints | None] = {}
         self._scheduler = Scheduler()
         self._scheduler.expect(max_concurrent_trials)
@@ -354,6 +361,7 @@ class RapidFireExecutor:
             externally_finished=lambda number: number in self._externally_finished,
             take_ticket=tickets.take if tickets is not None else None,
             target=study_trials,
+            retry_seconds=self.storage_retry_seconds,
         )
         try:
             self._pool.run()

@@ -22,6 +22,7 @@ from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import TrialState
 
 from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._storages import StorageUnavailableError, retrying
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -68,6 +69,19 @@ class Slots:
     def notify(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+
+def _storage_error_in(error: BaseException) -> StorageUnavailableError | None:
+    """The StorageUnavailableError behind ``error``, if any: Optuna's tell, failing in turn while the
+    storage is down, can raise something less telling on top of it."""
+    seen: BaseException | None = error
+    for _ in range(20):
+        if seen is None:
+            return None
+        if isinstance(seen, StorageUnavailableError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class AskLock:
@@ -129,6 +143,7 @@ class TrialPool:
             ``end_paused``.
         externally_finished: Whether the trial ``number`` was finished from outside (dashboard "Fail
             Trial"): Optuna's tell then raises, and the pool goes on instead of failing.
+        retry_seconds: How long the trials' storage calls retry while the storage is unreachable.
         target: Run until the study (all workers together) has this many COMPLETE or PRUNED trials,
             and nothing is left running elsewhere that could still come back as a retry.
         take_ticket: With several worker processes, takes one of the trials left to start among all
@@ -152,6 +167,7 @@ class TrialPool:
         externally_finished: Callable[[int], bool],
         take_ticket: Callable[[], bool] | None = None,
         target: int | None = None,
+        retry_seconds: float = 0.0,
     ) -> None:
         self.study = study
         self.objective = objective
@@ -167,6 +183,8 @@ class TrialPool:
         self._externally_finished = externally_finished
         self._take_ticket = take_ticket
         self.target = target
+        self._retry_seconds = retry_seconds
+        self._storage = retrying(study._storage, retry_seconds)
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._stop = False
@@ -221,11 +239,13 @@ class TrialPool:
     def _target_verdict(self) -> str:
         """With ``target``: ``start`` a trial, ``wait`` (another worker's trials may still need a retry),
         or ``done`` (the study has ``target`` COMPLETE or PRUNED trials and nothing is left to run)."""
-        storage = self.study._storage
+        storage = self._storage
         if is_heartbeat_enabled(storage):
             # Optuna does this when a trial starts; a worker waiting for the study's end does it too, so
             # the trials of a dead worker come back (as retries) while others can take them.
-            optuna.storages.fail_stale_trials(self.study)
+            view = copy.copy(self.study)
+            view._storage = storage
+            optuna.storages.fail_stale_trials(view)
         trials = storage.get_all_trials(self.study._study_id, deepcopy=False)
         states = [t.state for t in trials]
         finished = states.count(TrialState.COMPLETE) + states.count(TrialState.PRUNED)
@@ -246,6 +266,7 @@ class TrialPool:
     def _one_trial(self) -> None:
         # A study object per thread: each has its own stop flag, which study.optimize resets on entry.
         study = copy.copy(self.study)
+        study._storage = self._storage  # Optuna's calls for this trial retry while the storage is down
         self.local.slot_taken = True  # the objective takes over the slot acquired for it
         self.local.trial_number = None
         self.local.ask_handle = self._ask_lock.acquire()
@@ -265,7 +286,7 @@ class TrialPool:
                 _logger.info("Trial %d was finished from outside the executor; the study goes on.", number)
             else:
                 with self._lock:
-                    self._error = self._error or error
+                    self._error = self._error or _storage_error_in(error) or error
         finally:
             self.asked()
             if self.local.slot_taken:  # the objective never ran

@@ -1,6 +1,31 @@
-"""Storage helpers: URLs without passwords (for logs and messages)."""
+"""Storage helpers: URLs without passwords, and retries while the study's storage is unreachable.
+
+A worker of a long study must ride out a database restart or a network blip: every call the executor's
+trial threads make to the storage (Optuna's own ask, report and tell included) goes through
+:func:`retrying`, which retries connection errors with exponential backoff for ``retry_seconds`` and
+then raises :class:`StorageUnavailableError`. Only connection-level errors are retried; a refused write
+(an integrity error, a finished trial) is raised at once.
+"""
 
 from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from optuna.exceptions import StorageInternalError
+from optuna.storages import BaseStorage
+from optuna.storages._heartbeat import BaseHeartbeat
+
+from optuna_rapidfire._logging import get_logger
+
+_logger = get_logger(__name__)
+_FIRST_DELAY = 0.5
+_MAX_DELAY = 8.0
+
+
+class StorageUnavailableError(RuntimeError):
+    """The study's storage stayed unreachable for longer than the executor's ``storage_retry_seconds``."""
 
 
 def hide_password(url: str) -> str:
@@ -15,3 +40,98 @@ def hide_password(url: str) -> str:
             user = rest.split("@", 1)[0].split(":", 1)[0]
             return f"{scheme}://{user}:***@{rest.split('@', 1)[1]}"
         return url
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether ``error`` means the storage could not be reached (worth retrying), not a refused call."""
+
+    def direct(seen: BaseException) -> bool:
+        if isinstance(seen, (ConnectionError, TimeoutError)):
+            return True
+        try:
+            from sqlalchemy import exc
+        except ImportError:  # no RDB storage in use
+            return False
+        if isinstance(seen, (exc.OperationalError, exc.InterfaceError, exc.DisconnectionError)):
+            return True
+        return isinstance(seen, exc.DBAPIError) and bool(seen.connection_invalidated)
+
+    if direct(error):
+        return True
+    # Optuna's RDB storage wraps errors raised at commit in StorageInternalError.
+    return isinstance(error, StorageInternalError) and error.__cause__ is not None and direct(error.__cause__)
+
+
+class _Retrying:
+    """Forwards every storage call to ``inner``, retrying while the storage is unreachable."""
+
+    def __init__(self, inner: BaseStorage, retry_seconds: float) -> None:
+        self._inner = inner
+        self._retry_seconds = retry_seconds
+        self._outage_lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:  # plain attributes (``_backend``, ``url``...)
+        return getattr(self._inner, name)
+
+    def _call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        started: float | None = None
+        delay = _FIRST_DELAY
+        while True:
+            try:
+                result = getattr(self._inner, name)(*args, **kwargs)
+            except Exception as error:
+                if not is_transient(error) or self._retry_seconds <= 0:
+                    raise
+                now = time.monotonic()
+                if started is None:
+                    started = now
+                    _logger.warning(
+                        "The study's storage is unreachable (%s); retrying for up to %.0f s.",
+                        type(error).__name__,
+                        self._retry_seconds,
+                    )
+                waited = now - started
+                if waited >= self._retry_seconds:
+                    raise StorageUnavailableError(
+                        f"The study's storage stayed unreachable for {waited:.0f} s ({type(error).__name__} in "
+                        f"{name}). What was reported before is in the storage and each trial's latest checkpoint "
+                        "is in the artifact store: start the study again once the storage is back (with "
+                        "heartbeats, interrupted trials resume from their checkpoints)."
+                    ) from error
+                time.sleep(min(delay, self._retry_seconds - waited))
+                delay = min(delay * 2, _MAX_DELAY)
+                continue
+            if started is not None:
+                _logger.warning("The study's storage is reachable again after %.1f s.", time.monotonic() - started)
+            return result
+
+
+def _forwarder(name: str) -> Any:
+    def method(self: _Retrying, *args: Any, **kwargs: Any) -> Any:
+        return self._call(name, args, kwargs)
+
+    method.__name__ = name
+    return method
+
+
+class RetryingStorage(_Retrying, BaseStorage):
+    """A storage whose calls are retried while it is unreachable."""
+
+
+class RetryingHeartbeatStorage(_Retrying, BaseStorage, BaseHeartbeat):
+    """The same for storages with heartbeats (RDB): Optuna still sees the heartbeat interface."""
+
+
+for _cls, _bases in ((RetryingStorage, (BaseStorage,)), (RetryingHeartbeatStorage, (BaseStorage, BaseHeartbeat))):
+    for _name in {n for base in _bases for n in dir(base) if not n.startswith("__") and n != "_abc_impl"}:
+        setattr(_cls, _name, _forwarder(_name))
+    _cls.__abstractmethods__ = frozenset()
+
+
+def retrying(storage: BaseStorage, retry_seconds: float) -> BaseStorage:
+    """``storage`` with retries (itself when already wrapped)."""
+    if isinstance(storage, _Retrying):
+        return storage
+    if isinstance(storage, BaseHeartbeat):
+        return RetryingHeartbeatStorage(storage, retry_seconds)  # type: ignore[abstract]
+    return RetryingStorage(storage, retry_seconds)  # type: ignore[abstract]

@@ -37,36 +37,62 @@ def _as_postgres_user(command: list[str]) -> list[str]:
     return command
 
 
+class PostgresServer:
+    """A throw-away PostgreSQL server on a loopback port, which a test may stop and start again."""
+
+    def __init__(self) -> None:
+        initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
+        if initdb is None or pg_ctl is None:
+            raise RuntimeError("PostgreSQL server binaries not found: install Debian's postgresql package.")
+        self._pg_ctl = pg_ctl
+        # Its own folder outside pytest's (which only root may enter), owned by the server's user.
+        self.workdir = Path(tempfile.mkdtemp(prefix="rapidfire-pg-"))
+        self._data = self.workdir / "pgdata"
+        if os.geteuid() == 0:
+            shutil.chown(self.workdir, "postgres", "postgres")
+        self.port = free_port()
+        subprocess.run(
+            _as_postgres_user([initdb, "-D", str(self._data), "-U", "rapidfire", "--auth=trust", "-E", "UTF8"]),
+            check=True,
+            capture_output=True,
+        )
+        self.url = f"postgresql+psycopg2://rapidfire@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.workdir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        log = str(self.workdir / "log")
+        subprocess.run(
+            _as_postgres_user([self._pg_ctl, "-D", str(self._data), "-o", options, "-l", log, "-w", "start"]),
+            check=True,
+            capture_output=True,
+        )
+
+    def stop(self) -> None:
+        subprocess.run(
+            _as_postgres_user([self._pg_ctl, "-D", str(self._data), "-m", "immediate", "stop"]),
+            check=False,
+            capture_output=True,
+        )
+
+
+@contextlib.contextmanager
+def postgres(started: bool = True) -> Iterator[PostgresServer]:
+    """A :class:`PostgresServer`, started; stopped and removed afterwards."""
+    server = PostgresServer()
+    try:
+        if started:
+            server.start()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.workdir, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def postgres_server() -> Iterator[str]:
     """Start a throw-away PostgreSQL server on a free loopback port; yield its SQLAlchemy URL."""
-    initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
-    if initdb is None or pg_ctl is None:
-        raise RuntimeError("PostgreSQL server binaries not found: install Debian's postgresql package.")
-    # Its own folder outside pytest's (which only root may enter), owned by the server's user.
-    workdir = Path(tempfile.mkdtemp(prefix="rapidfire-pg-"))
-    data = workdir / "pgdata"
-    if os.geteuid() == 0:
-        shutil.chown(workdir, "postgres", "postgres")
-    port = free_port()
-    subprocess.run(
-        _as_postgres_user([initdb, "-D", str(data), "-U", "rapidfire", "--auth=trust", "-E", "UTF8"]),
-        check=True,
-        capture_output=True,
-    )
-    options = f"-p {port} -k {workdir} -c listen_addresses=127.0.0.1 -c fsync=off"
-    subprocess.run(
-        _as_postgres_user([pg_ctl, "-D", str(data), "-o", options, "-l", str(workdir / "log"), "-w", "start"]),
-        check=True,
-        capture_output=True,
-    )
-    try:
-        yield f"postgresql+psycopg2://rapidfire@127.0.0.1:{port}/postgres"
-    finally:
-        subprocess.run(
-            _as_postgres_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), check=False, capture_output=True
-        )
-        shutil.rmtree(workdir, ignore_errors=True)
+    with postgres() as server:
+        yield server.url
 
 
 @contextlib.contextmanager

@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 
 import optuna
+import psutil
 import pytest
-from _servers import postgres_server
+from _servers import postgres, postgres_server
+from conftest import Background, wait_until
 from optuna.artifacts import FileSystemArtifactStore
 from optuna.trial import TrialState
 
-from optuna_rapidfire import _attrs
+from optuna_rapidfire import StorageUnavailableError, _attrs
 
 TESTS = Path(__file__).parent
 PASSWORD = "s3cret-pw-7731"  # in the storage URL: must never show in logs or attributes
@@ -92,6 +94,14 @@ def test_a_killed_worker_s_trials_resume_on_another_worker_from_their_checkpoint
         blob.write_bytes(bytes(data))
 
         survivor = _worker(url, env, tmp_path / "b.log", "--study-trials", "4")
+        # A worker talks to the storage and the artifact store only: it listens on no port.
+        wait_until(
+            lambda: any(str(survivor.pid) in t.user_attrs.get(_attrs.WORKER, "") for t in study.get_trials()),
+            timeout=240,
+            what="the second worker's first trial",
+        )
+        sockets = psutil.Process(survivor.pid).net_connections(kind="inet")
+        assert [c for c in sockets if c.status == psutil.CONN_LISTEN] == []
         assert survivor.wait(timeout=400) == 0, (tmp_path / "b.log").read_text()
         log = (tmp_path / "b.log").read_text() + (tmp_path / "a.log").read_text()
 
@@ -178,3 +188,50 @@ def test_worker_command_refuses_bad_input(tmp_path: Path) -> None:
     assert PASSWORD not in bad_storage.stderr
     bad_count = run("--storage", "sqlite:///x.db", "--app", "_worker_app:app", "--study-trials", "0")
     assert bad_count.returncode == 2 and "--study-trials must be positive" in bad_count.stderr
+
+
+def _reports(storage: optuna.storages.RDBStorage) -> dict[int, dict[int, float]]:
+    study = optuna.load_study(study_name="outage", storage=storage)
+    return {t.number: dict(t.intermediate_values) for t in study.get_trials(deepcopy=False)}
+
+
+@pytest.mark.timeout(600)
+def test_the_study_rides_out_a_storage_outage_and_stops_clearly_after_a_long_one(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    os.environ.update({k: v for k, v in _env(tiny_model, tmp_path).items() if k.startswith("RF_TEST_")})
+    import _worker_app
+
+    with postgres() as server:
+        url = server.url.replace("rapidfire@", f"rapidfire:{PASSWORD}@")
+        study = optuna.create_study(storage=url, study_name="outage", pruner=optuna.pruners.NopPruner())
+        for lr in (1e-3, 1e-2):
+            study.enqueue_trial({"learning_rate": lr})
+
+        # A 4 s outage while trials train: calls retry, nothing is lost, values are exact.
+        with _worker_app.executor("cpu", storage_retry_seconds=60) as executor:
+            run = Background(lambda: executor.optimize(study, _worker_app.configure, n_trials=2))
+            wait_until(lambda: any(study.trials[n].intermediate_values for n in (0, 1)), what="a first report")
+            server.stop()
+            time.sleep(4)
+            server.start()
+            run.join()
+        trials = study.get_trials()
+        assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+        for trial in trials:
+            assert trial.intermediate_values == _reference_values(tiny_model, tmp_path, trial.params["learning_rate"])
+
+        # An outage longer than storage_retry_seconds: a clear error, and what was reported stays.
+        study.enqueue_trial({"learning_rate": 3e-2})
+        with _worker_app.executor("cpu", storage_retry_seconds=2) as executor:
+            run = Background(lambda: executor.optimize(study, _worker_app.configure, n_trials=1))
+            wait_until(lambda: len(study.trials) == 3 and study.trials[2].intermediate_values, what="a report")
+            before = dict(study.trials[2].intermediate_values)
+            server.stop()
+            with pytest.raises(StorageUnavailableError, match="stayed unreachable") as raised:
+                run.join()
+            assert PASSWORD not in str(raised.value)
+        server.start()
+        after = _reports(optuna.storages.RDBStorage(url))
+        assert after[0] == dict(trials[0].intermediate_values) and after[1] == dict(trials[1].intermediate_values)
+        assert before.items() <= after[2].items()
