@@ -15,6 +15,7 @@ import fcntl
 import os
 import threading
 import time
+import warnings
 from typing import IO, TYPE_CHECKING, Any
 
 import optuna
@@ -184,6 +185,7 @@ class TrialPool:
         self._take_ticket = take_ticket
         self.target = target
         self._retry_seconds = retry_seconds
+        self._unasked = 0  # threads started that have not asked for their trial yet
         self._storage = retrying(study._storage, retry_seconds)
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -200,6 +202,11 @@ class TrialPool:
                 self.slots.wait_for_change(0.5)
                 continue
             if self.target is not None:
+                with self._lock:
+                    unasked = self._unasked
+                if unasked:  # a started thread has not taken its trial yet: the storage does not show it
+                    self.slots.wait_for_change(0.05)
+                    continue
                 verdict = self._target_verdict()
                 if verdict == "done":
                     break
@@ -213,6 +220,7 @@ class TrialPool:
             thread = threading.Thread(target=self._one_trial, name=f"rapidfire-trial-{started}", daemon=True)
             with self._lock:
                 self._threads.append(thread)
+                self._unasked += 1
             thread.start()
             started += 1
         only_paused_since: float | None = None
@@ -245,7 +253,9 @@ class TrialPool:
             # the trials of a dead worker come back (as retries) while others can take them.
             view = copy.copy(self.study)
             view._storage = storage
-            optuna.storages.fail_stale_trials(view)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(view)
         trials = storage.get_all_trials(self.study._study_id, deepcopy=False)
         states = [t.state for t in trials]
         finished = states.count(TrialState.COMPLETE) + states.count(TrialState.PRUNED)
@@ -299,6 +309,9 @@ class TrialPool:
             self.local.asking = False
             self._ask_lock.release(self.local.ask_handle)
             self.local.ask_handle = None
+            with self._lock:
+                self._unasked -= 1
+            self.slots.notify()
 
     def _watch_stop(self, study: optuna.Study, trial: Any) -> None:
         if study._stop_flag:
