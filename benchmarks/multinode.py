@@ -138,7 +138,12 @@ def _run(workdir: Path, name: str, kill_after_chunks: int | None) -> dict[str, A
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--rebuild", action="store_true", help="only rewrite multinode.md from multinode.json")
     options = parser.parse_args()
+    if options.rebuild:
+        out = Path(options.out)
+        (out / "multinode.md").write_text(markdown(json.loads((out / "multinode.json").read_text())))
+        return
     from benchmarks.run import machine
     from optuna_rapidfire.demo import build_tiny_model
 
@@ -154,21 +159,30 @@ def main() -> None:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "multinode.json").write_text(json.dumps(results, indent=1))
+    (out / "multinode.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+def markdown(results: dict[str, Any]) -> str:
     lines = [
         "# Two workers, one study (one per GPU, as two nodes)",
         "",
-        "| run | wall s | trial window s | complete | retried (resumed from step) | chunks retrained |",
-        "|---|---|---|---|---|---|",
+        "| run | wall s | trial window s | trials complete | failed by heartbeat | retried as (resumed from chunk) "
+        "| chunks retrained | checkpoint MB per trial and chunk |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in ("clean", "fault"):
         r = results[name]
         resumed = ", ".join(f"{x['retry_of']}→{x['trial']} ({x['resumed_from_step']})" for x in r["retries"]) or "-"
         lines.append(
             f"| {name} | {r['wall_seconds']:.1f} | {r['trial_window_seconds']:.1f} | "
-            f"{r['distinct_configs_complete']}/{CONFIGS} | {resumed} | {r['chunks_retrained']} |"
+            f"{r['complete']}/{results['configs']} "
+            f"| {r['failed_by_heartbeat']} | {resumed} | {r['chunks_retrained']} | {r['checkpoint_mb']:.1f} |"
         )
-    (out / "multinode.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    killed = results["fault"]["killed_worker_1_at_seconds"]
+    if killed is not None:
+        lines.append(f"\nIn `fault`, worker 1 was killed (SIGKILL) {killed:.0f} s in.")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
