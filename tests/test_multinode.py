@@ -235,3 +235,23 @@ def test_the_study_rides_out_a_storage_outage_and_stops_clearly_after_a_long_one
         after = _reports(optuna.storages.RDBStorage(url))
         assert after[0] == dict(trials[0].intermediate_values) and after[1] == dict(trials[1].intermediate_values)
         assert before.items() <= after[2].items()
+
+
+def test_a_warm_clone_of_a_trial_that_ran_elsewhere_starts_from_its_checkpoint(tiny_model: str, tmp_path: Path) -> None:
+    os.environ.update({k: v for k, v in _env(tiny_model, tmp_path).items() if k.startswith("RF_TEST_")})
+    import _worker_app
+
+    from optuna_rapidfire import control
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'w.db'}", study_name="multi")
+    study.enqueue_trial({"learning_rate": 1e-2})
+    # "Machine A": its own output folder (where local snapshots live); only the artifact store is shared.
+    with _worker_app.executor("cpu", output_dir=tmp_path / "machine-a") as executor:
+        executor.optimize(study, _worker_app.configure, n_trials=1)
+    child = control.clone(study, 0)
+    with _worker_app.executor("cpu", output_dir=tmp_path / "machine-b") as executor:
+        executor.optimize(study, _worker_app.configure, n_trials=1)
+    clone = study.trials[child]
+    assert clone.user_attrs[_attrs.CLONE] == "warm" and clone.user_attrs[_attrs.BRANCH_STEP] == 4
+    assert clone.intermediate_values == study.trials[0].intermediate_values
+    assert not (tmp_path / "machine-b" / "multi" / "state" / "trial-0").exists()
