@@ -1,0 +1,111 @@
+"""Fused multi-adapter LoRA (groundwork for the fused engine): one pass equals each trial alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from optuna_rapidfire._engines._fused import Gang, fused_forward, segment_losses
+
+# Mixed ranks, target modules, dropout and batch sizes, as trials of one study would have.
+ADAPTERS = {
+    "t0": ({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}, 2),
+    "t1": ({"r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1}, 3),
+    "t2": (
+        {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "lora_dropout": 0.0},
+        1,
+    ),
+    "t3": ({"r": 4, "lora_alpha": 8, "target_modules": ["v_proj", "o_proj"], "lora_dropout": 0.2}, 2),
+    "t4": ({"r": 2, "lora_alpha": 2, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.05}, 4),
+}
+TOKENS = 12
+
+
+@pytest.fixture
+def model(tiny_model: str) -> torch.nn.Module:
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    base.requires_grad_(False)
+    peft_model = None
+    for seed, (name, (settings, _)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(seed)
+        config = LoraConfig(init_lora_weights=False, **settings)  # non-zero B: every update matters
+        if peft_model is None:
+            peft_model = get_peft_model(base, config, adapter_name=name)
+        else:
+            peft_model.add_adapter(name, config)
+    assert peft_model is not None
+    for param_name, param in peft_model.named_parameters():
+        param.requires_grad_("lora_" in param_name)
+    peft_model.train()
+    return peft_model
+
+
+def _batches() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    out = {}
+    for name, (_, rows) in ADAPTERS.items():
+        ids = torch.randint(0, 1024, (rows, TOKENS), generator=generator)
+        labels = ids.clone()
+        labels[:, :3] = -100  # a prompt part, as in completion-only training
+        out[name] = (ids, labels)
+    return out
+
+
+def _run(model: torch.nn.Module, names: list[str]) -> dict[str, tuple[float, dict[str, torch.Tensor]]]:
+    batches = _batches()
+    rows = [ADAPTERS[n][1] for n in names]
+    gang = Gang(names, rows, [torch.Generator().manual_seed(100 + list(ADAPTERS).index(n)) for n in names])
+    ids = torch.cat([batches[n][0] for n in names])
+    labels = torch.cat([batches[n][1] for n in names])
+    model.zero_grad(set_to_none=True)
+    with fused_forward(model, gang):
+        logits = model(input_ids=ids).logits
+    losses = segment_losses(logits, labels, rows)
+    torch.stack(losses).sum().backward()
+    out = {}
+    for name, loss in zip(names, losses, strict=True):
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if f".{name}." in k and p.grad is not None}
+        out[name] = (loss.item(), grads)
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_a_gang_gives_each_trial_its_own_loss_and_gradients(model: torch.nn.Module, k: int) -> None:
+    names = list(ADAPTERS)[:k] if k < 5 else list(ADAPTERS)
+    together = _run(model, names)
+    for name in names:
+        alone = _run(model, [name])[name]
+        loss, grads = together[name]
+        assert loss == pytest.approx(alone[0], rel=1e-5)
+        assert grads.keys() == alone[1].keys() and grads
+        for key, grad in grads.items():
+            torch.testing.assert_close(grad, alone[1][key], rtol=1e-5, atol=1e-7)
+
+
+def test_the_fused_pass_equals_peft_s_own_forward_without_dropout(model: torch.nn.Module) -> None:
+    batches = _batches()
+    for name in ("t0", "t2"):  # the adapters without dropout: PEFT draws masks from the global RNG
+        ids, labels = batches[name]
+        model.set_adapter(name)
+        model.zero_grad(set_to_none=True)
+        reference = segment_losses(model(input_ids=ids).logits, labels, [len(ids)])[0]
+        reference.backward()
+        expected = {k: p.grad.clone() for k, p in model.named_parameters() if f".{name}." in k and p.grad is not None}
+        for param_name, param in model.named_parameters():
+            param.requires_grad_("lora_" in param_name)
+        loss, grads = _run(model, [name])[name]
+        assert loss == pytest.approx(reference.item(), rel=1e-5)
+        for key, grad in grads.items():
+            torch.testing.assert_close(grad, expected[key], rtol=1e-5, atol=1e-7)
+
+
+def test_a_gang_refuses_bad_shapes(model: torch.nn.Module) -> None:
+    with pytest.raises(ValueError, match="at least one row"):
+        Gang(["t0", "t1"], [2, 0], [None, None])
+    with pytest.raises(ValueError, match="must differ"):
+        Gang(["t0", "t0"], [1, 1], [None, None])
+    gang = Gang(["t0", "t1"], [2, 3], [None, None])
+    with fused_forward(model, gang), pytest.raises(ValueError, match="gang expects 5"):
+        model(input_ids=torch.zeros(4, TOKENS, dtype=torch.long))
