@@ -95,9 +95,6 @@ class TrialState:
     position: Position = field(default_factory=Position)
     resident: bool = True
     _moved: list[tuple[dict[str, Any], str]] = field(default_factory=list, repr=False)
-    # Host buffers of the offloaded tensors, allocated at the first offload and reused at every later
-    # one: allocating pinned memory costs far more than the copy itself.
-    _host: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def nbytes(self) -> int:
         """Bytes of the adapter weights and optimizer moments."""
@@ -119,25 +116,17 @@ class TrialState:
             return
         pin = device.type == "cuda"
         self._moved = []
-        for index, p in enumerate(self.params):
-            p.data = self._stash(("param", index), p.data, pin)
+        for p in self.params:
+            p.data = _to_cpu(p.data, pin)
             state = self.optimizer.state.get(p)
             if not state:
                 continue
             for key, value in state.items():
                 # Tensors kept on the CPU by the optimizer itself (Adam's step count) stay where they are.
                 if isinstance(value, torch.Tensor) and value.device == device:
-                    state[key] = self._stash(("state", index, key), value, pin)
+                    state[key] = _to_cpu(value, pin)
                     self._moved.append((state, key))
         self.resident = False
-
-    def _stash(self, key: tuple[Any, ...], tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-        host = self._host.get(key)
-        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-            self._host[key] = host
-        host.copy_(tensor, non_blocking=pin)
-        return host
 
     def onload(self, device: torch.device) -> None:
         """Bring the state back to ``device`` after :meth:`offload`."""
@@ -151,3 +140,8 @@ class TrialState:
         self._moved = []
         self.resident = True
 
+
+def _to_cpu(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+    out.copy_(tensor, non_blocking=pin)
+    return out
