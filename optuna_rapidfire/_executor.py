@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 import torch
+from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.study import StudyDirection
 
 from optuna_rapidfire import _attrs
@@ -127,8 +128,10 @@ class RapidFireExecutor:
             trial: any Optuna artifact store (``FileSystemArtifactStore``, ``Boto3ArtifactStore``, ...).
             Optuna's retry of a trial whose worker died (``RetryHeartbeatStaleTrialCallback``) resumes
             from it on any worker, and warm clones of trials that ran elsewhere start from it. ``"auto"``:
-            a folder beside an SQLite or journal-file storage (``<file>.artifacts``), else
-            ``output_dir/artifacts``. ``None``: no checkpoints (a retry then starts from scratch).
+            on when the study's storage records heartbeats (``RDBStorage(heartbeat_interval=...)``, as
+            ``optuna-rapidfire worker`` sets up), in a folder beside an SQLite or journal-file storage
+            (``<file>.artifacts``), else ``output_dir/artifacts``; off otherwise, since only retries and
+            other machines use them. ``None``: never (a retry then starts from scratch).
         storage_retry_seconds: In :meth:`optimize`, how long calls to the study's storage are retried
             (with exponential backoff) while it is unreachable, before the study stops with
             ``StorageUnavailableError``. 0 turns retries off.
@@ -495,7 +498,9 @@ class RapidFireExecutor:
                 if setting is None:
                     store = None
                 elif setting == "auto":
-                    store = Checkpoints(default_store(study, self.output_dir))
+                    # Checkpoints serve retries, which need heartbeats: without them they would only cost.
+                    heartbeats = is_heartbeat_enabled(study._storage)
+                    store = Checkpoints(default_store(study, self.output_dir)) if heartbeats else None
                 else:
                     store = Checkpoints(setting)
                 self._checkpoint_stores[study.study_name] = store

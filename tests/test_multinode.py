@@ -255,3 +255,22 @@ def test_a_warm_clone_of_a_trial_that_ran_elsewhere_starts_from_its_checkpoint(t
     assert clone.user_attrs[_attrs.CLONE] == "warm" and clone.user_attrs[_attrs.BRANCH_STEP] == 4
     assert clone.intermediate_values == study.trials[0].intermediate_values
     assert not (tmp_path / "machine-b" / "multi" / "state" / "trial-0").exists()
+
+
+def test_checkpoints_are_on_by_default_only_when_the_storage_records_heartbeats(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    os.environ.update({k: v for k, v in _env(tiny_model, tmp_path).items() if k.startswith("RF_TEST_")})
+    import _worker_app
+
+    plain = optuna.create_study(storage=f"sqlite:///{tmp_path / 'plain.db'}", study_name="multi")
+    url = f"sqlite:///{tmp_path / 'beat.db'}"
+    beating = optuna.create_study(storage=optuna.storages.RDBStorage(url, heartbeat_interval=60), study_name="multi")
+    for study in (plain, beating):
+        study.enqueue_trial({"learning_rate": 1e-2})
+        with _worker_app.executor("cpu", artifact_store="auto", num_chunks=2) as executor:
+            executor.optimize(study, _worker_app.configure, n_trials=1)
+    assert _attrs.CHECKPOINT not in plain.trials[0].system_attrs
+    link = beating.trials[0].system_attrs[_attrs.CHECKPOINT]
+    assert (tmp_path / "beat.db.artifacts" / link["artifact_id"]).is_file()
+    assert not (tmp_path / "plain.db.artifacts").exists()

@@ -166,6 +166,8 @@ class TimeSlicedEngine(Engine):
 
     def snapshot(self, runtime: TrialRuntime) -> TrialSnapshot:
         """The trial's state at its latest chunk boundary, copied to the CPU."""
+        if not runtime.state.resident and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # its offload copies to host memory may still be in flight
         name = runtime.state.adapter_name
         weights = self.resident.adapter_weights(name)
         return TrialSnapshot.capture(
