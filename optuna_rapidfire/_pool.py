@@ -186,6 +186,7 @@ class TrialPool:
         self.target = target
         self._retry_seconds = retry_seconds
         self._unasked = 0  # threads started that have not asked for their trial yet
+        self._told_waiting = False
         self._storage = retrying(study._storage, retry_seconds)
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -264,7 +265,19 @@ class TrialPool:
             return "start"
         with self._lock:
             mine = sum(t.is_alive() for t in self._threads)
-        return "wait" if running > mine else "done"
+        if running <= mine:
+            return "done"
+        if not self._told_waiting:
+            self._told_waiting = True
+            _logger.info(
+                "Waiting for %d trial(s) running on other workers%s.",
+                running - mine,
+                ""
+                if is_heartbeat_enabled(storage)
+                else " (without heartbeats, a dead worker's trials never end: "
+                "give the storage a heartbeat_interval, or a timeout to this call)",
+            )
+        return "wait"
 
     def _should_stop_starting(self, started: int, deadline: float | None) -> bool:
         if self._stop or self._error is not None:
