@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from optuna_rapidfire._engines._fused import Gang, fused_forward, segment_losses
+from optuna_rapidfire._engines._fused import Gang, clip_gang, fused_forward, segment_losses
 
 # Mixed ranks, target modules, dropout and batch sizes, as trials of one study would have.
 ADAPTERS = {
@@ -109,3 +109,33 @@ def test_a_gang_refuses_bad_shapes(model: torch.nn.Module) -> None:
     gang = Gang(["t0", "t1"], [2, 3], [None, None])
     with fused_forward(model, gang), pytest.raises(ValueError, match="gang expects 5"):
         model(input_ids=torch.zeros(4, TOKENS, dtype=torch.long))
+
+
+def test_clipping_a_gang_equals_clipping_each_trial_alone() -> None:
+    generator = torch.Generator().manual_seed(3)
+    trials = [
+        [torch.randn(4, 3, generator=generator) * s for _ in range(n)] for s, n in ((5.0, 3), (0.01, 2), (2.0, 1))
+    ]
+    max_norms = [1.0, 1.0, None]
+    expected = [[g.clone() for g in trial] for trial in trials]
+    expected_norms = [
+        torch.nn.utils.clip_grad_norm_(_as_params(t), m or float("inf"))
+        for t, m in zip(expected, max_norms, strict=True)
+    ]
+    norms = clip_gang(trials, max_norms)
+    for got, want in zip(trials, expected, strict=True):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+    for got, want in zip(norms, expected_norms, strict=True):
+        torch.testing.assert_close(got, want)
+    assert torch.linalg.vector_norm(torch.stack([g.norm() for g in trials[0]])) == pytest.approx(1.0, rel=1e-4)
+
+
+def _as_params(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors whose .grad is ``grads`` (clip_grad_norm_ takes parameters), sharing their memory."""
+    params = []
+    for grad in grads:
+        param = torch.zeros_like(grad, requires_grad=True)
+        param.grad = grad
+        params.append(param)
+    return params

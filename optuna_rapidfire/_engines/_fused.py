@@ -144,3 +144,37 @@ def segment_losses(logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[in
         target = label[:, 1:].reshape(-1)
         losses.append(F.cross_entropy(shifted, target, ignore_index=-100))
     return losses
+
+
+def clip_gang(grads: Sequence[Sequence[torch.Tensor]], max_norms: Sequence[float | None]) -> list[torch.Tensor]:
+    """Clip each trial's gradients to its own ``max_norm`` (``None`` or <= 0: no clipping), in one pass.
+
+    The same result as ``torch.nn.utils.clip_grad_norm_(trial_grads, max_norm)`` per trial, but with one
+    ``foreach`` norm over every trial's gradients and one ``foreach`` scale, instead of two kernel
+    launches per tensor per trial.
+
+    Returns:
+        Each trial's total gradient norm before clipping.
+    """
+    if len(grads) != len(max_norms):
+        raise ValueError(f"clip_gang needs one max_norm per trial: {len(grads)} trials, {len(max_norms)} norms.")
+    flat = [g for trial in grads for g in trial]
+    if not flat:
+        return [torch.zeros(()) for _ in grads]
+    norms = torch._foreach_norm(flat, 2.0)
+    totals: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
+    scaled: list[torch.Tensor] = []
+    start = 0
+    for trial, max_norm in zip(grads, max_norms, strict=True):
+        own = norms[start : start + len(trial)]
+        start += len(trial)
+        total = torch.linalg.vector_norm(torch.stack(own), 2.0) if own else flat[0].new_zeros(())
+        totals.append(total)
+        if max_norm is not None and max_norm > 0 and trial:
+            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            scales.extend([coefficient] * len(trial))
+            scaled.extend(trial)
+    if scaled:
+        torch._foreach_mul_(scaled, scales)  # type: ignore[arg-type]  # tensor scalars are accepted
+    return totals
