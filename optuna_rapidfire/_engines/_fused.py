@@ -176,5 +176,5 @@ def clip_gang(grads: Sequence[Sequence[torch.Tensor]], max_norms: Sequence[float
             scales.extend([coefficient] * len(trial))
             scaled.extend(trial)
     if scaled:
-        torch._foreach_mul_(scaled, scales)  # type: ignore[arg-type]  # tensor scalars are accepted
+        torch._foreach_mul_(scaled, scales)
     return totals
