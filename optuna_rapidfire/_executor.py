@@ -17,6 +17,7 @@ from optuna_rapidfire import _attrs
 from optuna_rapidfire._checkpoints import Checkpoints, default_store
 from optuna_rapidfire._commands import register_dashboard_form
 from optuna_rapidfire._data import ChunkPlan, PreparedData
+from optuna_rapidfire._engines._fused_engine import FusedEngine
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._model import ModelSource, ResidentModel, load_model, resolve_devices
@@ -135,6 +136,11 @@ class RapidFireExecutor:
         storage_retry_seconds: In :meth:`optimize`, how long calls to the study's storage are retried
             (with exponential backoff) while it is unreachable, before the study stops with
             ``StorageUnavailableError``. 0 turns retries off.
+        engine: ``"time_sliced"`` (default): one trial at a time on the device, adapter hot-swap.
+            ``"fused"`` (experimental): live trials at the same progress train their chunk together in
+            shared forward/backward passes over the base, each with its own loss, optimizer, schedule
+            and clipping; gangs that cannot share a pass (non-SFT trials, adapter dropout, fp16, DoRA,
+            padding-free packing, differing precision) train time-sliced, said once in the log.
     """
 
     def __init__(
@@ -164,6 +170,7 @@ class RapidFireExecutor:
         pause_grace_seconds: float = 120.0,
         artifact_store: Any = "auto",
         storage_retry_seconds: float = 60.0,
+        engine: str = "time_sliced",
     ) -> None:
         # Everything but the devices, to build one executor per device in worker processes.
         self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "devices")}
@@ -197,6 +204,8 @@ class RapidFireExecutor:
             raise ValueError(f"poll_seconds must be positive, but got {poll_seconds=}.")
         if not pause_grace_seconds >= 0:
             raise ValueError(f"pause_grace_seconds must not be negative, but got {pause_grace_seconds=}.")
+        if engine not in ("time_sliced", "fused"):
+            raise ValueError(f"engine must be 'time_sliced' or 'fused', but got {engine=}.")
         if not (isinstance(storage_retry_seconds, (int, float)) and storage_retry_seconds >= 0):
             raise ValueError(f"storage_retry_seconds must be a number of at least 0, but got {storage_retry_seconds=}.")
         if isinstance(artifact_store, str) and artifact_store != "auto":
@@ -252,6 +261,7 @@ class RapidFireExecutor:
         self.pause_grace_seconds = pause_grace_seconds
         self._artifact_setting = artifact_store
         self.storage_retry_seconds = float(storage_retry_seconds)
+        self.engine = engine
         self._checkpoint_stores: dict[str, Checkpoints | None] = {}
         self._scheduler = Scheduler()
         self._scheduler.expect(max_concurrent_trials)
@@ -420,9 +430,11 @@ class RapidFireExecutor:
             resident = ResidentModel(model, tokenizer, self._device)
             self._extras = self._with_reward_models(self._extras)
             data = PreparedData(self._train, self._eval, self._plan, self._eval_samples)
-            self._engine = TimeSlicedEngine(
+            engine_class = FusedEngine if self.engine == "fused" else TimeSlicedEngine
+            self._engine = engine_class(
                 resident, data, self._extras, os.path.join(self.output_dir, ".trainer"), self._state_budget()
             )
+            self._scheduler.fuse = self.engine == "fused"
             self._worker = DeviceWorker(
                 self._engine,
                 self._scheduler,

@@ -47,6 +47,7 @@ class Task(enum.Enum):
 
     BUILD = "build"
     TRAIN = "train"
+    TRAIN_GANG = "train_gang"  # the fused engine: every ready trial at the least progress, together
     PAUSE = "pause"
     FINISH = "finish"
     RELEASE = "release"
@@ -92,6 +93,7 @@ class Scheduler:
         self._gathering = True
         self._last_arrival = time.monotonic()
         self._closed = False
+        self.fuse = False  # hand ready trials of equal progress to the worker together (fused engine)
 
     # -- Optuna's threads ---------------------------------------------------------------------
 
@@ -183,6 +185,16 @@ class Scheduler:
                 return None, self._gather_seconds - quiet
             self._gathering = False
         least = min(e.chunks_done for e in live)
+        if self.fuse:
+            at_least = [e for e in live if e.chunks_done == least]
+            if any(e.phase in (Phase.AWAITING, Phase.BUILD) for e in at_least):
+                return None, None  # a peer of the gang is still being decided on or built
+            gang = [e for e in at_least if e.phase == Phase.READY]
+            if gang:
+                for e in gang:
+                    e.phase = Phase.TRAINING
+                return (Task.TRAIN_GANG, gang), None  # type: ignore[return-value]
+            return None, None
         for e in live:
             if e.phase == Phase.READY and e.chunks_done == least:
                 e.phase = Phase.TRAINING

@@ -101,7 +101,9 @@ class DeviceWorker(threading.Thread):
             try:
                 self._run(kind, entry)
             except BaseException as error:  # one trial's failure must not stop the device
-                self._fail(entry, error)
+                # A failed shared pass fails every trial of the gang: their states were updated together.
+                for victim in entry if isinstance(entry, list) else [entry]:
+                    self._fail(victim, error)
 
     def _run(self, task: Task, entry: Entry) -> None:
         if task is Task.BUILD:
@@ -120,6 +122,14 @@ class DeviceWorker(threading.Thread):
                 result.snapshot = self.engine.snapshot(entry.runtime)
             self.scheduler.chunk_done(entry)
             entry.events.put(result)
+        elif task is Task.TRAIN_GANG:
+            gang: list[Entry] = entry  # type: ignore[assignment]
+            results = self.engine.run_gang([e.runtime for e in gang])  # type: ignore[attr-defined]
+            for member, result in zip(gang, results, strict=True):
+                if member.spec.checkpoint:
+                    result.snapshot = self.engine.snapshot(member.runtime)
+                self.scheduler.chunk_done(member)
+                member.events.put(result)
         elif task is Task.PAUSE:
             self.engine.pause(entry.runtime)
             entry.events.put(Paused())

@@ -1,0 +1,268 @@
+"""The fused engine: live trials at the same progress train their chunk together, in shared passes.
+
+Everything but training is the time-sliced engine's (building, clones, checkpoints, evaluation, export).
+A *gang* is the set of live trials the scheduler hands over together: those ready at the least progress.
+Each fused step takes the next micro-batch of every gang member that has one left in the chunk, pads them
+to one length, runs the frozen backbone once with every adapter on its own rows
+(:mod:`optuna_rapidfire._engines._fused`), and computes each trial's loss as TRL's SFT loss does
+(per-token log-probabilities of the shifted labels, summed and divided by the tokens of the trial's own
+accumulated batch). After its own ``gradient_accumulation_steps`` micro-batches a trial clips its
+gradients to its own ``max_grad_norm`` and steps its own optimizer and LR schedule. Trials whose chunk
+holds fewer micro-batches leave the later steps.
+
+Only gangs that can share a pass are fused: SFT trials with the same precision and activation
+checkpointing, no adapter dropout (fused dropout masks are not checkpointed yet), no LoRA variant (DoRA),
+no padding-free packing; any other gang trains time-sliced, and the engine says why once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from optuna_rapidfire._data import rows_of
+from optuna_rapidfire._engines._base import ChunkResult
+from optuna_rapidfire._engines._fused import Gang, clip_gang, fused_forward, lora_layers, unsupported
+from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine, TrialRuntime
+from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._state import RngState
+from optuna_rapidfire._trainers._base import _to_device
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+_logger = get_logger(__name__)
+
+
+class FusedEngine(TimeSlicedEngine):
+    """Trains gangs of trials in shared forward/backward passes; falls back to time slicing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fused_steps = 0
+        self._said: set[str] = set()
+
+    # -- which gangs can be fused ----------------------------------------------------------------
+
+    def refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:
+        """Why these trials cannot share a pass (``None``: they can)."""
+        first = runtimes[0]
+        for runtime in runtimes:
+            kind, args = runtime.spec.kind, runtime.args
+            if kind.name != "sft":
+                return f"trial {runtime.spec.number} is a {kind.name.upper()} trial (only SFT trials are fused yet)"
+            if bool(getattr(args, "fp16", False)):
+                return f"trial {runtime.spec.number} trains in fp16 (its grad scaler is per trial)"
+            if getattr(args, "padding_free", False):
+                return f"trial {runtime.spec.number} uses padding-free packing"
+            if (bool(args.bf16), kind.checkpointing(args)[0]) != (
+                bool(first.args.bf16),
+                first.spec.kind.checkpointing(first.args)[0],
+            ):
+                return "the trials differ in precision or activation checkpointing"
+            if getattr(args, "loss_type", "nll") != "nll" or getattr(args, "label_smoothing_factor", 0.0):
+                return f"trial {runtime.spec.number} uses a loss other than plain NLL"
+            if kind.base_dropout_off(args) != first.spec.kind.base_dropout_off(first.args):
+                return "the trials differ in disable_dropout"
+        for layer in lora_layers(self.resident.module):
+            for runtime in runtimes:
+                name = runtime.state.adapter_name
+                reason = unsupported(layer, name)
+                if reason is not None:
+                    return reason
+                dropout = layer.lora_dropout[name] if name in layer.lora_dropout else None  # noqa: SIM401
+                if dropout is not None and float(getattr(dropout, "p", 0.0)) > 0:
+                    number = runtime.spec.number
+                    return f"trial {number} has lora_dropout > 0 (fused dropout state is not checkpointed yet)"
+        if self.extras.compute_metrics is not None or getattr(first.trainer, "compute_loss_func", None) is not None:
+            return "a custom loss or metrics function is set"
+        return None
+
+    def run_gang(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult]:
+        """Train every trial's next chunk, in shared passes when they can share them; then evaluate each."""
+        if len(runtimes) == 1:
+            return [self.run_chunk(runtimes[0])]
+        reason = self.refusal(runtimes)
+        if reason is not None:
+            if reason not in self._said:
+                self._said.add(reason)
+                _logger.info("Training time-sliced, not fused: %s.", reason)
+            return [self.run_chunk(runtime) for runtime in runtimes]
+        start = time.perf_counter()
+        steps = [runtime.state.position.chunks_done for runtime in runtimes]
+        train_metrics = self._train_gang(runtimes)
+        trained = time.perf_counter()
+        results = []
+        for runtime, step, metrics in zip(runtimes, steps, train_metrics, strict=True):
+            evaluated = time.perf_counter()
+            full = self.evaluate(runtime)
+            full.update(metrics)
+            runtime.history.append(dict(full))
+            results.append(
+                ChunkResult(
+                    step=step,
+                    metrics=full,
+                    last=runtime.state.position.chunks_done >= runtime.total_chunks,
+                    train_seconds=(trained - start) / len(runtimes),
+                    eval_seconds=time.perf_counter() - evaluated,
+                )
+            )
+        return results
+
+    # -- training a gang's chunk -----------------------------------------------------------------
+
+    def _train_gang(self, runtimes: Sequence[TrialRuntime]) -> list[dict[str, float]]:
+        device, resident = self.device, self.resident
+        plans = [self._plan(runtime) for runtime in runtimes]
+        for runtime in runtimes:
+            if not runtime.state.resident:
+                runtime.state.onload(device)
+                self._fit_budget(keep=runtime)
+        first = runtimes[0]
+        enabled, kwargs = first.spec.kind.checkpointing(first.args)
+        resident.set_checkpointing(enabled, kwargs)
+        resident.use_forward(None)
+        resident.set_base_dropout(first.spec.kind.base_dropout_off(first.args))
+        for runtime in runtimes:
+            for param in resident.adapter_params(runtime.state.adapter_name):
+                param.requires_grad_(True)
+        resident._active = None  # several adapters are trainable: the next switch sets one again
+        self._current = None
+        model = resident.module
+        model.train()
+        backbone = resident.base.get_decoder() if hasattr(resident.base, "get_decoder") else resident.base.model
+        head = resident.base.get_output_embeddings()
+        losses: list[list[torch.Tensor]] = [[] for _ in runtimes]
+        grad_norms: list[float | None] = [None for _ in runtimes]
+        longest = max(len(plan["micro"]) for plan in plans)
+        with first.spec.kind.autocast(first.args, device):
+            for index in range(longest):
+                members = [k for k, plan in enumerate(plans) if index < len(plan["micro"])]
+                batches = [plans[k]["inputs"][index] for k in members]
+                length = max(b["input_ids"].shape[1] for b in batches)
+                input_ids = torch.cat(
+                    [_pad(b["input_ids"], length, _pad_id(runtimes[k])) for k, b in zip(members, batches, strict=True)]
+                )
+                attention = torch.cat(
+                    [_pad(b.get("attention_mask", torch.ones_like(b["input_ids"])), length, 0) for b in batches]
+                )
+                labels = [_pad(b["labels"], length, -100) for b in batches]
+                gang = Gang(
+                    [runtimes[k].state.adapter_name for k in members],
+                    [len(b["input_ids"]) for b in batches],
+                    [None] * len(members),
+                )
+                with fused_forward(model, gang):
+                    hidden = backbone(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
+                total = hidden.new_zeros((), dtype=torch.float32)
+                for k, piece, label in zip(members, torch.split(hidden, gang.rows), labels, strict=True):
+                    loss = self._segment_loss(head, piece, label, plans[k], index)
+                    losses[k].append(loss.detach())
+                    total = total + loss
+                total.backward()
+                self.fused_steps += 1
+                ready = [
+                    k
+                    for k in members
+                    if (index + 1) % plans[k]["accumulation"] == 0 or index + 1 == len(plans[k]["micro"])
+                ]
+                if ready:
+                    self._step(runtimes, ready, grad_norms)
+        metrics = []
+        for k, runtime in enumerate(runtimes):
+            state = runtime.state
+            state.position.chunks_done += 1
+            state.rng = RngState.capture(device)
+            plan = plans[k]
+            per_step = [
+                torch.stack(losses[k][i : i + plan["accumulation"]]).sum()
+                for i in range(0, len(losses[k]), plan["accumulation"])
+            ]
+            trainer: Any = runtime.trainer
+            trainer._total_train_tokens = getattr(trainer, "_total_train_tokens", 0) + plan["tokens"]
+            values = {
+                "train_loss": torch.stack(per_step).mean().item(),
+                "train_learning_rate": float(state.lr_scheduler.get_last_lr()[0]),
+            }
+            if grad_norms[k] is not None:
+                values["train_grad_norm"] = float(grad_norms[k])  # type: ignore[arg-type]
+            metrics.append(values)
+        for runtime in runtimes:
+            for param in resident.adapter_params(runtime.state.adapter_name):
+                param.requires_grad_(False)
+        return metrics
+
+    def _plan(self, runtime: TrialRuntime) -> dict[str, Any]:
+        """The trial's micro-batches of its next chunk, collated, and each accumulated step's token count."""
+        kind: Any = runtime.spec.kind  # an SFT kind (see refusal): it collates its own micro-batches
+        trainer, args, state = runtime.trainer, runtime.args, runtime.state
+        plan = self.data.plan
+        epoch, chunk = state.position.chunk(plan.num_chunks)
+        dataset = self.data.chunk(runtime.data_key, chunk, runtime.prepare)
+        micro = kind.micro_batches(args, plan.visit_order(len(dataset), epoch, chunk))
+        accumulation = args.gradient_accumulation_steps
+        inputs = [_to_device(kind.collate(trainer, rows_of(dataset, indices)), self.device) for indices in micro]
+        items, divisors = [], []
+        for first in range(0, len(inputs), accumulation):
+            group = inputs[first : first + accumulation]
+            count = trainer._get_num_items_in_batch(group, self.device)
+            # As the time-sliced step (and Trainer.training_step): a loss already normalized over the
+            # accumulated tokens is not divided again by the accumulation steps.
+            scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+            if scaled is None:
+                scaled = (trainer.model_accepts_loss_kwargs and count is not None) or (
+                    trainer.compute_loss_func is not None
+                )
+            items.extend([count] * len(group))
+            divisors.extend([1 if scaled else len(group)] * len(group))
+        tokens = sum(
+            int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in inputs
+        )
+        return {
+            "micro": micro,
+            "inputs": inputs,
+            "items": items,
+            "divisors": divisors,
+            "accumulation": accumulation,
+            "tokens": tokens,
+        }
+
+    @staticmethod
+    def _segment_loss(
+        head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, plan: dict[str, Any], index: int
+    ) -> torch.Tensor:
+        """TRL's SFT loss of one micro-batch: the shifted labels' negative log-probabilities over its tokens."""
+        shifted = labels[:, 1:]
+        mask = shifted != -100
+        logits = head(hidden[:, :-1][mask]).float()
+        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, shifted[mask].unsqueeze(-1)).squeeze(-1)
+        count = plan["items"][index]
+        denominator = mask.sum().clamp(min=1) if count is None else torch.as_tensor(count, device=log_probs.device)
+        return -log_probs.sum() / denominator / plan["divisors"][index]
+
+    def _step(self, runtimes: Sequence[TrialRuntime], ready: list[int], grad_norms: list[float | None]) -> None:
+        grads = [[p.grad for p in runtimes[k].state.params if p.grad is not None] for k in ready]
+        norms = clip_gang(grads, [runtimes[k].args.max_grad_norm for k in ready])
+        for k, norm in zip(ready, norms, strict=True):
+            runtime = runtimes[k]
+            state = runtime.state
+            if runtime.args.max_grad_norm is not None and runtime.args.max_grad_norm > 0:
+                grad_norms[k] = float(norm)
+            state.optimizer.step()
+            state.lr_scheduler.step()
+            state.optimizer.zero_grad(set_to_none=True)
+            state.position.optimizer_steps += 1
+            runtime.trainer.state.global_step = state.position.optimizer_steps
+
+
+def _pad_id(runtime: TrialRuntime) -> int:
+    tokenizer = getattr(runtime.trainer, "processing_class", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def _pad(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    return F.pad(tensor, (0, length - tensor.shape[1]), value=value) if tensor.shape[1] < length else tensor

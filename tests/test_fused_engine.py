@@ -1,0 +1,94 @@
+"""The fused engine: a study trained in shared passes gives the time-sliced study's per-chunk values."""
+
+from __future__ import annotations
+
+import logging
+
+import optuna
+import pytest
+from conftest import lora, sft_args
+
+CONFIGS = [  # mixed ranks, target modules, learning rates, batch sizes, accumulation and clipping
+    {"r": 4, "modules": "qv", "lr": 1e-2, "batch": 2, "accumulation": 1, "clip": 1.0},
+    {"r": 8, "modules": "qkvo", "lr": 3e-3, "batch": 4, "accumulation": 2, "clip": 0.0},
+    {"r": 2, "modules": "qv", "lr": 3e-2, "batch": 3, "accumulation": 1, "clip": 0.5},
+]
+MODULES = {"qv": ["q_proj", "v_proj"], "qkvo": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def configure(trial: optuna.Trial):
+    c = CONFIGS[trial.suggest_int("config", 0, len(CONFIGS) - 1)]
+    args = sft_args(
+        learning_rate=c["lr"],
+        per_device_train_batch_size=c["batch"],
+        gradient_accumulation_steps=c["accumulation"],
+        max_grad_norm=c["clip"],
+        lr_scheduler_type="cosine",
+        num_train_epochs=1,
+        seed=11,
+    )
+    return lora(r=c["r"], lora_dropout=0.0, target_modules=MODULES[c["modules"]]), args
+
+
+def _values(make_executor, engine: str) -> list[dict[int, float]]:
+    executor = make_executor(engine=engine, num_chunks=3, max_concurrent_trials=3)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    for i in range(len(CONFIGS)):
+        study.enqueue_trial({"config": i})
+    executor.optimize(study, configure, n_trials=len(CONFIGS))
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * len(CONFIGS)
+    if engine == "fused":
+        assert executor._engine.fused_steps > 0  # the gang really shared passes
+    return [dict(t.intermediate_values) for t in study.trials]
+
+
+def test_a_fused_study_reports_the_time_sliced_values(make_executor) -> None:
+    sliced = _values(make_executor, "time_sliced")
+    fused = _values(make_executor, "fused")
+    for a, b in zip(sliced, fused, strict=True):
+        assert a.keys() == b.keys()
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5)
+
+
+def test_gangs_that_cannot_share_a_pass_train_time_sliced_and_say_why(make_executor, caplog) -> None:
+    def with_dropout(trial: optuna.Trial):
+        peft_config, args = configure(trial)
+        peft_config.lora_dropout = 0.1
+        return peft_config, args
+
+    executor = make_executor(engine="fused", num_chunks=2, max_concurrent_trials=2)
+    study = optuna.create_study()
+    for i in range(2):
+        study.enqueue_trial({"config": i})
+    with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+        executor.optimize(study, with_dropout, n_trials=2)
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    assert executor._engine.fused_steps == 0
+    assert "lora_dropout > 0" in caplog.text
+
+
+def test_engine_must_be_known(make_executor) -> None:
+    with pytest.raises(ValueError, match="engine must be 'time_sliced' or 'fused'"):
+        make_executor(engine="warp")
+
+
+def _pruned_study(make_executor, engine: str) -> list[tuple[str, dict[int, float]]]:
+    # Two live at a time: pruned trials leave their gang at a chunk boundary and the next trial joins.
+    executor = make_executor(engine=engine, num_chunks=3, max_concurrent_trials=2)
+    study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=0, n_warmup_steps=0))
+    for i in (0, 2, 1, 0, 2):
+        study.enqueue_trial({"config": i})
+    executor.optimize(study, configure, n_trials=5)
+    return [(t.state.name, dict(t.intermediate_values)) for t in study.trials]
+
+
+def test_pruning_and_replacement_behave_as_in_time_sliced_mode(make_executor) -> None:
+    sliced = _pruned_study(make_executor, "time_sliced")
+    fused = _pruned_study(make_executor, "fused")
+    assert "PRUNED" in [state for state, _ in sliced]
+    assert [state for state, _ in fused] == [state for state, _ in sliced]
+    for (_, a), (_, b) in zip(sliced, fused, strict=True):
+        assert a.keys() == b.keys()
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5)
