@@ -53,6 +53,7 @@ class TrialSnapshot:
     rng: RngState
     position: Position
     history: list[dict[str, float]] = field(default_factory=list)
+    dropout_rng: torch.Tensor | None = None
 
     @classmethod
     def capture(
@@ -79,6 +80,7 @@ class TrialSnapshot:
             ),
             position=Position(state.position.chunks_done, state.position.optimizer_steps),
             history=[dict(h) for h in history],
+            dropout_rng=None if state.dropout_rng is None else state.dropout_rng.clone(),
         )
 
     def compatible_with(self, kind: str, shapes: dict[str, torch.Size]) -> str | None:
@@ -109,6 +111,8 @@ class TrialSnapshot:
         tensors["rng/cpu"] = self.rng.cpu
         if self.rng.device is not None:
             tensors["rng/device"] = self.rng.device
+        if self.dropout_rng is not None:
+            tensors["rng/dropout"] = self.dropout_rng
         meta_json = {
             "format": _FORMAT,
             "study_name": study_name,
@@ -167,6 +171,7 @@ class TrialSnapshot:
             ),
             position=Position(**meta["position"]),
             history=meta["history"],
+            dropout_rng=tensors.get("rng/dropout"),
         )
         return snapshot, str(meta.get("study_name", ""))
 

@@ -94,6 +94,8 @@ class TrialState:
     rng: RngState
     position: Position = field(default_factory=Position)
     resident: bool = True
+    # The fused engine's adapter-dropout generator state (``torch.Generator.get_state()``), once it has one.
+    dropout_rng: torch.Tensor | None = None
     _moved: list[tuple[dict[str, Any], str]] = field(default_factory=list, repr=False)
 
     def nbytes(self) -> int:

@@ -52,9 +52,10 @@ def test_a_fused_study_reports_the_time_sliced_values(make_executor) -> None:
 
 
 def test_gangs_that_cannot_share_a_pass_train_time_sliced_and_say_why(make_executor, caplog) -> None:
-    def with_dropout(trial: optuna.Trial):
+    def mixed_losses(trial: optuna.Trial):
         peft_config, args = configure(trial)
-        peft_config.lora_dropout = 0.1
+        if trial.number == 0:
+            args.loss_type = "dft"  # a loss the fused pass does not compute
         return peft_config, args
 
     executor = make_executor(engine="fused", num_chunks=2, max_concurrent_trials=2)
@@ -62,10 +63,42 @@ def test_gangs_that_cannot_share_a_pass_train_time_sliced_and_say_why(make_execu
     for i in range(2):
         study.enqueue_trial({"config": i})
     with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
-        executor.optimize(study, with_dropout, n_trials=2)
+        executor.optimize(study, mixed_losses, n_trials=2)
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
-    assert executor._engine.fused_steps == 0
-    assert "lora_dropout > 0" in caplog.text
+    assert "Training time-sliced, not fused: trial 0 uses a loss other than plain NLL" in caplog.text
+
+
+def _with_dropout(trial: optuna.Trial):
+    peft_config, args = configure(trial)
+    peft_config.lora_dropout = 0.2
+    return peft_config, args
+
+
+def test_with_adapter_dropout_a_trial_reports_the_same_alone_or_in_a_gang(make_executor) -> None:
+    def run(configs: list[int]) -> list[dict[int, float]]:
+        executor = make_executor(engine="fused", num_chunks=3, max_concurrent_trials=3)
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        for i in configs:
+            study.enqueue_trial({"config": i})
+        executor.optimize(study, _with_dropout, n_trials=len(configs))
+        assert executor._engine.fused_steps > 0
+        return [dict(t.intermediate_values) for t in study.trials]
+
+    together = run([0, 1, 2])
+    for position, config in enumerate([0, 1, 2]):
+        alone = run([config])[0]
+        for step, value in alone.items():
+            assert together[position][step] == pytest.approx(value, rel=1e-5)
+    # Dropout really acts: the values differ from the same configs without it.
+    assert together[0] != _values_without_dropout(make_executor)[0]
+
+
+def _values_without_dropout(make_executor) -> list[dict[int, float]]:
+    executor = make_executor(engine="fused", num_chunks=3, max_concurrent_trials=3)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial({"config": 0})
+    executor.optimize(study, configure, n_trials=1)
+    return [dict(t.intermediate_values) for t in study.trials]
 
 
 def test_engine_must_be_known(make_executor) -> None:

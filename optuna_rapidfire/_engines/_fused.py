@@ -27,11 +27,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class Gang:
-    """K adapters sharing a pass: adapter names, rows per adapter (in order), dropout generators."""
+    """K adapters sharing a pass: adapter names, rows per adapter (in order), dropout generators.
+
+    ``lengths`` (optional): each segment's own sequence length before the gang padded it to the longest;
+    dropout masks are drawn for that length only, so a trial draws the same masks in any gang.
+    """
 
     names: list[str]
     rows: list[int]
     generators: list[torch.Generator | None]
+    lengths: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.names) == len(self.rows) == len(self.generators)) or not self.names:
@@ -103,8 +108,14 @@ def fused_linear(layer: Any, gang: Gang, x: torch.Tensor, *args: Any, **kwargs: 
     inputs, downs, ups, scales = [], [], [], []
     for i in present:
         name = gang.names[i]
-        flat = segments[i].reshape(-1, x.shape[-1])
-        flat = _dropout(flat, layer.lora_dropout[name], gang.generators[i], layer.training)
+        segment = _dropout(
+            segments[i],
+            layer.lora_dropout[name],
+            gang.generators[i],
+            layer.training,
+            None if gang.lengths is None or x.dim() < 3 else gang.lengths[i],
+        )
+        flat = segment.reshape(-1, x.shape[-1])
         inputs.append(F.pad(flat, (0, 0, 0, longest - flat.shape[0])))
         down = layer.lora_A[name].weight  # [r_i, in]
         up = layer.lora_B[name].weight  # [out, r_i]
@@ -125,14 +136,22 @@ def fused_linear(layer: Any, gang: Gang, x: torch.Tensor, *args: Any, **kwargs: 
 
 
 def _dropout(
-    x: torch.Tensor, module: torch.nn.Module, generator: torch.Generator | None, training: bool
+    x: torch.Tensor,
+    module: torch.nn.Module,
+    generator: torch.Generator | None,
+    training: bool,
+    length: int | None = None,
 ) -> torch.Tensor:
+    """Inverted dropout with masks from ``generator``, drawn for the first ``length`` positions only."""
     p = float(getattr(module, "p", 0.0))
     if not training or p == 0.0:
         return x
     if p >= 1.0:
         return torch.zeros_like(x)
-    keep = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=generator)
+    shape = x.shape if length is None else (x.shape[0], length, *x.shape[2:])
+    keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=generator)
+    if length is not None and length < x.shape[1]:
+        keep = torch.cat([keep, keep.new_ones(x.shape[0], x.shape[1] - length, *x.shape[2:])], dim=1)
     return x * keep / (1 - p)
 
 

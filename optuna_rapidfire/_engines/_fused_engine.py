@@ -10,9 +10,12 @@ accumulated batch). After its own ``gradient_accumulation_steps`` micro-batches 
 gradients to its own ``max_grad_norm`` and steps its own optimizer and LR schedule. Trials whose chunk
 holds fewer micro-batches leave the later steps.
 
-Only gangs that can share a pass are fused: SFT trials with the same precision and activation
-checkpointing, no adapter dropout (fused dropout masks are not checkpointed yet), no LoRA variant (DoRA),
-no padding-free packing; any other gang trains time-sliced, and the engine says why once.
+Adapter dropout masks come from each trial's own generator (seeded from its ``seed``, saved with its
+state and checkpoints) and are drawn for the trial's own sequence length, so a trial gets the same masks
+alone or in any gang; a lone trial trains through the same fused path for that reason. Only gangs that
+can share a pass are fused: SFT trials with the same precision and activation checkpointing, no LoRA
+variant (DoRA), no padding-free packing, no custom loss; any other gang trains time-sliced (with PEFT's
+dropout from the global RNG), and the engine says why once.
 """
 
 from __future__ import annotations
@@ -73,19 +76,15 @@ class FusedEngine(TimeSlicedEngine):
                 reason = unsupported(layer, name)
                 if reason is not None:
                     return reason
-                dropout = layer.lora_dropout[name] if name in layer.lora_dropout else None  # noqa: SIM401
-                if dropout is not None and float(getattr(dropout, "p", 0.0)) > 0:
-                    number = runtime.spec.number
-                    return f"trial {number} has lora_dropout > 0 (fused dropout state is not checkpointed yet)"
         if self.extras.compute_metrics is not None or getattr(first.trainer, "compute_loss_func", None) is not None:
             return "a custom loss or metrics function is set"
         return None
 
     def run_gang(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult]:
         """Train every trial's next chunk, in shared passes when they can share them; then evaluate each."""
-        if len(runtimes) == 1:
-            return [self.run_chunk(runtimes[0])]
         reason = self.refusal(runtimes)
+        if reason is not None and len(runtimes) == 1:
+            return [self.run_chunk(runtimes[0])]
         if reason is not None:
             if reason not in self._said:
                 self._said.add(reason)
@@ -138,6 +137,7 @@ class FusedEngine(TimeSlicedEngine):
         losses: list[list[torch.Tensor]] = [[] for _ in runtimes]
         grad_norms: list[float | None] = [None for _ in runtimes]
         longest = max(len(plan["micro"]) for plan in plans)
+        generators = [self._dropout_generator(runtime) for runtime in runtimes]
         with first.spec.kind.autocast(first.args, device):
             for index in range(longest):
                 members = [k for k, plan in enumerate(plans) if index < len(plan["micro"])]
@@ -153,7 +153,8 @@ class FusedEngine(TimeSlicedEngine):
                 gang = Gang(
                     [runtimes[k].state.adapter_name for k in members],
                     [len(b["input_ids"]) for b in batches],
-                    [None] * len(members),
+                    [generators[k] for k in members],
+                    [b["input_ids"].shape[1] for b in batches],
                 )
                 with fused_forward(model, gang):
                     hidden = backbone(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
@@ -176,6 +177,7 @@ class FusedEngine(TimeSlicedEngine):
             state = runtime.state
             state.position.chunks_done += 1
             state.rng = RngState.capture(device)
+            state.dropout_rng = generators[k].get_state()
             plan = plans[k]
             per_step = [
                 torch.stack(losses[k][i : i + plan["accumulation"]]).sum()
@@ -194,6 +196,15 @@ class FusedEngine(TimeSlicedEngine):
             for param in resident.adapter_params(runtime.state.adapter_name):
                 param.requires_grad_(False)
         return metrics
+
+    def _dropout_generator(self, runtime: TrialRuntime) -> torch.Generator:
+        """The trial's own adapter-dropout generator: seeded from its args' seed, continued from its state."""
+        generator = torch.Generator(device=self.device)
+        if runtime.state.dropout_rng is None:
+            generator.manual_seed(int(runtime.args.seed) + 0x5EED)
+        else:
+            generator.set_state(runtime.state.dropout_rng)
+        return generator
 
     def _plan(self, runtime: TrialRuntime) -> dict[str, Any]:
         """The trial's micro-batches of its next chunk, collated, and each accumulated step's token count."""

@@ -225,6 +225,7 @@ class TimeSlicedEngine(Engine):
             python=parent.rng.python,
             numpy=parent.rng.numpy,
         )
+        state.dropout_rng = None if parent.dropout_rng is None else parent.dropout_rng.clone()
         state.position = Position(parent.position.chunks_done, parent.position.optimizer_steps)
         runtime.trainer.state.global_step = parent.position.optimizer_steps
         runtime.history = [dict(h) for h in parent.history]
