@@ -337,6 +337,17 @@ class Bench:
             wall = time.perf_counter() - start
         peak = _peak_memory_gb()
         _drop(executor)
+        # The same study on the fused engine (shared passes): its wall time against the time-sliced one.
+        fused = self.executor(shape, rows, chunks, len(learning_rates), engine="fused")
+        fused_study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        for lr in learning_rates:
+            fused_study.enqueue_trial({"learning_rate": lr, "r": 16})
+        fused.objective(configure_from_params(self.batch))
+        fused_start = time.perf_counter()
+        fused.optimize(fused_study, configure_from_params(self.batch), n_trials=len(learning_rates))
+        fused_wall = time.perf_counter() - fused_start
+        fused_steps = fused._engine.fused_steps if fused._engine is not None else 0  # type: ignore[attr-defined]
+        _drop(fused)
         first_decision = max(recorder.first_report.values()) - start
         # Sequentially, the last config's first chunk ends after every other config has trained fully.
         seq_first_decision = sum(r["seconds"] for r in sequential[:-1]) + sequential[-1]["seconds"] / chunks
@@ -366,6 +377,12 @@ class Bench:
                 "switches": len(recorder.switches),
                 "time_to_first_decision_seconds": first_decision,
                 "peak_memory_gb": peak,
+            },
+            "fused_engine": {
+                "wall_seconds": fused_wall,
+                "wall_tokens_per_second": recorder.tokens / fused_wall,
+                "over_time_sliced_wall": wall / fused_wall,
+                "fused_steps": fused_steps,
             },
             "interleaved_over_sequential_throughput": train_tps / (seq_tokens / seq_seconds),
             "interleaved_over_sequential_throughput_with_eval": (recorder.tokens / wall) / (seq_tokens / seq_seconds),
@@ -587,6 +604,11 @@ def rebuild(out: Path) -> None:
         largest = search["sweeps"][-1]
         summary["time_to_best_speedup_vs_sequential"] = largest["speedup_vs_sequential"]
         summary["time_to_best_speedup_vs_sequential_pruned"] = largest["speedup_vs_sequential_pruned"]
+    probe = load("fused_probe")
+    if probe:  # the pass-level probe (benchmarks/fused_probe.py), until the engine is measured on a GPU
+        summary["fused_k8_bs2_over_ceiling"] = probe["fused_over_ceiling"]
+        summary["fused_over_time_sliced_throughput_k8"] = probe["fused_over_time_sliced"]
+        summary["fused_source"] = "fused_probe.json: the fused pass alone (plain PyTorch), not the engine"
     multi = parts["multi_gpu"]
     if multi:
         summary["two_gpu_over_one_gpu_throughput"] = multi["two_gpu_over_one_gpu_throughput"]
@@ -607,7 +629,7 @@ def _markdown(out: Path) -> str:
     summary = load("summary") or {}
     lines += [f"Device: {summary.get('device')}", "", "| summary | value |", "|---|---|"]
     for key, value in summary.items():
-        if key not in ("machines", "commands"):
+        if key not in ("machines", "commands", "fused_source"):
             lines.append(f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |")
     data = load("throughput")
     if data:
@@ -673,6 +695,19 @@ def _markdown(out: Path) -> str:
                 f"{fmt(runs['executor_pruned']['time_to_target_seconds'])} | "
                 f"{fmt(runs['executor_pruned_clone']['time_to_target_seconds'])} | {speed} | {speed_p} |"
             )
+    data = load("fused_probe")
+    if data:
+        tps = data["tokens_per_second"]
+        lines += [
+            "",
+            "## Fused pass probe (llama-3.2-1b, 8 adapters r16, batch 2 x 512 each; plain PyTorch)",
+            "",
+            "| time-sliced tok/s | fused tok/s | one adapter at batch 32 (ceiling) tok/s "
+            "| fused / time-sliced | fused / ceiling |",
+            "|---|---|---|---|---|",
+            f"| {tps['time_sliced_k8_bs2']:.0f} | {tps['fused_k8_bs2']:.0f} | {tps['ceiling_bs32']:.0f} | "
+            f"{data['fused_over_time_sliced']:.2f} | {data['fused_over_ceiling']:.2f} |",
+        ]
     data = load("multi_gpu")
     if data:
         lines += [

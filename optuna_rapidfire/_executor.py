@@ -141,6 +141,7 @@ class RapidFireExecutor:
             shared forward/backward passes over the base, each with its own loss, optimizer, schedule
             and clipping; gangs that cannot share a pass (non-SFT trials, adapter dropout, fp16, DoRA,
             padding-free packing, differing precision) train time-sliced, said once in the log.
+            ``"auto"``: fused on a GPU, time-sliced on the CPU.
     """
 
     def __init__(
@@ -204,8 +205,8 @@ class RapidFireExecutor:
             raise ValueError(f"poll_seconds must be positive, but got {poll_seconds=}.")
         if not pause_grace_seconds >= 0:
             raise ValueError(f"pause_grace_seconds must not be negative, but got {pause_grace_seconds=}.")
-        if engine not in ("time_sliced", "fused"):
-            raise ValueError(f"engine must be 'time_sliced' or 'fused', but got {engine=}.")
+        if engine not in ("time_sliced", "fused", "auto"):
+            raise ValueError(f"engine must be 'time_sliced', 'fused' or 'auto', but got {engine=}.")
         if not (isinstance(storage_retry_seconds, (int, float)) and storage_retry_seconds >= 0):
             raise ValueError(f"storage_retry_seconds must be a number of at least 0, but got {storage_retry_seconds=}.")
         if isinstance(artifact_store, str) and artifact_store != "auto":
@@ -261,7 +262,9 @@ class RapidFireExecutor:
         self.pause_grace_seconds = pause_grace_seconds
         self._artifact_setting = artifact_store
         self.storage_retry_seconds = float(storage_retry_seconds)
-        self.engine = engine
+        # "auto": fused on a GPU, where one pass for several trials fills the device; on the CPU a
+        # shared pass saves nothing, so trials are time-sliced there.
+        self.engine = engine if engine != "auto" else ("fused" if self._device.type == "cuda" else "time_sliced")
         self._checkpoint_stores: dict[str, Checkpoints | None] = {}
         self._scheduler = Scheduler()
         self._scheduler.expect(max_concurrent_trials)

@@ -101,9 +101,10 @@ def _values_without_dropout(make_executor) -> list[dict[int, float]]:
     return [dict(t.intermediate_values) for t in study.trials]
 
 
-def test_engine_must_be_known(make_executor) -> None:
-    with pytest.raises(ValueError, match="engine must be 'time_sliced' or 'fused'"):
+def test_engine_must_be_known_and_auto_time_slices_on_the_cpu(make_executor) -> None:
+    with pytest.raises(ValueError, match="engine must be 'time_sliced', 'fused' or 'auto'"):
         make_executor(engine="warp")
+    assert make_executor(engine="auto", devices="cpu").engine == "time_sliced"
 
 
 def _pruned_study(make_executor, engine: str) -> list[tuple[str, dict[int, float]]]:
