@@ -30,8 +30,8 @@ def configure(trial: optuna.Trial):
     return lora(r=c["r"], lora_dropout=0.0, target_modules=MODULES[c["modules"]]), args
 
 
-def _values(make_executor, engine: str) -> list[dict[int, float]]:
-    executor = make_executor(engine=engine, num_chunks=3, max_concurrent_trials=3)
+def _values(make_executor, engine: str, concurrent: int = 3, **kwargs) -> list[dict[int, float]]:
+    executor = make_executor(engine=engine, num_chunks=3, max_concurrent_trials=concurrent, **kwargs)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     for i in range(len(CONFIGS)):
         study.enqueue_trial({"config": i})
@@ -39,16 +39,22 @@ def _values(make_executor, engine: str) -> list[dict[int, float]]:
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * len(CONFIGS)
     if engine == "fused":
         assert executor._engine.fused_steps > 0  # the gang really shared passes
+    if kwargs.get("state_memory_budget") == 1:
+        assert executor._engine.offloads > 0
     return [dict(t.intermediate_values) for t in study.trials]
 
 
 def test_a_fused_study_reports_the_time_sliced_values(make_executor) -> None:
     sliced = _values(make_executor, "time_sliced")
     fused = _values(make_executor, "fused")
-    for a, b in zip(sliced, fused, strict=True):
-        assert a.keys() == b.keys()
+    # Two live at a time, the third joins later: idle states are offloaded (a budget of one byte) and
+    # a gang is brought back whole.
+    offloaded = _values(make_executor, "fused", concurrent=2, state_memory_budget=1)
+    for a, b, c in zip(sliced, fused, offloaded, strict=True):
+        assert a.keys() == b.keys() == c.keys()
         for step in a:
             assert b[step] == pytest.approx(a[step], rel=1e-5)
+            assert c[step] == pytest.approx(a[step], rel=1e-5)
 
 
 def test_gangs_that_cannot_share_a_pass_train_time_sliced_and_say_why(make_executor, caplog) -> None:

@@ -116,10 +116,12 @@ class FusedEngine(TimeSlicedEngine):
     def _train_gang(self, runtimes: Sequence[TrialRuntime]) -> list[dict[str, float]]:
         device, resident = self.device, self.resident
         plans = [self._plan(runtime) for runtime in runtimes]
+        # The whole gang is on the device while it trains: only trials outside it may be offloaded.
         for runtime in runtimes:
             if not runtime.state.resident:
                 runtime.state.onload(device)
-                self._fit_budget(keep=runtime)
+            runtime.last_used = time.monotonic()
+        self._fit_budget(keep=list(runtimes))
         first = runtimes[0]
         enabled, kwargs = first.spec.kind.checkpointing(first.args)
         resident.set_checkpointing(enabled, kwargs)

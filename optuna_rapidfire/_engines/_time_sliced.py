@@ -270,16 +270,17 @@ class TimeSlicedEngine(Engine):
 
     # -- memory ----------------------------------------------------------------------------------
 
-    def _fit_budget(self, keep: TrialRuntime) -> None:
-        """Offload least recently used idle trials until the resident state fits the budget."""
+    def _fit_budget(self, keep: TrialRuntime | list[TrialRuntime]) -> None:
+        """Offload least recently used idle trials (never those in ``keep``) until the state fits the budget."""
         if self.state_budget is None:
             return
+        kept = keep if isinstance(keep, list) else [keep]
         resident = [r for r in self._runtimes if r.state.resident]
         used = sum(r.state.nbytes() for r in resident)
         for victim in sorted(resident, key=lambda r: r.last_used):
             if used <= self.state_budget:
                 break
-            if victim is keep:
+            if any(victim is k for k in kept):
                 continue
             used -= victim.state.nbytes()
             victim.state.offload(self.device)
