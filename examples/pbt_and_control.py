@@ -56,17 +56,17 @@ def by_hand(study: optuna.Study) -> None:
                 pass
             time.sleep(0.1)
 
-    def running_with_reports() -> list[optuna.trial.FrozenTrial]:
+    def early_runners() -> list[optuna.trial.FrozenTrial]:
+        # Trials that reported their first chunk only: the pruner (n_warmup_steps=1) cannot stop them
+        # before the pause applies, at the end of their next chunk at the latest.
         trials = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-        return [t for t in trials if len(t.intermediate_values) >= 2]
+        return [t for t in trials if sorted(t.intermediate_values) == [0]]
 
-    # The pruner may stop the chosen leader in the chunk it is training before the pause applies
-    # (a chunk is never cut short): then pick the next leader.
     for _ in range(5):
-        wait_for(lambda: len(running_with_reports()) >= 2)
-        leader = min(running_with_reports(), key=lambda t: t.intermediate_values[max(t.intermediate_values)])
+        wait_for(lambda: len(early_runners()) >= 1)
+        leader = min(early_runners(), key=lambda t: t.intermediate_values[0])
         control.stop(study, leader.number)
-        print(f"paused trial {leader.number}, the leader after {len(leader.intermediate_values)} chunks")
+        print(f"paused trial {leader.number}, the leader after its first chunk")
 
         def settled(number: int = leader.number) -> bool:
             trial = study.trials[number]

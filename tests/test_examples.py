@@ -108,6 +108,7 @@ def test_pbt_and_control_example(tmp_path: Path, tiny_model: str) -> None:
         ],
         tmp_path,
     )
+    assert "resumed trial " in out, out
     leader = int(out.split("resumed trial ")[1].split()[0])
     assert f"paused trial {leader}," in out and f"cloned trial {leader} as trial" in out
     study = optuna.load_study(study_name="pbt", storage=f"sqlite:///{tmp_path / 'p.db'}")
