@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import optuna
@@ -129,6 +130,27 @@ def test_pruning_and_replacement_behave_as_in_time_sliced_mode(make_executor) ->
     assert "PRUNED" in [state for state, _ in sliced]
     assert [state for state, _ in fused] == [state for state, _ in sliced]
     for (_, a), (_, b) in zip(sliced, fused, strict=True):
+        assert a.keys() == b.keys()
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5)
+
+
+def test_with_activation_checkpointing_a_fused_study_reports_the_time_sliced_values(make_executor) -> None:
+    def checkpointed(trial: optuna.Trial):
+        peft_config, args = configure(trial)
+        return peft_config, dataclasses.replace(args, activation_checkpointing=True)
+
+    def run(engine: str) -> list[dict[int, float]]:
+        executor = make_executor(engine=engine, num_chunks=2, max_concurrent_trials=3)
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        for i in range(len(CONFIGS)):
+            study.enqueue_trial({"config": i})
+        executor.optimize(study, checkpointed, n_trials=len(CONFIGS))
+        if engine == "fused":
+            assert executor._engine.fused_steps > 0
+        return [dict(t.intermediate_values) for t in study.trials]
+
+    for a, b in zip(run("time_sliced"), run("fused"), strict=True):
         assert a.keys() == b.keys()
         for step in a:
             assert b[step] == pytest.approx(a[step], rel=1e-5)

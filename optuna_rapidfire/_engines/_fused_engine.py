@@ -70,12 +70,17 @@ class FusedEngine(TimeSlicedEngine):
                 return f"trial {runtime.spec.number} uses a loss other than plain NLL"
             if kind.base_dropout_off(args) != first.spec.kind.base_dropout_off(first.args):
                 return "the trials differ in disable_dropout"
+        checkpointing = first.spec.kind.checkpointing(first.args)[0]
         for layer in lora_layers(self.resident.module):
             for runtime in runtimes:
                 name = runtime.state.adapter_name
                 reason = unsupported(layer, name)
                 if reason is not None:
                     return reason
+                dropout = layer.lora_dropout[name] if name in layer.lora_dropout else None  # noqa: SIM401
+                if checkpointing and dropout is not None and float(getattr(dropout, "p", 0.0)) > 0:
+                    # Recomputing a checkpointed block would draw other masks from the trial's generator.
+                    return "activation checkpointing with lora_dropout > 0"
         if self.extras.compute_metrics is not None or getattr(first.trainer, "compute_loss_func", None) is not None:
             return "a custom loss or metrics function is set"
         return None
@@ -140,40 +145,40 @@ class FusedEngine(TimeSlicedEngine):
         grad_norms: list[float | None] = [None for _ in runtimes]
         longest = max(len(plan["micro"]) for plan in plans)
         generators = [self._dropout_generator(runtime) for runtime in runtimes]
-        with first.spec.kind.autocast(first.args, device):
-            for index in range(longest):
-                members = [k for k, plan in enumerate(plans) if index < len(plan["micro"])]
-                batches = [plans[k]["inputs"][index] for k in members]
-                length = max(b["input_ids"].shape[1] for b in batches)
-                input_ids = torch.cat(
-                    [_pad(b["input_ids"], length, _pad_id(runtimes[k])) for k, b in zip(members, batches, strict=True)]
-                )
-                attention = torch.cat(
-                    [_pad(b.get("attention_mask", torch.ones_like(b["input_ids"])), length, 0) for b in batches]
-                )
-                labels = [_pad(b["labels"], length, -100) for b in batches]
-                gang = Gang(
-                    [runtimes[k].state.adapter_name for k in members],
-                    [len(b["input_ids"]) for b in batches],
-                    [generators[k] for k in members],
-                    [b["input_ids"].shape[1] for b in batches],
-                )
-                with fused_forward(model, gang):
+        for index in range(longest):
+            members = [k for k, plan in enumerate(plans) if index < len(plan["micro"])]
+            batches = [plans[k]["inputs"][index] for k in members]
+            length = max(b["input_ids"].shape[1] for b in batches)
+            input_ids = torch.cat(
+                [_pad(b["input_ids"], length, _pad_id(runtimes[k])) for k, b in zip(members, batches, strict=True)]
+            )
+            attention = torch.cat(
+                [_pad(b.get("attention_mask", torch.ones_like(b["input_ids"])), length, 0) for b in batches]
+            )
+            labels = [_pad(b["labels"], length, -100) for b in batches]
+            gang = Gang(
+                [runtimes[k].state.adapter_name for k in members],
+                [len(b["input_ids"]) for b in batches],
+                [generators[k] for k in members],
+                [b["input_ids"].shape[1] for b in batches],
+            )
+            # The gang's layers stay in place through the backward pass too: activation checkpointing
+            # recomputes forwards there. Mixed precision covers the forward pass and the losses only.
+            with fused_forward(model, gang):
+                with first.spec.kind.autocast(first.args, device):
                     hidden = backbone(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
-                total = hidden.new_zeros((), dtype=torch.float32)
-                for k, piece, label in zip(members, torch.split(hidden, gang.rows), labels, strict=True):
-                    loss = self._segment_loss(head, piece, label, plans[k], index)
-                    losses[k].append(loss.detach())
-                    total = total + loss
+                    total = hidden.new_zeros((), dtype=torch.float32)
+                    for k, piece, label in zip(members, torch.split(hidden, gang.rows), labels, strict=True):
+                        loss = self._segment_loss(head, piece, label, plans[k], index)
+                        losses[k].append(loss.detach())
+                        total = total + loss
                 total.backward()
-                self.fused_steps += 1
-                ready = [
-                    k
-                    for k in members
-                    if (index + 1) % plans[k]["accumulation"] == 0 or index + 1 == len(plans[k]["micro"])
-                ]
-                if ready:
-                    self._step(runtimes, ready, grad_norms)
+            self.fused_steps += 1
+            ready = [
+                k for k in members if (index + 1) % plans[k]["accumulation"] == 0 or index + 1 == len(plans[k]["micro"])
+            ]
+            if ready:
+                self._step(runtimes, ready, grad_norms)
         metrics = []
         for k, runtime in enumerate(runtimes):
             state = runtime.state
