@@ -23,6 +23,7 @@ from optuna.artifacts import FileSystemArtifactStore
 from optuna_rapidfire import _attrs
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._snapshot import TrialSnapshot
+from optuna_rapidfire._storages import file_path
 
 if TYPE_CHECKING:
     from collections.abc import Collection
@@ -42,17 +43,8 @@ def default_store(study: optuna.Study, output_dir: str) -> FileSystemArtifactSto
     A remote RDB (PostgreSQL...) gets a local folder; workers on other machines then need a shared
     ``artifact_store`` (a shared filesystem or S3) to resume each other's trials.
     """
-    storage: Any = getattr(study._storage, "_backend", study._storage)
-    url = getattr(storage, "url", None)
-    path: str | None = None
-    if isinstance(url, str) and url.startswith("sqlite:///"):
-        path = url[len("sqlite:///") :].split("?")[0] or None
-        if path == ":memory:":
-            path = None
-    backend = getattr(storage, "_backend", None)
-    if path is None and backend is not None and hasattr(backend, "_file_path"):
-        path = str(backend._file_path)
-    base = f"{os.path.abspath(path)}.artifacts" if path else os.path.join(os.path.abspath(output_dir), "artifacts")
+    path = file_path(study)
+    base = f"{path}.artifacts" if path else os.path.join(os.path.abspath(output_dir), "artifacts")
     os.makedirs(base, exist_ok=True)
     return FileSystemArtifactStore(base)
 
@@ -63,8 +55,8 @@ class Checkpoints:
     def __init__(self, store: ArtifactStore) -> None:
         self.store = store
 
-    def save(self, study: optuna.Study, trial_id: int, snapshot: TrialSnapshot) -> dict[str, Any]:
-        """Write ``snapshot`` and link it from the trial; remove the trial's previous checkpoint.
+    def save(self, study: optuna.Study, trial_id: int, snapshot: TrialSnapshot, previous: Any = None) -> dict[str, Any]:
+        """Write ``snapshot`` and link it from the trial; remove ``previous``, its link until now.
 
         Returns:
             The link now on the trial.
@@ -78,7 +70,6 @@ class Checkpoints:
             "sha256": hashlib.sha256(blob).hexdigest(),
             "bytes": len(blob),
         }
-        previous = study._storage.get_trial(trial_id).system_attrs.get(_attrs.CHECKPOINT)
         study._storage.set_trial_system_attr(trial_id, _attrs.CHECKPOINT, link)
         if isinstance(previous, dict) and not _awaited_by_clone(study, snapshot.trial_number):
             self.remove(previous)

@@ -217,6 +217,17 @@ class ResidentModel:
             peft.__dict__["active_adapter"] = name
             self._active = name
 
+    def set_trainable(self, names: list[str], trainable: bool) -> None:
+        """Make several adapters trainable at once (a fused gang), or none of them again.
+
+        Afterwards no adapter counts as active: the next :meth:`activate` sets one up from scratch.
+        """
+        with self._lock:
+            for name in names:
+                for param in self.adapter_params(name):
+                    param.requires_grad_(trainable)
+            self._active = None
+
     def building(self, adapter: str) -> contextlib.AbstractContextManager[Callable[[], Any]]:
         """Context for constructing a trial's TRL trainer without leaking its changes to other trials.
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import fcntl
-import os
 import threading
 import time
 import warnings
@@ -23,7 +22,7 @@ from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import TrialState
 
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._storages import StorageUnavailableError, retrying
+from optuna_rapidfire._storages import StorageUnavailableError, file_path, retrying
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -97,7 +96,7 @@ class AskLock:
 
     def __init__(self, study: optuna.Study) -> None:
         self._thread_lock = threading.Lock()
-        self._path = _sqlite_path(study)
+        self._path = file_path(study, journal=False)
 
     def acquire(self) -> IO[bytes] | None:
         self._thread_lock.acquire()
@@ -117,15 +116,6 @@ class AskLock:
                 fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
         self._thread_lock.release()
-
-
-def _sqlite_path(study: optuna.Study) -> str | None:
-    storage = getattr(study._storage, "_backend", study._storage)
-    url = getattr(storage, "url", None)
-    if not isinstance(url, str) or not url.startswith("sqlite:///"):
-        return None
-    path = url[len("sqlite:///") :].split("?")[0]
-    return None if path in ("", ":memory:") else os.path.abspath(path)
 
 
 class TrialPool:

@@ -9,6 +9,7 @@ then raises :class:`StorageUnavailableError`. Only connection-level errors are r
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -40,6 +41,20 @@ def hide_password(url: str) -> str:
             user = rest.split("@", 1)[0].split(":", 1)[0]
             return f"{scheme}://{user}:***@{rest.split('@', 1)[1]}"
         return url
+
+
+def file_path(study: Any, *, journal: bool = True) -> str | None:
+    """The absolute path of the file ``study`` lives in: an SQLite database (or, with ``journal``, a
+    journal file); ``None`` for a server database or memory."""
+    storage = getattr(study._storage, "_backend", study._storage)  # RDB storages come wrapped in a cache
+    url = getattr(storage, "url", None)
+    if isinstance(url, str) and url.startswith("sqlite:///"):
+        path = url[len("sqlite:///") :].split("?")[0]
+        return None if path in ("", ":memory:") else os.path.abspath(path)
+    backend: Any = getattr(storage, "_backend", None)
+    if journal and hasattr(backend, "_file_path"):
+        return os.path.abspath(str(backend._file_path))
+    return None
 
 
 def is_transient(error: BaseException) -> bool:

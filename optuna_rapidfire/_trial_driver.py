@@ -212,13 +212,13 @@ class TrialDriver:
             branch.step,
         )
 
-    def _checkpoint(self, event: ChunkResult) -> None:
+    def _checkpoint(self, event: ChunkResult, previous: Any) -> None:
         """Save the chunk's state to the artifact store and link it, before the chunk is reported."""
         checkpoints = self.ex._checkpoints(self.study)
         if event.snapshot is None or checkpoints is None:
             return
         try:
-            checkpoints.save(self.study, self.trial._trial_id, event.snapshot)
+            checkpoints.save(self.study, self.trial._trial_id, event.snapshot, previous)
         except Exception as error:  # the trial goes on; a retry would resume from an older checkpoint
             _logger.warning(
                 "Trial %d: the checkpoint after chunk %d could not be saved (%s: %s).",
@@ -238,9 +238,10 @@ class TrialDriver:
         value = event.metrics[ex.metric]
         step = event.step
         try:
-            if self.study._storage.get_trial(trial._trial_id).state.is_finished():
+            stored = self.study._storage.get_trial(trial._trial_id)
+            if stored.state.is_finished():
                 raise UpdateFinishedTrialError("finished outside the executor")
-            self._checkpoint(event)
+            self._checkpoint(event, stored.system_attrs.get(_attrs.CHECKPOINT))
             trial.report(value, step)
             trial.set_user_attr(_attrs.CHUNKS_DONE, step + 1)
             for key, attr in (("train_loss", _attrs.TRAIN_LOSS), ("train_learning_rate", _attrs.LEARNING_RATE)):

@@ -32,7 +32,7 @@ from optuna_rapidfire._engines._fused import Gang, clip_gang, fused_forward, lor
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine, TrialRuntime
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._state import RngState
-from optuna_rapidfire._trainers._base import _to_device
+from optuna_rapidfire._trainers._base import _to_device, accumulation_divisor
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -132,10 +132,8 @@ class FusedEngine(TimeSlicedEngine):
         resident.set_checkpointing(enabled, kwargs)
         resident.use_forward(None)
         resident.set_base_dropout(first.spec.kind.base_dropout_off(first.args))
-        for runtime in runtimes:
-            for param in resident.adapter_params(runtime.state.adapter_name):
-                param.requires_grad_(True)
-        resident._active = None  # several adapters are trainable: the next switch sets one again
+        names = [runtime.state.adapter_name for runtime in runtimes]
+        resident.set_trainable(names, True)
         self._current = None
         model = resident.module
         model.train()
@@ -199,9 +197,7 @@ class FusedEngine(TimeSlicedEngine):
             if grad_norms[k] is not None:
                 values["train_grad_norm"] = float(grad_norms[k])  # type: ignore[arg-type]
             metrics.append(values)
-        for runtime in runtimes:
-            for param in resident.adapter_params(runtime.state.adapter_name):
-                param.requires_grad_(False)
+        resident.set_trainable(names, False)
         return metrics
 
     def _dropout_generator(self, runtime: TrialRuntime) -> torch.Generator:
@@ -216,26 +212,16 @@ class FusedEngine(TimeSlicedEngine):
     def _plan(self, runtime: TrialRuntime) -> dict[str, Any]:
         """The trial's micro-batches of its next chunk, collated, and each accumulated step's token count."""
         kind: Any = runtime.spec.kind  # an SFT kind (see refusal): it collates its own micro-batches
-        trainer, args, state = runtime.trainer, runtime.args, runtime.state
-        plan = self.data.plan
-        epoch, chunk = state.position.chunk(plan.num_chunks)
-        dataset = self.data.chunk(runtime.data_key, chunk, runtime.prepare)
-        micro = kind.micro_batches(args, plan.visit_order(len(dataset), epoch, chunk))
+        trainer, args = runtime.trainer, runtime.args
+        dataset, micro = self._next_chunk(runtime)
         accumulation = args.gradient_accumulation_steps
         inputs = [_to_device(kind.collate(trainer, rows_of(dataset, indices)), self.device) for indices in micro]
         items, divisors = [], []
         for first in range(0, len(inputs), accumulation):
             group = inputs[first : first + accumulation]
             count = trainer._get_num_items_in_batch(group, self.device)
-            # As the time-sliced step (and Trainer.training_step): a loss already normalized over the
-            # accumulated tokens is not divided again by the accumulation steps.
-            scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
-            if scaled is None:
-                scaled = (trainer.model_accepts_loss_kwargs and count is not None) or (
-                    trainer.compute_loss_func is not None
-                )
             items.extend([count] * len(group))
-            divisors.extend([1 if scaled else len(group)] * len(group))
+            divisors.extend([accumulation_divisor(trainer, count, len(group))] * len(group))
         tokens = sum(
             int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in inputs
         )
@@ -266,14 +252,10 @@ class FusedEngine(TimeSlicedEngine):
         norms = clip_gang(grads, [runtimes[k].args.max_grad_norm for k in ready])
         for k, norm in zip(ready, norms, strict=True):
             runtime = runtimes[k]
-            state = runtime.state
             if runtime.args.max_grad_norm is not None and runtime.args.max_grad_norm > 0:
                 grad_norms[k] = float(norm)
-            state.optimizer.step()
-            state.lr_scheduler.step()
-            state.optimizer.zero_grad(set_to_none=True)
-            state.position.optimizer_steps += 1
-            runtime.trainer.state.global_step = state.position.optimizer_steps
+            runtime.state.optimizer.step()
+            self._after_optimizer_step(runtime)
 
 
 def _pad_id(runtime: TrialRuntime) -> int:

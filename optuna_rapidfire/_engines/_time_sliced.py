@@ -335,10 +335,7 @@ class TimeSlicedEngine(Engine):
 
     def _train_chunk(self, runtime: TrialRuntime) -> dict[str, float]:
         kind, trainer, args, state = runtime.spec.kind, runtime.trainer, runtime.args, runtime.state
-        plan = self.data.plan
-        epoch, chunk = state.position.chunk(plan.num_chunks)
-        dataset = self.data.chunk(runtime.data_key, chunk, runtime.prepare)
-        micro = kind.micro_batches(args, plan.visit_order(len(dataset), epoch, chunk))
+        dataset, micro = self._next_chunk(runtime)
         accumulation = args.gradient_accumulation_steps
         model = self.resident.module
         model.train()
@@ -360,11 +357,7 @@ class TimeSlicedEngine(Engine):
                 stepped = scaler.get_scale() >= scale
             else:
                 state.optimizer.step()
-            if stepped:
-                state.lr_scheduler.step()
-            state.optimizer.zero_grad(set_to_none=True)
-            state.position.optimizer_steps += 1
-            trainer.state.global_step = state.position.optimizer_steps
+            self._after_optimizer_step(runtime, stepped)
         state.position.chunks_done += 1
         metrics = {f"train_{k}": v for k, v in kind.drain_metrics(trainer, "train").items()}
         metrics["train_loss"] = torch.stack(step_losses).mean().item()
@@ -372,6 +365,23 @@ class TimeSlicedEngine(Engine):
         if grad_norm is not None:
             metrics["train_grad_norm"] = float(grad_norm)
         return metrics
+
+    def _next_chunk(self, runtime: TrialRuntime) -> tuple[Dataset, list[list[int]]]:
+        """The trial's next chunk (prepared) and the row indices of its micro-batches, in visit order."""
+        plan = self.data.plan
+        epoch, chunk = runtime.state.position.chunk(plan.num_chunks)
+        dataset = self.data.chunk(runtime.data_key, chunk, runtime.prepare)
+        return dataset, runtime.spec.kind.micro_batches(runtime.args, plan.visit_order(len(dataset), epoch, chunk))
+
+    @staticmethod
+    def _after_optimizer_step(runtime: TrialRuntime, stepped: bool = True) -> None:
+        """Advance the LR schedule (unless the fp16 scaler skipped the step), clear gradients, count the step."""
+        state = runtime.state
+        if stepped:
+            state.lr_scheduler.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.position.optimizer_steps += 1
+        runtime.trainer.state.global_step = state.position.optimizer_steps
 
     @torch.no_grad()
     def evaluate(self, runtime: TrialRuntime, max_batches: int | None = None) -> dict[str, float]:

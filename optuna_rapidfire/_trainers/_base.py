@@ -294,15 +294,7 @@ class CollatedKind(TrainerKind):
             with self.autocast(trainer.args, device):
                 loss = trainer.compute_loss(model, _to_device(inputs, device), num_items_in_batch=num_items)
             assert isinstance(loss, torch.Tensor)
-            # As Trainer.training_step: a per-batch mean is divided by the accumulation steps, a loss
-            # already normalized over the accumulated tokens is not.
-            scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
-            if scaled is None:
-                scaled = (trainer.model_accepts_loss_kwargs and num_items is not None) or (
-                    trainer.compute_loss_func is not None
-                )
-            if not scaled:
-                loss = loss / trainer.current_gradient_accumulation_steps
+            loss = loss / accumulation_divisor(trainer, num_items, len(collated))
             (scaler.scale(loss) if scaler is not None else loss).backward()
             total += loss.detach()
         return total
@@ -343,6 +335,15 @@ def reference_is_the_base(resident: ResidentModel, args: TrainingArguments) -> I
         if "ref" in configs:
             peft.delete_adapter("ref")
         resident._active = None  # deleting an adapter may have moved PEFT's active one
+
+
+def accumulation_divisor(trainer: Trainer, num_items: Any, steps: int) -> int:
+    """What a micro-batch's loss is divided by under gradient accumulation, as in ``Trainer.training_step``:
+    a per-batch mean by the accumulation steps, a loss already normalized over the accumulated tokens not."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = (trainer.model_accepts_loss_kwargs and num_items is not None) or trainer.compute_loss_func is not None
+    return 1 if scaled else steps
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
