@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape: a dry run of the script")
+    parser.add_argument("--profile", action="store_true", help="also write the fused step's top operators")
     options = parser.parse_args()
     shape = "tiny" if options.smoke else "llama-3.2-1b"
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -116,6 +117,18 @@ def main() -> None:
         sync()
         results[label] = tokens / (time.perf_counter() - start)
         print(f"{label}: {results[label]:.0f} tokens/s", flush=True)
+    if options.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(2):
+                fused_step()
+            sync()
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40)
+        Path(options.out).mkdir(parents=True, exist_ok=True)
+        (Path(options.out) / "fused_probe_profile.txt").write_text(table)
     report = {
         "command": " ".join([sys.executable, "-m", "benchmarks.fused_probe", *sys.argv[1:]]),
         "machine": machine(),

@@ -35,6 +35,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from trl import SFTConfig, SFTTrainer
 
 from optuna_rapidfire import RapidFireExecutor
+from optuna_rapidfire._engines._fused_engine import PASS_TOKENS, FusedEngine
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 from optuna_rapidfire.demo import build_tiny_model, load_gsm8k
 
@@ -160,22 +161,45 @@ class Recorder:
         self.train_seconds = 0.0
         self.tokens = 0
         self.switches: list[float] = []
+        self.chunks: list[dict[str, float]] = []  # per chunk: step, tokens, train seconds
         self._originals: dict[str, Any] = {}
 
     def __enter__(self) -> Recorder:
         recorder = self
         run_chunk, switch_to = TimeSlicedEngine.run_chunk, TimeSlicedEngine._switch_to
-        self._originals = {"run_chunk": run_chunk, "_switch_to": switch_to}
+        run_gang = FusedEngine.run_gang
+        self._originals = {"run_chunk": run_chunk, "_switch_to": switch_to, "run_gang": run_gang}
 
-        def timed_run_chunk(engine: TimeSlicedEngine, runtime: Any) -> Any:
-            before = runtime.trainer._total_train_tokens if hasattr(runtime.trainer, "_total_train_tokens") else 0
-            result = run_chunk(engine, runtime)
-            recorder.tokens += runtime.trainer._total_train_tokens - before
+        def tokens(runtime: Any) -> int:
+            return int(getattr(runtime.trainer, "_total_train_tokens", 0))
+
+        def record(runtime: Any, before: int, result: Any) -> None:
+            recorder.tokens += tokens(runtime) - before
             recorder.eval_seconds += result.eval_seconds
             recorder.train_seconds += result.train_seconds
+            recorder.chunks.append(
+                {"step": result.step, "tokens": tokens(runtime) - before, "train_seconds": result.train_seconds}
+            )
             if result.step == 0:
                 recorder.first_report.setdefault(runtime.spec.number, time.perf_counter())
+
+        def timed_run_chunk(engine: TimeSlicedEngine, runtime: Any) -> Any:
+            before = tokens(runtime)
+            result = run_chunk(engine, runtime)
+            if not getattr(engine, "_in_gang", False):
+                record(runtime, before, result)
             return result
+
+        def timed_run_gang(engine: FusedEngine, runtimes: Any) -> Any:
+            before = [tokens(runtime) for runtime in runtimes]
+            engine._in_gang = True  # type: ignore[attr-defined]
+            try:
+                results = run_gang(engine, runtimes)
+            finally:
+                engine._in_gang = False  # type: ignore[attr-defined]
+            for runtime, count, result in zip(runtimes, before, results, strict=True):
+                record(runtime, count, result)
+            return results
 
         def timed_switch(engine: TimeSlicedEngine, runtime: Any) -> None:
             changes = engine._current is not runtime
@@ -188,11 +212,18 @@ class Recorder:
 
         TimeSlicedEngine.run_chunk = timed_run_chunk  # type: ignore[method-assign]
         TimeSlicedEngine._switch_to = timed_switch  # type: ignore[method-assign]
+        FusedEngine.run_gang = timed_run_gang  # type: ignore[method-assign]
         return self
+
+    def steady_tokens_per_second(self) -> float:
+        """Training tokens/s over every trial's chunks after its first (warm kernels, allocator, caches)."""
+        later = [c for c in self.chunks if c["step"] > 0] or self.chunks
+        return sum(c["tokens"] for c in later) / max(sum(c["train_seconds"] for c in later), 1e-9)
 
     def __exit__(self, *exc: object) -> None:
         TimeSlicedEngine.run_chunk = self._originals["run_chunk"]  # type: ignore[method-assign]
         TimeSlicedEngine._switch_to = self._originals["_switch_to"]  # type: ignore[method-assign]
+        FusedEngine.run_gang = self._originals["run_gang"]  # type: ignore[method-assign]
 
 
 def _sync() -> None:
@@ -337,17 +368,6 @@ class Bench:
             wall = time.perf_counter() - start
         peak = _peak_memory_gb()
         _drop(executor)
-        # The same study on the fused engine (shared passes): its wall time against the time-sliced one.
-        fused = self.executor(shape, rows, chunks, len(learning_rates), engine="fused")
-        fused_study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-        for lr in learning_rates:
-            fused_study.enqueue_trial({"learning_rate": lr, "r": 16})
-        fused.objective(configure_from_params(self.batch))
-        fused_start = time.perf_counter()
-        fused.optimize(fused_study, configure_from_params(self.batch), n_trials=len(learning_rates))
-        fused_wall = time.perf_counter() - fused_start
-        fused_steps = fused._engine.fused_steps if fused._engine is not None else 0  # type: ignore[attr-defined]
-        _drop(fused)
         first_decision = max(recorder.first_report.values()) - start
         # Sequentially, the last config's first chunk ends after every other config has trained fully.
         seq_first_decision = sum(r["seconds"] for r in sequential[:-1]) + sequential[-1]["seconds"] / chunks
@@ -378,17 +398,87 @@ class Bench:
                 "time_to_first_decision_seconds": first_decision,
                 "peak_memory_gb": peak,
             },
-            "fused_engine": {
-                "wall_seconds": fused_wall,
-                "wall_tokens_per_second": recorder.tokens / fused_wall,
-                "over_time_sliced_wall": wall / fused_wall,
-                "fused_steps": fused_steps,
-            },
             "interleaved_over_sequential_throughput": train_tps / (seq_tokens / seq_seconds),
             "interleaved_over_sequential_throughput_with_eval": (recorder.tokens / wall) / (seq_tokens / seq_seconds),
             "sequential_time_to_first_decision_seconds": seq_first_decision,
             "time_to_first_decision_speedup": seq_first_decision / first_decision,
         }
+
+    # (e)
+    def fused(self, shape: str) -> dict[str, Any]:
+        """The fused engine against time slicing and against one adapter at saturation (issue 7).
+
+        Every configuration is a real study through the executor (chunks, per-chunk eval and reports);
+        tokens/s count training only, over each trial's chunks after its first.
+        """
+        k = 8 if not self.smoke else 3
+        # (label, engine, trials, per-trial batch, GSM8K examples per trial)
+        configs = [
+            ("ceiling_bs32", "time_sliced", 1, 32, 2048),
+            (f"time_sliced_k{k}_bs2", "time_sliced", k, 2, 192),
+            (f"fused_k{k}_bs2", "fused", k, 2, 192),
+            ("time_sliced_k4_bs16", "time_sliced", 4, 16, 1024),
+            ("fused_k4_bs16", "fused", 4, 16, 1024),
+        ]
+        if self.smoke:
+            configs = [(label, engine, trials, batch, 32) for label, engine, trials, batch, _ in configs]
+        result: dict[str, Any] = {"model": shape, "pass_tokens": PASS_TOKENS, "num_chunks": 4, "runs": {}}
+        reported: dict[str, list[dict[int, float]]] = {}
+        for label, engine, trials, batch, examples in configs:
+            executor = self.executor(shape, examples, 4, trials, engine=engine)
+            study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+            for i in range(trials):
+                study.enqueue_trial({"learning_rate": 1e-4 * (1 + i), "r": 16})
+            executor.objective(configure_from_params(batch))  # loads the model
+            _reset_peak()
+            with Recorder() as recorder:
+                start = time.perf_counter()
+                executor.optimize(study, configure_from_params(batch), n_trials=trials)
+                wall = time.perf_counter() - start
+            if self.options.profile and engine == "fused" and batch == 2:
+                self._profile(executor, trials, batch, f"{label}_profile.txt")
+            steps = executor._engine.fused_steps if isinstance(executor._engine, FusedEngine) else None
+            result["runs"][label] = {
+                "engine": engine,
+                "trials": trials,
+                "batch": batch,
+                "tokens": recorder.tokens,
+                "tokens_per_second": recorder.steady_tokens_per_second(),
+                "wall_seconds": wall,
+                "eval_seconds": recorder.eval_seconds,
+                "fused_steps": steps,
+                "peak_memory_gb": _peak_memory_gb(),
+                "failed": sum(t.state != optuna.trial.TrialState.COMPLETE for t in study.trials),
+            }
+            reported[label] = [dict(t.intermediate_values) for t in sorted(study.trials, key=lambda t: t.number)]
+            print(f"fused part, {label}: {result['runs'][label]['tokens_per_second']:.0f} tokens/s", flush=True)
+            _drop(executor)
+            self.save("fused", result)
+        tps = {label: run["tokens_per_second"] for label, run in result["runs"].items()}
+        result["fused_k8_bs2_over_ceiling"] = tps[f"fused_k{k}_bs2"] / tps["ceiling_bs32"]
+        result["fused_over_time_sliced_throughput_k8"] = tps[f"fused_k{k}_bs2"] / tps[f"time_sliced_k{k}_bs2"]
+        result["fused_over_time_sliced_at_saturation"] = tps["fused_k4_bs16"] / tps["time_sliced_k4_bs16"]
+        # The same trials on both engines report per-chunk eval losses that differ by bf16 rounding only.
+        result["per_chunk_values_max_relative_difference"] = {
+            f"k{k}_bs2": _max_relative_difference(reported[f"time_sliced_k{k}_bs2"], reported[f"fused_k{k}_bs2"]),
+            "k4_bs16": _max_relative_difference(reported["time_sliced_k4_bs16"], reported["fused_k4_bs16"]),
+        }
+        return result
+
+    def _profile(self, executor: RapidFireExecutor, trials: int, batch: int, name: str) -> None:
+        """One more study on ``executor`` under torch's profiler; its top operators go to ``name`` in --out."""
+        from torch.profiler import ProfilerActivity, profile
+
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        for i in range(trials):
+            study.enqueue_trial({"learning_rate": 1e-4 * (1 + i), "r": 16})
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            executor.optimize(study, configure_from_params(batch), n_trials=trials)
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        tables = [prof.key_averages().table(sort_by=key, row_limit=40) for key in (sort, "cpu_time_total")]
+        Path(self.options.out).mkdir(parents=True, exist_ok=True)
+        (Path(self.options.out) / name).write_text("\n\n".join(tables))
 
     # (d)
     def scale(self, shape: str) -> dict[str, Any]:
@@ -531,6 +621,12 @@ class Bench:
         return result
 
 
+def _max_relative_difference(a: list[dict[int, float]], b: list[dict[int, float]]) -> float | None:
+    """The largest relative difference between two studies' per-chunk values, trial by trial, step by step."""
+    pairs = [(x[step], y[step]) for x, y in zip(a, b, strict=True) for step in x if step in y]
+    return max((abs(x - y) / max(abs(x), 1e-12) for x, y in pairs), default=None)
+
+
 def _configure_two_chunks(trial: optuna.Trial, batch: int, chunks: int) -> tuple[LoraConfig, SFTConfig]:
     lr = trial.suggest_float("learning_rate", 1e-5, 1e-2, log=True)
     rank = trial.suggest_categorical("r", [8, 16])
@@ -585,7 +681,7 @@ def rebuild(out: Path) -> None:
         return json.loads(path.read_text()) if path.exists() else None
 
     summary: dict[str, Any] = {}
-    parts = {name: load(name) for name in ("throughput", "scale", "search", "multi_gpu")}
+    parts = {name: load(name) for name in ("throughput", "scale", "search", "fused", "multi_gpu")}
     first = next((data for data in parts.values() if data), None)
     summary["device"] = ((first or {}).get("machine", {}).get("gpus") or ["cpu"])[0]
     throughput = parts["throughput"]
@@ -604,11 +700,11 @@ def rebuild(out: Path) -> None:
         largest = search["sweeps"][-1]
         summary["time_to_best_speedup_vs_sequential"] = largest["speedup_vs_sequential"]
         summary["time_to_best_speedup_vs_sequential_pruned"] = largest["speedup_vs_sequential_pruned"]
-    probe = load("fused_probe")
-    if probe:  # the pass-level probe (benchmarks/fused_probe.py), until the engine is measured on a GPU
-        summary["fused_k8_bs2_over_ceiling"] = probe["fused_over_ceiling"]
-        summary["fused_over_time_sliced_throughput_k8"] = probe["fused_over_time_sliced"]
-        summary["fused_source"] = "fused_probe.json: the fused pass alone (plain PyTorch), not the engine"
+    fused = parts["fused"]
+    if fused and "fused_k8_bs2_over_ceiling" in fused:
+        summary["fused_k8_bs2_over_ceiling"] = fused["fused_k8_bs2_over_ceiling"]
+        summary["fused_over_time_sliced_throughput_k8"] = fused["fused_over_time_sliced_throughput_k8"]
+        summary["fused_over_time_sliced_at_saturation"] = fused["fused_over_time_sliced_at_saturation"]
     multi = parts["multi_gpu"]
     if multi:
         summary["two_gpu_over_one_gpu_throughput"] = multi["two_gpu_over_one_gpu_throughput"]
@@ -629,7 +725,7 @@ def _markdown(out: Path) -> str:
     summary = load("summary") or {}
     lines += [f"Device: {summary.get('device')}", "", "| summary | value |", "|---|---|"]
     for key, value in summary.items():
-        if key not in ("machines", "commands", "fused_source"):
+        if key not in ("machines", "commands"):
             lines.append(f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |")
     data = load("throughput")
     if data:
@@ -695,12 +791,47 @@ def _markdown(out: Path) -> str:
                 f"{fmt(runs['executor_pruned']['time_to_target_seconds'])} | "
                 f"{fmt(runs['executor_pruned_clone']['time_to_target_seconds'])} | {speed} | {speed_p} |"
             )
+    data = load("fused")
+    if data:
+        lines += [
+            "",
+            f"## Fused engine ({data['model']}, LoRA r16, 512-token rows, real studies through the executor)",
+            "",
+            "| run | engine | trials x batch | training tok/s | wall s | peak GB |",
+            "|---|---|---|---|---|---|",
+        ]
+        for label, run in data["runs"].items():
+            lines.append(
+                f"| {label} | {run['engine']} | {run['trials']} x {run['batch']} | {run['tokens_per_second']:.0f} | "
+                f"{run['wall_seconds']:.1f} | {run['peak_memory_gb']:.2f} |"
+            )
+        diffs = data.get("per_chunk_values_max_relative_difference", {})
+        lines += [
+            "",
+            f"fused K=8 batch 2 / ceiling: {data['fused_k8_bs2_over_ceiling']:.3f}; fused / time-sliced at K=8 "
+            f"batch 2: {data['fused_over_time_sliced_throughput_k8']:.2f}; at K=4 batch 16 (saturation): "
+            f"{data['fused_over_time_sliced_at_saturation']:.3f}. Largest relative difference of the per-chunk "
+            f"eval losses the same trials reported on the two engines (bf16): "
+            + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items() if v is not None)
+            + ".",
+        ]
+    data = load("fused_bf16")
+    if data:
+        lines += [
+            "",
+            f"## Fused pass in bf16 against each trial alone ({data['model']}, 5 mixed adapters)",
+            "",
+            "| gang | loss max rel. difference | gradient max rel. difference (per LoRA tensor, norm) |",
+            "|---|---|---|",
+        ]
+        for k, r in data["results"].items():
+            lines.append(f"| {k} | {r['loss_max_relative_difference']:.1e} | {r['grad_max_relative_difference']:.1e} |")
     data = load("fused_probe")
     if data:
         tps = data["tokens_per_second"]
         lines += [
             "",
-            "## Fused pass probe (llama-3.2-1b, 8 adapters r16, batch 2 x 512 each; plain PyTorch)",
+            "## Fused pass probe (llama-3.2-1b, 8 adapters r16, batch 2 x 512 each; the pass alone, no engine)",
             "",
             "| time-sliced tok/s | fused tok/s | one adapter at batch 32 (ceiling) tok/s "
             "| fused / time-sliced | fused / ceiling |",
@@ -735,9 +866,10 @@ def _plots(out: Path) -> None:
 
     scale_path = out / "scale.json"
     throughput_path = out / "throughput.json"
-    if not (scale_path.exists() or throughput_path.exists()):
+    fused_path = out / "fused.json"
+    if not (scale_path.exists() or throughput_path.exists() or fused_path.exists()):
         return
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    figure, axes = plt.subplots(1, 3, figsize=(16, 4))
     if throughput_path.exists():
         runs = json.loads(throughput_path.read_text())["runs"]
         names = [r["model"] for r in runs]
@@ -775,13 +907,24 @@ def _plots(out: Path) -> None:
         twin.set_ylabel("peak GPU memory (GB)")
         axes[1].legend(loc="upper left")
         axes[1].set_title("Switch latency and memory vs live trials")
+    if fused_path.exists():
+        fused_runs = json.loads(fused_path.read_text())["runs"]
+        labels = list(fused_runs)
+        colors = ["gray" if r["engine"] == "time_sliced" and r["trials"] == 1 else "C0" for r in fused_runs.values()]
+        colors = [c if r["engine"] != "fused" else "C1" for c, r in zip(colors, fused_runs.values(), strict=True)]
+        axes[2].bar(labels, [r["tokens_per_second"] for r in fused_runs.values()], color=colors)
+        axes[2].set_ylabel("training tokens / s")
+        axes[2].tick_params(axis="x", labelrotation=30)
+        axes[2].set_title("Fused engine (orange) vs time-sliced (blue), ceiling (gray)")
     figure.tight_layout()
     figure.savefig(out / "performance.png", dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="throughput,scale", help="throughput, scale, search, multi_gpu or all")
+    parser.add_argument(
+        "--parts", default="throughput,scale", help="throughput, scale, search, fused, multi_gpu or all"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--batch", type=int, default=4, help="per-trial batch of 512-token rows")
     parser.add_argument("--search-sizes", default="8,16,32", help="numbers of configs the search part sweeps")
@@ -789,16 +932,18 @@ def main(argv: list[str] | None = None) -> None:
         "--rebuild", action="store_true", help="only rebuild summary, table and plot from the JSONs in --out"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny model and sizes: a CPU dry run of the harness")
+    parser.add_argument("--profile", action="store_true", help="fused part: also profile one fused study")
     options = parser.parse_args(argv)
     if options.rebuild:
         rebuild(Path(options.out))
         return
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    parts = ["throughput", "scale", "search", "multi_gpu"] if options.parts == "all" else options.parts.split(",")
-    unknown = sorted(set(parts) - {"throughput", "scale", "search", "multi_gpu"})
+    known = ["throughput", "scale", "search", "fused", "multi_gpu"]
+    parts = known if options.parts == "all" else options.parts.split(",")
+    unknown = sorted(set(parts) - set(known))
     if unknown:
-        raise SystemExit(f"unknown parts {unknown}: choose among throughput, scale, search, multi_gpu, all")
+        raise SystemExit(f"unknown parts {unknown}: choose among {', '.join(known)}, all")
     one_gpu_parts = [p for p in parts if p != "multi_gpu"]
     if one_gpu_parts and torch.cuda.device_count() > 1:
         raise SystemExit(
@@ -815,7 +960,7 @@ def main(argv: list[str] | None = None) -> None:
             for shape in shapes:
                 results[part]["runs"].append(bench.throughput(shape))
                 bench.save(part, results[part])
-        elif part in ("scale", "search", "multi_gpu"):
+        elif part in ("scale", "search", "fused", "multi_gpu"):
             results[part] = getattr(bench, part)(shapes[0])
         else:
             raise SystemExit(f"unknown part {part!r}")

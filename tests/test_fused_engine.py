@@ -154,3 +154,35 @@ def test_with_activation_checkpointing_a_fused_study_reports_the_time_sliced_val
         assert a.keys() == b.keys()
         for step in a:
             assert b[step] == pytest.approx(a[step], rel=1e-5)
+
+
+def _configure_equal(trial: optuna.Trial):
+    """Adapters of one shape (rank, targets, batch) on packed rows: the pass needs no padding or masks."""
+    lr = trial.suggest_float("lr", 1e-4, 1e-2, log=True)
+    args = sft_args(
+        learning_rate=lr,
+        per_device_train_batch_size=2,
+        packing=True,
+        packing_strategy="wrapped",
+        max_length=64,
+        max_grad_norm=1.0,
+        seed=5,
+    )
+    return lora(r=4, lora_dropout=0.0, target_modules=MODULES["qkvo"]), args
+
+
+def test_equal_adapters_on_packed_rows_report_the_time_sliced_values(make_executor) -> None:
+    values = {}
+    for engine in ("time_sliced", "fused"):
+        executor = make_executor(engine=engine, num_chunks=2, max_concurrent_trials=3)
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        for lr in (1e-4, 1e-3, 3e-3):
+            study.enqueue_trial({"lr": lr})
+        executor.optimize(study, _configure_equal, n_trials=3)
+        assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+        values[engine] = [dict(t.intermediate_values) for t in study.trials]
+    assert executor._engine.fused_steps > 0
+    for a, b in zip(values["time_sliced"], values["fused"], strict=True):
+        assert a.keys() == b.keys() and a
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5)

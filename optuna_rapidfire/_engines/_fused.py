@@ -63,69 +63,146 @@ def lora_layers(model: torch.nn.Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, Linear)]
 
 
-@contextlib.contextmanager
-def fused_forward(model: torch.nn.Module, gang: Gang) -> Iterator[None]:
-    """Within the context, ``model``'s LoRA layers apply ``gang``'s adapters row segment by row segment.
+def layer_plans(model: torch.nn.Module, gang: Gang) -> list[tuple[Any, _LayerPlan]]:
+    """``model``'s LoRA layers, each with what it needs for ``gang``: reusable while the gang's adapters,
+    rows and the adapters' settings stay the same (an engine prepares them once per chunk).
 
     Raises:
         ValueError: If an adapter cannot be fused (a LoRA variant such as DoRA).
     """
-    layers = lora_layers(model)
-    for layer in layers:
+    plans = []
+    for layer in lora_layers(model):
         for name in gang.names:
             reason = unsupported(layer, name)
             if reason is not None:
                 raise ValueError(reason)
+        plans.append((layer, _LayerPlan.of(layer, gang)))
+    return plans
+
+
+@contextlib.contextmanager
+def fused_forward(
+    model: torch.nn.Module, gang: Gang, plans: list[tuple[Any, _LayerPlan]] | None = None
+) -> Iterator[None]:
+    """Within the context, ``model``'s LoRA layers apply ``gang``'s adapters row segment by row segment.
+
+    ``plans``: :func:`layer_plans` of this model and gang, when the caller has them already.
+
+    Raises:
+        ValueError: If an adapter cannot be fused (a LoRA variant such as DoRA).
+    """
+    plans = layer_plans(model, gang) if plans is None else plans
     try:
-        for layer in layers:
-            layer.forward = types.MethodType(_bound_forward(gang), layer)
+        for layer, plan in plans:
+            layer.forward = types.MethodType(_bound_forward(gang, plan), layer)
         yield
     finally:
-        for layer in layers:
+        for layer, _ in plans:
             layer.__dict__.pop("forward", None)
 
 
-def _bound_forward(gang: Gang) -> Any:
+@dataclass
+class _LayerPlan:
+    """What one LoRA layer needs for a gang, worked out once per pass rather than once per call.
+
+    ``present``: the gang's adapters that target the layer (positions in the gang); ``uniform``: every
+    adapter targets it with the same rank and the segments have equal rows, so the rows reshape to
+    ``[K, rows * tokens, in]`` without copies and the ranks need no padding; ``dropout``: each present
+    adapter's dropout probability.
+    """
+
+    present: list[int]
+    uniform: bool
+    scales: list[float]
+    dropout: list[float]
+    rank: int
+
+    @classmethod
+    def of(cls, layer: Any, gang: Gang) -> _LayerPlan:
+        present = [i for i, name in enumerate(gang.names) if name in layer.lora_A]
+        ranks = [layer.lora_A[gang.names[i]].weight.shape[0] for i in present]
+        uniform = len(present) == len(gang.names) and len(set(ranks)) <= 1 and len(set(gang.rows)) == 1
+        return cls(
+            present=present,
+            uniform=uniform,
+            scales=[float(layer.scaling[gang.names[i]]) for i in present],
+            dropout=[float(getattr(layer.lora_dropout[gang.names[i]], "p", 0.0)) for i in present],
+            rank=max(ranks, default=0),
+        )
+
+
+def _bound_forward(gang: Gang, plan: _LayerPlan) -> Any:
     def forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return fused_linear(layer, gang, x, *args, **kwargs)
+        return fused_linear(layer, gang, x, *args, plan=plan, **kwargs)
 
     return forward
 
 
-def fused_linear(layer: Any, gang: Gang, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The base layer on all rows, plus adapter i's update on segment i, in two batched matmuls."""
+_SCALES: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _scales(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The adapters' LoRA scalings as a ``[K, 1, 1]`` tensor on the device, copied there once."""
+    key = (tuple(values), dtype, device)
+    tensor = _SCALES.get(key)
+    if tensor is None:
+        if len(_SCALES) > 256:
+            _SCALES.clear()
+        tensor = _SCALES[key] = torch.tensor(values, dtype=dtype, device=device).view(-1, 1, 1)
+    return tensor
+
+
+def fused_linear(
+    layer: Any, gang: Gang, x: torch.Tensor, *args: Any, plan: _LayerPlan | None = None, **kwargs: Any
+) -> torch.Tensor:
+    """The base layer on all rows, plus adapter i's update on segment i, in two batched matmuls.
+
+    The second product adds onto the base output in place of a separate sum (``baddbmm``) when the dtypes
+    allow; the scalings are folded into the stacked up-projections, and under mixed precision the input
+    is not cast to the adapters' dtype first (autocast casts it for the matmul, as it would PEFT's).
+    """
     result = layer.base_layer(x, *args, **kwargs)
-    present = [i for i, name in enumerate(gang.names) if name in layer.lora_A]
-    if not present or layer.disable_adapters:
+    plan = plan or _LayerPlan.of(layer, gang)
+    if not plan.present or layer.disable_adapters:
         return result
     if x.shape[0] != sum(gang.rows):
         raise ValueError(f"The batch has {x.shape[0]} rows but the gang expects {sum(gang.rows)} ({gang.rows}).")
-    weight_dtype = layer.lora_A[gang.names[present[0]]].weight.dtype
+    names = [gang.names[i] for i in plan.present]
+    weight_dtype = layer.lora_A[names[0]].weight.dtype
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if not autocast:
+        x = x.to(weight_dtype)
     inner = x.shape[1:-1].numel()  # tokens per row
-    segments = torch.split(x.to(weight_dtype), gang.rows, dim=0)
-    longest = max(gang.rows[i] for i in present) * inner
-    rank = max(layer.lora_A[gang.names[i]].weight.shape[0] for i in present)
-    inputs, downs, ups, scales = [], [], [], []
-    for i in present:
-        name = gang.names[i]
-        segment = _dropout(
-            segments[i],
-            layer.lora_dropout[name],
-            gang.generators[i],
-            layer.training,
-            None if gang.lengths is None or x.dim() < 3 else gang.lengths[i],
-        )
-        flat = segment.reshape(-1, x.shape[-1])
-        inputs.append(F.pad(flat, (0, 0, 0, longest - flat.shape[0])))
-        down = layer.lora_A[name].weight  # [r_i, in]
-        up = layer.lora_B[name].weight  # [out, r_i]
-        downs.append(F.pad(down, (0, 0, 0, rank - down.shape[0])).t())
-        ups.append(F.pad(up, (0, rank - up.shape[1])).t())
-        scales.append(float(layer.scaling[name]))
-    stacked = torch.stack(inputs)  # [K, rows*tokens, in]
-    update = torch.bmm(torch.bmm(stacked, torch.stack(downs)), torch.stack(ups))  # [K, rows*tokens, out]
-    update = update * torch.tensor(scales, dtype=update.dtype, device=update.device).view(-1, 1, 1)
-    by_adapter = {i: update[k, : gang.rows[i] * inner] for k, i in enumerate(present)}
+    dropping = layer.training and any(p > 0 for p in plan.dropout)
+    if plan.uniform and not dropping:
+        stacked = x.reshape(len(names), -1, x.shape[-1])  # a view: segments are contiguous rows
+    else:
+        segments = torch.split(x, gang.rows, dim=0)
+        longest = max(gang.rows[i] for i in plan.present) * inner
+        inputs = []
+        for p, i in zip(plan.dropout, plan.present, strict=True):
+            segment = segments[i]
+            if layer.training and p > 0:
+                length = None if gang.lengths is None or x.dim() < 3 else gang.lengths[i]
+                segment = _dropout(segment, p, gang.generators[i], length)
+            flat = segment.reshape(-1, x.shape[-1])
+            inputs.append(F.pad(flat, (0, 0, 0, longest - flat.shape[0])) if flat.shape[0] < longest else flat)
+        stacked = torch.stack(inputs)  # [K, rows*tokens, in]
+    downs = [layer.lora_A[name].weight for name in names]  # [r_i, in]
+    ups = [layer.lora_B[name].weight for name in names]  # [out, r_i]
+    if any(d.shape[0] < plan.rank for d in downs):
+        downs = [F.pad(d, (0, 0, 0, plan.rank - d.shape[0])) for d in downs]
+        ups = [F.pad(u, (0, plan.rank - u.shape[1])) for u in ups]
+    down = torch.stack(downs).transpose(1, 2)  # [K, in, r]
+    up = (torch.stack(ups) * _scales(plan.scales, ups[0].dtype, x.device)).transpose(1, 2)  # [K, r, out]
+    hidden = torch.bmm(stacked, down)  # [K, rows*tokens, r]
+    if plan.uniform and not dropping and (autocast or result.dtype == hidden.dtype):
+        fused = torch.baddbmm(result.reshape(len(names), -1, result.shape[-1]), hidden, up)
+        return fused.view(result.shape).to(result.dtype)
+    update = torch.bmm(hidden, up)  # [K, rows*tokens, out]
+    if plan.uniform:
+        return result + update.view(result.shape).to(result.dtype)
+    by_adapter = {i: update[k, : gang.rows[i] * inner] for k, i in enumerate(plan.present)}
     full = [
         by_adapter[i].reshape(rows, *x.shape[1:-1], -1)
         if i in by_adapter
@@ -135,17 +212,8 @@ def fused_linear(layer: Any, gang: Gang, x: torch.Tensor, *args: Any, **kwargs: 
     return result + torch.cat(full, dim=0).to(result.dtype)
 
 
-def _dropout(
-    x: torch.Tensor,
-    module: torch.nn.Module,
-    generator: torch.Generator | None,
-    training: bool,
-    length: int | None = None,
-) -> torch.Tensor:
+def _dropout(x: torch.Tensor, p: float, generator: torch.Generator | None, length: int | None = None) -> torch.Tensor:
     """Inverted dropout with masks from ``generator``, drawn for the first ``length`` positions only."""
-    p = float(getattr(module, "p", 0.0))
-    if not training or p == 0.0:
-        return x
     if p >= 1.0:
         return torch.zeros_like(x)
     shape = x.shape if length is None else (x.shape[0], length, *x.shape[2:])

@@ -21,6 +21,7 @@ dropout from the global RNG), and the engine says why once.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import ChunkResult
-from optuna_rapidfire._engines._fused import Gang, clip_gang, fused_forward, lora_layers, unsupported
+from optuna_rapidfire._engines._fused import Gang, clip_gang, fused_forward, layer_plans, lora_layers, unsupported
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine, TrialRuntime
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._state import RngState
@@ -140,37 +141,24 @@ class FusedEngine(TimeSlicedEngine):
         backbone = resident.base.get_decoder() if hasattr(resident.base, "get_decoder") else resident.base.model
         head = resident.base.get_output_embeddings()
         losses: list[list[torch.Tensor]] = [[] for _ in runtimes]
-        grad_norms: list[float | None] = [None for _ in runtimes]
+        grad_norms: list[torch.Tensor | None] = [None for _ in runtimes]
         longest = max(len(plan["micro"]) for plan in plans)
         generators = [self._dropout_generator(runtime) for runtime in runtimes]
+        # Every pass of the chunk is laid out before the first runs, so the loop below only launches work:
+        # no host-side preparation or synchronisation between one pass and the next.
+        layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any] = {}
+        schedule = []
         for index in range(longest):
             members = [k for k, plan in enumerate(plans) if index < len(plan["micro"])]
-            batches = [plans[k]["inputs"][index] for k in members]
-            length = max(b["input_ids"].shape[1] for b in batches)
-            input_ids = torch.cat(
-                [_pad(b["input_ids"], length, _pad_id(runtimes[k])) for k, b in zip(members, batches, strict=True)]
-            )
-            attention = torch.cat(
-                [_pad(b.get("attention_mask", torch.ones_like(b["input_ids"])), length, 0) for b in batches]
-            )
-            labels = [_pad(b["labels"], length, -100) for b in batches]
-            gang = Gang(
-                [runtimes[k].state.adapter_name for k in members],
-                [len(b["input_ids"]) for b in batches],
-                [generators[k] for k in members],
-                [b["input_ids"].shape[1] for b in batches],
-            )
-            # The gang's layers stay in place through the backward pass too: activation checkpointing
-            # recomputes forwards there. Mixed precision covers the forward pass and the losses only.
-            with fused_forward(model, gang):
-                with first.spec.kind.autocast(first.args, device):
-                    hidden = backbone(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
-                    total = hidden.new_zeros((), dtype=torch.float32)
-                    for k, piece, label in zip(members, torch.split(hidden, gang.rows), labels, strict=True):
-                        loss = self._segment_loss(head, piece, label, plans[k], index)
-                        losses[k].append(loss.detach())
-                        total = total + loss
-                total.backward()
+            tokens = [plans[k]["inputs"][index]["input_ids"].numel() for k in members]
+            passes = [
+                self._lay_out(runtimes, plans, generators, group, index, layouts) for group in _passes(members, tokens)
+            ]
+            schedule.append((members, passes))
+        for index, (members, passes) in enumerate(schedule):
+            for shared in passes:
+                for k, value in zip(shared.group, self._fused_pass(first, shared, backbone, head), strict=True):
+                    losses[k].append(value)
             self.fused_steps += 1
             ready = [
                 k for k in members if (index + 1) % plans[k]["accumulation"] == 0 or index + 1 == len(plans[k]["micro"])
@@ -194,11 +182,73 @@ class FusedEngine(TimeSlicedEngine):
                 "train_loss": torch.stack(per_step).mean().item(),
                 "train_learning_rate": float(state.lr_scheduler.get_last_lr()[0]),
             }
-            if grad_norms[k] is not None:
-                values["train_grad_norm"] = float(grad_norms[k])  # type: ignore[arg-type]
+            norm = grad_norms[k]
+            if norm is not None:
+                values["train_grad_norm"] = float(norm)
             metrics.append(values)
         resident.set_trainable(names, False)
         return metrics
+
+    def _lay_out(
+        self,
+        runtimes: Sequence[TrialRuntime],
+        plans: list[dict[str, Any]],
+        generators: list[torch.Generator],
+        group: list[int],
+        index: int,
+        layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any],
+    ) -> _Pass:
+        """The ``group``'s ``index``-th micro-batches as one pass: inputs, loss token positions, gang."""
+        batches = [plans[k]["inputs"][index] for k in group]
+        length = max(b["input_ids"].shape[1] for b in batches)
+        input_ids = torch.cat(
+            [_pad(b["input_ids"], length, _pad_id(runtimes[k])) for k, b in zip(group, batches, strict=True)]
+        )
+        attention = None  # no mask at all when nothing is masked: the model then needs no check of it
+        padded = any(b["input_ids"].shape[1] < length for b in batches)
+        if padded or not all(plans[k]["unmasked"][index] for k in group):
+            attention = torch.cat(
+                [_pad(b.get("attention_mask", torch.ones_like(b["input_ids"])), length, 0) for b in batches]
+            )
+        rows = [len(b["input_ids"]) for b in batches]
+        names = [runtimes[k].state.adapter_name for k in group]
+        gang = Gang(names, rows, [generators[k] for k in group], [b["input_ids"].shape[1] for b in batches])
+        key = (tuple(names), tuple(rows))
+        if key not in layouts:
+            layouts[key] = layer_plans(self.resident.module, gang)
+        flat, member, target, offset = [], [], [], 0
+        for j, k in enumerate(group):
+            row, column, labels = plans[k]["targets"][index]
+            flat.append((row + offset) * length + column)
+            member.append(torch.full_like(row, j))
+            target.append(labels)
+            offset += rows[j]
+        where = _to_device_async(torch.stack([torch.cat(flat), torch.cat(member), torch.cat(target)]), self.device)
+        scales = torch.stack([plans[k]["scales"][index] for k in group])
+        return _Pass(group, gang, layouts[key], input_ids, attention, where, scales)
+
+    def _fused_pass(
+        self, first: TrialRuntime, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module
+    ) -> list[torch.Tensor]:
+        """One forward/backward of a laid-out pass; each member's loss, detached.
+
+        The losses need no host synchronisation: the label positions were found on the host when the chunk
+        was collated, and the per-member sums come from one ``index_add_``.
+        """
+        # The gang's layers stay in place through the backward pass too: activation checkpointing
+        # recomputes forwards there. Mixed precision covers the forward pass and the losses only.
+        with fused_forward(self.resident.module, shared.gang, shared.layers):
+            with first.spec.kind.autocast(first.args, self.device):
+                hidden = backbone(
+                    input_ids=shared.input_ids, attention_mask=shared.attention, use_cache=False
+                ).last_hidden_state
+                picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, shared.where[0])
+                logits = head(picked).float()
+                nll = F.cross_entropy(logits, shared.where[2], reduction="none")
+                sums = nll.new_zeros(len(shared.group)).index_add_(0, shared.where[1], nll)
+                member_losses = sums * shared.scales
+            member_losses.sum().backward()
+        return list(member_losses.detach().unbind())
 
     def _dropout_generator(self, runtime: TrialRuntime) -> torch.Generator:
         """The trial's own adapter-dropout generator: seeded from its args' seed, continued from its state."""
@@ -215,47 +265,95 @@ class FusedEngine(TimeSlicedEngine):
         trainer, args = runtime.trainer, runtime.args
         dataset, micro = self._next_chunk(runtime)
         accumulation = args.gradient_accumulation_steps
-        inputs = [_to_device(kind.collate(trainer, rows_of(dataset, indices)), self.device) for indices in micro]
+        collated = [kind.collate(trainer, rows_of(dataset, indices)) for indices in micro]
+        targets, unmasked = [], []
+        for batch in collated:  # where each micro-batch's loss tokens are, found here on the host
+            shifted = batch["labels"][:, 1:]
+            row, column = (shifted != -100).nonzero(as_tuple=True)
+            targets.append((row, column, shifted[row, column]))
+            unmasked.append("attention_mask" not in batch or bool(batch["attention_mask"].all()))
+        inputs = [_to_device(batch, self.device) for batch in collated]
         items, divisors = [], []
         for first in range(0, len(inputs), accumulation):
             group = inputs[first : first + accumulation]
             count = trainer._get_num_items_in_batch(group, self.device)
             items.extend([count] * len(group))
             divisors.extend([accumulation_divisor(trainer, count, len(group))] * len(group))
+        # Each micro-batch's loss is its summed token NLL times this: 1 / (tokens of the accumulated batch,
+        # at least 1 as in TRL (its own tokens when the trainer gives no count) x the accumulation divisor).
+        scales = [
+            1.0
+            / (
+                torch.as_tensor(count if count is not None else len(target[0]), device=self.device)
+                .float()
+                .clamp(min=1)
+                * divisor
+            )
+            for count, divisor, target in zip(items, divisors, targets, strict=True)
+        ]
         tokens = sum(
-            int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in inputs
+            int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in collated
         )
         return {
             "micro": micro,
             "inputs": inputs,
-            "items": items,
-            "divisors": divisors,
+            "targets": targets,
+            "unmasked": unmasked,
+            "scales": scales,
             "accumulation": accumulation,
             "tokens": tokens,
         }
 
-    @staticmethod
-    def _segment_loss(
-        head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, plan: dict[str, Any], index: int
-    ) -> torch.Tensor:
-        """TRL's SFT loss of one micro-batch: the shifted labels' negative log-probabilities over its tokens."""
-        shifted = labels[:, 1:]
-        mask = shifted != -100
-        logits = head(hidden[:, :-1][mask]).float()
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, shifted[mask].unsqueeze(-1)).squeeze(-1)
-        count = plan["items"][index]
-        denominator = mask.sum().clamp(min=1) if count is None else torch.as_tensor(count, device=log_probs.device)
-        return -log_probs.sum() / denominator / plan["divisors"][index]
-
-    def _step(self, runtimes: Sequence[TrialRuntime], ready: list[int], grad_norms: list[float | None]) -> None:
+    def _step(self, runtimes: Sequence[TrialRuntime], ready: list[int], grad_norms: list[torch.Tensor | None]) -> None:
         grads = [[p.grad for p in runtimes[k].state.params if p.grad is not None] for k in ready]
         norms = clip_gang(grads, [runtimes[k].args.max_grad_norm for k in ready])
         for k, norm in zip(ready, norms, strict=True):
             runtime = runtimes[k]
             if runtime.args.max_grad_norm is not None and runtime.args.max_grad_norm > 0:
-                grad_norms[k] = float(norm)
+                grad_norms[k] = norm
             runtime.state.optimizer.step()
             self._after_optimizer_step(runtime)
+
+
+@dataclass
+class _Pass:
+    """One shared forward/backward, laid out ahead: members (gang positions), gang, LoRA layer plans,
+    inputs, the loss tokens' flat positions / member / target (``where``, 3 x tokens) and loss scales."""
+
+    group: list[int]
+    gang: Gang
+    layers: list[Any]
+    input_ids: torch.Tensor
+    attention: torch.Tensor | None
+    where: torch.Tensor
+    scales: torch.Tensor
+
+
+PASS_TOKENS = 16_384
+"""The most tokens (rows x padded length) one shared pass takes: 32 rows of 512, where one adapter's pass
+already saturates an H200 on a 1B model. Larger gangs train in several passes of at most this size, so
+fusing never makes a step slower than the members' own passes would be."""
+
+
+def _passes(members: list[int], tokens: list[int]) -> list[list[int]]:
+    """Split the members (in order) into passes of at most :data:`PASS_TOKENS` tokens (at least one each)."""
+    passes: list[list[int]] = []
+    size = 0
+    for member, count in zip(members, tokens, strict=True):
+        if passes and size + count <= PASS_TOKENS:
+            passes[-1].append(member)
+            size += count
+        else:
+            passes.append([member])
+            size = count
+    return passes
+
+
+def _to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to the device without making the host wait (pinned first on CUDA)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _pad_id(runtime: TrialRuntime) -> int:

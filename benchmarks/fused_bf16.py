@@ -1,0 +1,106 @@
+"""How far a gang's bf16 losses and gradients are from each trial's own pass, on the GPU (issue 7).
+
+    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.fused_bf16 --out benchmarks/results
+    python -m benchmarks.fused_bf16 --smoke --out /tmp/bench      # CPU, tiny shape, bf16 autocast
+
+Llama-3.2-1B shape, base weights in bf16, adapters in float32 (PEFT's default), bf16 autocast as the
+engine trains. Five adapters with mixed ranks, alphas, target modules and batch sizes (512-token rows,
+no dropout) are run alone and in gangs of K = 2 and 5; for every trial it records the relative
+difference of the loss and, per LoRA tensor, ``|g_gang - g_alone| / |g_alone|`` (Frobenius norms).
+In float32 the two agree to 1e-5 (tests/test_fused.py); in bf16 the matmuls round differently when
+their shapes differ, and this measures by how much. Writes ``fused_bf16.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+from benchmarks.run import SHAPES, machine
+from optuna_rapidfire._engines._fused import Gang, fused_forward, segment_losses
+
+ADAPTERS: dict[str, tuple[dict[str, Any], int]] = {
+    "t0": ({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}, 2),
+    "t1": ({"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}, 2),
+    "t2": ({"r": 32, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}, 1),
+    "t3": ({"r": 16, "lora_alpha": 16, "target_modules": ["v_proj", "o_proj"]}, 4),
+    "t4": ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, 2),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape: a dry run of the script")
+    options = parser.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape, tokens = ("tiny", 32) if options.smoke else ("llama-3.2-1b", 512)
+    device = torch.device("cpu" if options.smoke else "cuda")
+    torch.manual_seed(0)
+    with device:
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=2048)).to(torch.bfloat16)
+    model.requires_grad_(False)
+    peft: Any = None
+    for seed, (name, (settings, _)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(seed)
+        config = LoraConfig(init_lora_weights=False, **settings)  # non-zero B: every update matters
+        peft = get_peft_model(model, config, adapter_name=name) if peft is None else peft
+        if name not in peft.peft_config:
+            peft.add_adapter(name, config)
+    for n, p in peft.named_parameters():
+        p.requires_grad_("lora_" in n)
+    peft.train()
+    generator = torch.Generator().manual_seed(0)
+    vocab = SHAPES[shape]["vocab_size"]
+    batches = {
+        n: torch.randint(0, vocab, (rows, tokens), generator=generator).to(device) for n, (_, rows) in ADAPTERS.items()
+    }
+
+    def run(names: list[str]) -> dict[str, tuple[float, dict[str, torch.Tensor]]]:
+        rows = [ADAPTERS[n][1] for n in names]
+        ids = torch.cat([batches[n] for n in names])
+        peft.zero_grad(set_to_none=True)
+        with fused_forward(peft, Gang(names, rows, [None] * len(names))):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                losses = segment_losses(peft(input_ids=ids).logits, ids, rows)
+            torch.stack(losses).sum().backward()
+        return {
+            name: (loss.item(), {k: p.grad.float().clone() for k, p in peft.named_parameters() if f".{name}." in k})
+            for name, loss in zip(names, losses, strict=True)
+        }
+
+    alone = {name: run([name])[name] for name in ADAPTERS}
+    results = {}
+    for k in (2, 5):
+        names = list(ADAPTERS)[:k]
+        together = run(names)
+        loss_diff = max(abs(together[n][0] - alone[n][0]) / abs(alone[n][0]) for n in names)
+        grad_diff = max(
+            float((together[n][1][key] - alone[n][1][key]).norm() / alone[n][1][key].norm().clamp(min=1e-30))
+            for n in names
+            for key in alone[n][1]
+        )
+        results[f"k{k}"] = {"loss_max_relative_difference": loss_diff, "grad_max_relative_difference": grad_diff}
+        print(f"K={k}: loss {loss_diff:.2e}, gradients {grad_diff:.2e} (max relative difference)", flush=True)
+    report = {
+        "command": " ".join([sys.executable, "-m", "benchmarks.fused_bf16", *sys.argv[1:]]),
+        "machine": machine(),
+        "model": shape,
+        "tokens_per_row": tokens,
+        "adapters": {n: {**settings, "rows": rows} for n, (settings, rows) in ADAPTERS.items()},
+        "results": results,
+    }
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fused_bf16.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
