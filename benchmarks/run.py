@@ -304,6 +304,8 @@ class Bench:
         return functools.partial(build_model, shape, self.tokenizer_dir)
 
     def executor(self, shape: str, rows: int, num_chunks: int, concurrent: int, **kwargs: Any) -> RapidFireExecutor:
+        """An executor over ``rows`` GSM8K examples; time-sliced unless ``engine`` says otherwise."""
+        kwargs.setdefault("engine", "time_sliced")
         return RapidFireExecutor(
             model=self.factory(shape),
             train_dataset=self.rows(rows),

@@ -108,10 +108,12 @@ def _values_without_dropout(make_executor) -> list[dict[int, float]]:
     return [dict(t.intermediate_values) for t in study.trials]
 
 
-def test_engine_must_be_known_and_auto_time_slices_on_the_cpu(make_executor) -> None:
+def test_engine_must_be_known_and_auto_time_slices_on_the_cpu(make_executor, caplog) -> None:
     with pytest.raises(ValueError, match="engine must be 'time_sliced', 'fused' or 'auto'"):
         make_executor(engine="warp")
-    assert make_executor(engine="auto", devices="cpu").engine == "time_sliced"
+    with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+        assert make_executor(devices="cpu").engine == "time_sliced"  # "auto" is the default
+    assert "engine='auto' on cpu: time-sliced" in caplog.text
 
 
 def _pruned_study(make_executor, engine: str) -> list[tuple[str, dict[int, float]]]:
@@ -186,3 +188,55 @@ def test_equal_adapters_on_packed_rows_report_the_time_sliced_values(make_execut
         assert a.keys() == b.keys() and a
         for step in a:
             assert b[step] == pytest.approx(a[step], rel=1e-5)
+
+
+def test_a_fused_dpo_study_reports_the_time_sliced_values(make_executor, caplog) -> None:
+    """DPO gangs: one reference pass (adapters off) and one fused pass; mixed betas, ranks, batches."""
+    from test_dpo_grpo import dpo_args
+
+    from optuna_rapidfire.demo import load_gsm8k
+
+    train = load_gsm8k("train", num_rows=24, format="preference")
+    evaluation = load_gsm8k("test", num_rows=4, format="preference")
+    configs = [
+        (lora(r=4, lora_dropout=0.0), dpo_args(beta=0.1, learning_rate=1e-2, max_grad_norm=1.0, seed=3)),
+        (
+            lora(r=8, lora_dropout=0.0, target_modules=MODULES["qkvo"]),
+            dpo_args(beta=0.5, learning_rate=3e-3, per_device_train_batch_size=3, gradient_accumulation_steps=2),
+        ),
+        (lora(r=2, lora_dropout=0.1), dpo_args(beta=0.2, learning_rate=2e-2, per_device_train_batch_size=1)),
+    ]
+    values = {}
+    for engine in ("time_sliced", "fused"):
+        executor = make_executor(
+            engine=engine, train_dataset=train, eval_dataset=evaluation, num_chunks=2, max_concurrent_trials=3
+        )
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+            executor.optimize(study, lambda t: configs[t.number], n_trials=3)
+        assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+        values[engine] = [dict(t.intermediate_values) for t in study.trials]
+    assert executor._engine.fused_steps > 0
+    assert "not fused" not in caplog.text
+    for a, b in zip(values["time_sliced"], values["fused"], strict=True):
+        assert a.keys() == b.keys() and a
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5)
+
+
+def test_dpo_losses_the_fused_pass_does_not_compute_train_time_sliced_and_say_why(make_executor, caplog) -> None:
+    from test_dpo_grpo import dpo_args
+
+    from optuna_rapidfire.demo import load_gsm8k
+
+    train = load_gsm8k("train", num_rows=8, format="preference")
+    evaluation = load_gsm8k("test", num_rows=2, format="preference")
+    configs = [(lora(r=4), dpo_args(loss_type=["hinge"])), (lora(r=4), dpo_args())]
+    executor = make_executor(
+        engine="fused", train_dataset=train, eval_dataset=evaluation, num_chunks=2, max_concurrent_trials=2
+    )
+    study = optuna.create_study()
+    with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+        executor.optimize(study, lambda t: configs[t.number], n_trials=2)
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    assert "not fused: trial 0 uses DPO loss_type ['hinge']" in caplog.text

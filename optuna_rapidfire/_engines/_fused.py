@@ -101,6 +101,25 @@ def fused_forward(
             layer.__dict__.pop("forward", None)
 
 
+@contextlib.contextmanager
+def base_only(plans: list[tuple[Any, _LayerPlan]]) -> Iterator[None]:
+    """Within the context, the planned LoRA layers compute their frozen base layer only (a reference model).
+
+    Unlike PEFT's ``disable_adapter()``, this leaves which adapters are trainable untouched.
+    """
+    try:
+        for layer, _ in plans:
+            layer.forward = types.MethodType(_base_forward, layer)
+        yield
+    finally:
+        for layer, _ in plans:
+            layer.__dict__.pop("forward", None)
+
+
+def _base_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return layer.base_layer(x, *args, **kwargs)
+
+
 @dataclass
 class _LayerPlan:
     """What one LoRA layer needs for a gang, worked out once per pass rather than once per call.

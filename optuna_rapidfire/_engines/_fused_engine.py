@@ -29,7 +29,15 @@ import torch.nn.functional as F
 
 from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import ChunkResult
-from optuna_rapidfire._engines._fused import Gang, clip_gang, fused_forward, layer_plans, lora_layers, unsupported
+from optuna_rapidfire._engines._fused import (
+    Gang,
+    base_only,
+    clip_gang,
+    fused_forward,
+    layer_plans,
+    lora_layers,
+    unsupported,
+)
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine, TrialRuntime
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._state import RngState
@@ -56,8 +64,14 @@ class FusedEngine(TimeSlicedEngine):
         first = runtimes[0]
         for runtime in runtimes:
             kind, args = runtime.spec.kind, runtime.args
-            if kind.name != "sft":
-                return f"trial {runtime.spec.number} is a {kind.name.upper()} trial (only SFT trials are fused yet)"
+            if kind.name not in ("sft", "dpo"):
+                return f"trial {runtime.spec.number} is a {kind.name.upper()} trial (SFT and DPO trials are fused)"
+            if kind.name != first.spec.kind.name:
+                return "the trials differ in trainer type"
+            if kind.name == "dpo":
+                reason = _dpo_refusal(runtime.trainer)
+                if reason is not None:
+                    return f"trial {runtime.spec.number} {reason}"
             if bool(getattr(args, "fp16", False)):
                 return f"trial {runtime.spec.number} trains in fp16 (its grad scaler is per trial)"
             if getattr(args, "padding_free", False):
@@ -67,7 +81,9 @@ class FusedEngine(TimeSlicedEngine):
                 first.spec.kind.checkpointing(first.args)[0],
             ):
                 return "the trials differ in precision or activation checkpointing"
-            if getattr(args, "loss_type", "nll") != "nll" or getattr(args, "label_smoothing_factor", 0.0):
+            if kind.name == "sft" and (
+                getattr(args, "loss_type", "nll") != "nll" or getattr(args, "label_smoothing_factor", 0.0)
+            ):
                 return f"trial {runtime.spec.number} uses a loss other than plain NLL"
             if kind.base_dropout_off(args) != first.spec.kind.base_dropout_off(first.args):
                 return "the trials differ in disable_dropout"
@@ -216,15 +232,40 @@ class FusedEngine(TimeSlicedEngine):
         key = (tuple(names), tuple(rows))
         if key not in layouts:
             layouts[key] = layer_plans(self.resident.module, gang)
-        flat, member, target, offset = [], [], [], 0
+        preference = runtimes[group[0]].spec.kind.name == "dpo"
+        flat, segment, target, offset = [], [], [], 0
+        pairs: list[torch.Tensor] = []  # DPO: each row's pair (chosen row i and rejected row B + i share one)
+        members: list[torch.Tensor] = []  # DPO: each pair's member
+        betas: list[float] = []
         for j, k in enumerate(group):
             row, column, labels = plans[k]["targets"][index]
             flat.append((row + offset) * length + column)
-            member.append(torch.full_like(row, j))
+            # SFT sums token losses per member; DPO sums token log-probabilities per row.
+            segment.append(row + offset if preference else torch.full_like(row, j))
             target.append(labels)
+            if preference:
+                half = rows[j] // 2
+                pairs.append(len(betas) + torch.arange(rows[j]) % half)
+                members.append(torch.full((half,), j))
+                betas.extend([plans[k]["beta"]] * half)
             offset += rows[j]
-        where = _to_device_async(torch.stack([torch.cat(flat), torch.cat(member), torch.cat(target)]), self.device)
+        where = _to_device_async(torch.stack([torch.cat(flat), torch.cat(segment), torch.cat(target)]), self.device)
         scales = torch.stack([plans[k]["scales"][index] for k in group])
+        if preference:
+            signs = torch.cat([torch.cat([torch.ones(r // 2), -torch.ones(r // 2)]) for r in rows])
+            layout = torch.stack([torch.cat(pairs).float(), signs])
+            pair_info = torch.stack([torch.cat(members).float(), torch.tensor(betas)])
+            return _Pass(
+                group,
+                gang,
+                layouts[key],
+                input_ids,
+                attention,
+                where,
+                scales,
+                _to_device_async(layout, self.device),
+                _to_device_async(pair_info, self.device),
+            )
         return _Pass(group, gang, layouts[key], input_ids, attention, where, scales)
 
     def _fused_pass(
@@ -235,17 +276,49 @@ class FusedEngine(TimeSlicedEngine):
         The losses need no host synchronisation: the label positions were found on the host when the chunk
         was collated, and the per-member sums come from one ``index_add_``.
         """
+        if shared.row_pairs is not None:
+            return self._preference_pass(first, shared, backbone, head)
         # The gang's layers stay in place through the backward pass too: activation checkpointing
         # recomputes forwards there. Mixed precision covers the forward pass and the losses only.
         with fused_forward(self.resident.module, shared.gang, shared.layers):
             with first.spec.kind.autocast(first.args, self.device):
-                hidden = backbone(
-                    input_ids=shared.input_ids, attention_mask=shared.attention, use_cache=False
-                ).last_hidden_state
-                picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, shared.where[0])
-                logits = head(picked).float()
-                nll = F.cross_entropy(logits, shared.where[2], reduction="none")
+                nll = self._token_nll(shared, backbone, head)
                 sums = nll.new_zeros(len(shared.group)).index_add_(0, shared.where[1], nll)
+                member_losses = sums * shared.scales
+            member_losses.sum().backward()
+        return list(member_losses.detach().unbind())
+
+    def _token_nll(self, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module) -> torch.Tensor:
+        """The negative log-probability of every loss token of the pass (float32)."""
+        outputs = backbone(input_ids=shared.input_ids, attention_mask=shared.attention, use_cache=False)
+        hidden = outputs.last_hidden_state
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, shared.where[0])
+        return F.cross_entropy(head(picked).float(), shared.where[2], reduction="none")
+
+    def _preference_pass(
+        self, first: TrialRuntime, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module
+    ) -> list[torch.Tensor]:
+        """DPO (sigmoid loss) for a gang: one reference pass with the adapters off, one fused pass.
+
+        As TRL's ``DPOTrainer`` with a PEFT model: the reference is the base (adapters disabled, no
+        gradients), each row's log-probability is the sum over its completion tokens, and a pair's loss is
+        ``-logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))``, averaged per micro-batch.
+        """
+        assert shared.row_pairs is not None and shared.pair_members is not None
+        pair_of_row, sign = shared.row_pairs[0].long(), shared.row_pairs[1]
+        member_of_pair, beta = shared.pair_members[0].long(), shared.pair_members[1]
+        count = int(shared.input_ids.shape[0])
+        with torch.no_grad(), base_only(shared.layers), first.spec.kind.autocast(first.args, self.device):
+            reference = -self._token_nll(shared, backbone, head)
+            reference_rows = reference.new_zeros(count).index_add_(0, shared.where[1], reference)
+        with fused_forward(self.resident.module, shared.gang, shared.layers):
+            with first.spec.kind.autocast(first.args, self.device):
+                policy = -self._token_nll(shared, backbone, head)
+                policy_rows = policy.new_zeros(count).index_add_(0, shared.where[1], policy)
+                ratios = (policy_rows - reference_rows) * sign
+                delta = ratios.new_zeros(len(beta)).index_add_(0, pair_of_row, ratios)
+                pair_losses = -F.logsigmoid(beta * delta)
+                sums = pair_losses.new_zeros(len(shared.group)).index_add_(0, member_of_pair, pair_losses)
                 member_losses = sums * shared.scales
             member_losses.sum().backward()
         return list(member_losses.detach().unbind())
@@ -266,9 +339,13 @@ class FusedEngine(TimeSlicedEngine):
         dataset, micro = self._next_chunk(runtime)
         accumulation = args.gradient_accumulation_steps
         collated = [kind.collate(trainer, rows_of(dataset, indices)) for indices in micro]
+        preference = kind.name == "dpo"
         targets, unmasked = [], []
         for batch in collated:  # where each micro-batch's loss tokens are, found here on the host
-            shifted = batch["labels"][:, 1:]
+            if preference:  # DPO: the completion tokens of each chosen / rejected row, as TRL's labels
+                shifted = batch["input_ids"][:, 1:].masked_fill(batch["completion_mask"][:, 1:] == 0, -100)
+            else:
+                shifted = batch["labels"][:, 1:]
             row, column = (shifted != -100).nonzero(as_tuple=True)
             targets.append((row, column, shifted[row, column]))
             unmasked.append("attention_mask" not in batch or bool(batch["attention_mask"].all()))
@@ -279,18 +356,25 @@ class FusedEngine(TimeSlicedEngine):
             count = trainer._get_num_items_in_batch(group, self.device)
             items.extend([count] * len(group))
             divisors.extend([accumulation_divisor(trainer, count, len(group))] * len(group))
-        # Each micro-batch's loss is its summed token NLL times this: 1 / (tokens of the accumulated batch,
-        # at least 1 as in TRL (its own tokens when the trainer gives no count) x the accumulation divisor).
-        scales = [
-            1.0
-            / (
-                torch.as_tensor(count if count is not None else len(target[0]), device=self.device)
-                .float()
-                .clamp(min=1)
-                * divisor
-            )
-            for count, divisor, target in zip(items, divisors, targets, strict=True)
-        ]
+        if preference:
+            # DPO: a micro-batch's loss is the mean of its pairs' losses, divided by the accumulation steps.
+            scales = [
+                torch.full((), 1.0 / (len(b["input_ids"]) // 2 * divisor), device=self.device)
+                for b, divisor in zip(collated, divisors, strict=True)
+            ]
+        else:
+            # SFT: a micro-batch's loss is its summed token NLL times this: 1 / (tokens of the accumulated
+            # batch, at least 1 as in TRL (its own tokens when the trainer gives no count) x the divisor).
+            scales = [
+                1.0
+                / (
+                    torch.as_tensor(count if count is not None else len(target[0]), device=self.device)
+                    .float()
+                    .clamp(min=1)
+                    * divisor
+                )
+                for count, divisor, target in zip(items, divisors, targets, strict=True)
+            ]
         tokens = sum(
             int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in collated
         )
@@ -302,6 +386,7 @@ class FusedEngine(TimeSlicedEngine):
             "scales": scales,
             "accumulation": accumulation,
             "tokens": tokens,
+            "beta": float(getattr(args, "beta", 0.0)),
         }
 
     def _step(self, runtimes: Sequence[TrialRuntime], ready: list[int], grad_norms: list[torch.Tensor | None]) -> None:
@@ -327,6 +412,24 @@ class _Pass:
     attention: torch.Tensor | None
     where: torch.Tensor
     scales: torch.Tensor
+    row_pairs: torch.Tensor | None = None  # DPO: each row's pair and sign (+1 chosen, -1 rejected), 2 x rows
+    pair_members: torch.Tensor | None = None  # DPO: each pair's member and beta, 2 x pairs
+
+
+def _dpo_refusal(trainer: Any) -> str | None:
+    """Why a DPO trial's loss is not the one the fused pass computes (sigmoid, standard KL), or ``None``."""
+    if list(getattr(trainer, "loss_types", ["sigmoid"])) != ["sigmoid"]:
+        return f"uses DPO loss_type {list(trainer.loss_types)} (the fused pass computes 'sigmoid')"
+    weights = getattr(trainer, "loss_weights", None)
+    if weights is not None and list(weights) != [1.0]:
+        return "weights its DPO losses"
+    if str(getattr(trainer, "f_divergence_type", "reverse_kl")) != "reverse_kl":
+        return "uses an f-divergence other than reverse KL"
+    if getattr(trainer, "ld_alpha", None) is not None or getattr(trainer, "use_weighting", False):
+        return "uses ld_alpha or WPO weighting"
+    if getattr(trainer, "aux_loss_enabled", False):
+        return "adds a router auxiliary loss"
+    return None
 
 
 PASS_TOKENS = 16_384
