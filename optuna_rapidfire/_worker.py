@@ -101,7 +101,8 @@ class DeviceWorker(threading.Thread):
             try:
                 self._run(kind, entry)
             except BaseException as error:  # one trial's failure must not stop the device
-                # A failed shared pass fails every trial of the gang: their states were updated together.
+                # A shared pass that failed after its members stepped fails every trial of the gang: their
+                # states were updated together (the engine retries them one by one when none stepped).
                 for victim in entry if isinstance(entry, list) else [entry]:
                     self._fail(victim, error)
 
@@ -126,6 +127,9 @@ class DeviceWorker(threading.Thread):
             gang: list[Entry] = entry  # type: ignore[assignment]
             results = self.engine.run_gang([e.runtime for e in gang])  # type: ignore[attr-defined]
             for member, result in zip(gang, results, strict=True):
+                if isinstance(result, BaseException):  # this member failed alone
+                    self._fail(member, result)
+                    continue
                 if member.spec.checkpoint:
                     result.snapshot = self.engine.snapshot(member.runtime)
                 self.scheduler.chunk_done(member)
@@ -149,7 +153,7 @@ class DeviceWorker(threading.Thread):
             entry.events.put(Released())
 
     def _fail(self, entry: Entry, error: BaseException) -> None:
-        text = traceback.format_exc()
+        text = "".join(traceback.format_exception(error))
         fatal = isinstance(error, SetupError)
         # A setup error concerns every trial: none of them can run.
         for victim in self.scheduler.entries() if fatal else [entry]:

@@ -240,3 +240,43 @@ def test_dpo_losses_the_fused_pass_does_not_compute_train_time_sliced_and_say_wh
         executor.optimize(study, lambda t: configs[t.number], n_trials=2)
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
     assert "not fused: trial 0 uses DPO loss_type ['hinge']" in caplog.text
+
+
+def test_a_failed_shared_pass_fails_only_the_trial_that_fails_alone(make_executor, monkeypatch, caplog) -> None:
+    """A pass that runs out of memory with several members is retried one by one (and later passes get
+    smaller); a trial that fails on its own fails alone, the others report the time-sliced values."""
+    import torch
+
+    from optuna_rapidfire._engines._fused_engine import FusedEngine
+    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+
+    sliced = _values(make_executor, "time_sliced")
+    shared_pass, own_chunk = FusedEngine._fused_pass, TimeSlicedEngine._train_chunk
+
+    def crowded(self, first, shared, backbone, head):
+        if len(shared.group) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return shared_pass(self, first, shared, backbone, head)
+
+    def broken(self, runtime):
+        if runtime.spec.number == 1:
+            raise RuntimeError("trial 1 breaks on its own")
+        return own_chunk(self, runtime)
+
+    monkeypatch.setattr(FusedEngine, "_fused_pass", crowded)
+    monkeypatch.setattr(TimeSlicedEngine, "_train_chunk", broken)
+    executor = make_executor(engine="fused", num_chunks=3, max_concurrent_trials=3)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    for i in range(len(CONFIGS)):
+        study.enqueue_trial({"config": i})
+    with caplog.at_level(logging.WARNING, logger="optuna_rapidfire"):
+        executor.optimize(study, configure, n_trials=len(CONFIGS))
+    states = [t.state for t in study.trials]
+    assert states == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.COMPLETE]
+    assert "A shared pass of trials [0, 1, 2] failed (OutOfMemoryError" in caplog.text
+    assert executor._engine.pass_tokens < 16_384
+    for position in (0, 2):
+        got = dict(study.trials[position].intermediate_values)
+        assert got.keys() == sliced[position].keys()
+        for step, value in sliced[position].items():
+            assert got[step] == pytest.approx(value, rel=1e-5)

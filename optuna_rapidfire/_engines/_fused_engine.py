@@ -55,6 +55,8 @@ class FusedEngine(TimeSlicedEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fused_steps = 0
+        self.pass_tokens = PASS_TOKENS
+        self._stepped = False
         self._said: set[str] = set()
 
     # -- which gangs can be fused ----------------------------------------------------------------
@@ -102,8 +104,14 @@ class FusedEngine(TimeSlicedEngine):
             return "a custom loss or metrics function is set"
         return None
 
-    def run_gang(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult]:
-        """Train every trial's next chunk, in shared passes when they can share them; then evaluate each."""
+    def run_gang(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
+        """Train every trial's next chunk, in shared passes when they can share them; then evaluate each.
+
+        Returns:
+            Each member's chunk result, or the error that failed that member alone (its evaluation, or
+            its own chunk after a shared pass failed before any member stepped). An error after members
+            stepped is raised: it fails the whole gang.
+        """
         reason = self.refusal(runtimes)
         if reason is not None and len(runtimes) == 1:
             return [self.run_chunk(runtimes[0])]
@@ -114,12 +122,21 @@ class FusedEngine(TimeSlicedEngine):
             return [self.run_chunk(runtime) for runtime in runtimes]
         start = time.perf_counter()
         steps = [runtime.state.position.chunks_done for runtime in runtimes]
-        train_metrics = self._train_gang(runtimes)
+        try:
+            train_metrics = self._train_gang(runtimes)
+        except Exception as error:
+            if self._stepped:  # the members' states moved on together: the gang fails as one
+                raise
+            return self._one_by_one(runtimes, error)
         trained = time.perf_counter()
-        results = []
+        results: list[ChunkResult | BaseException] = []
         for runtime, step, metrics in zip(runtimes, steps, train_metrics, strict=True):
             evaluated = time.perf_counter()
-            full = self.evaluate(runtime)
+            try:
+                full = self.evaluate(runtime)
+            except Exception as error:  # this member's evaluation only
+                results.append(error)
+                continue
             full.update(metrics)
             runtime.history.append(dict(full))
             results.append(
@@ -133,10 +150,38 @@ class FusedEngine(TimeSlicedEngine):
             )
         return results
 
+    def _one_by_one(self, runtimes: Sequence[TrialRuntime], error: Exception) -> list[ChunkResult | BaseException]:
+        """After a shared pass failed before any member stepped: train each member alone, so that only a
+        trial that fails on its own fails. Out of memory also halves the size of later shared passes."""
+        names = [runtime.state.adapter_name for runtime in runtimes]
+        for runtime in runtimes:
+            runtime.state.optimizer.zero_grad(set_to_none=True)
+        self.resident.set_trainable(names, False)
+        self._current = None
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+            self.pass_tokens = max(self.pass_tokens // 2, 1)
+        _logger.warning(
+            "A shared pass of trials %s failed (%s: %s); training them one by one. Later passes take at most "
+            "%d tokens.",
+            [runtime.spec.number for runtime in runtimes],
+            type(error).__name__,
+            error,
+            self.pass_tokens,
+        )
+        results: list[ChunkResult | BaseException] = []
+        for runtime in runtimes:
+            try:
+                results.append(self.run_chunk(runtime))
+            except Exception as own:
+                results.append(own)
+        return results
+
     # -- training a gang's chunk -----------------------------------------------------------------
 
     def _train_gang(self, runtimes: Sequence[TrialRuntime]) -> list[dict[str, float]]:
         device, resident = self.device, self.resident
+        self._stepped = False
         plans = [self._plan(runtime) for runtime in runtimes]
         # The whole gang is on the device while it trains: only trials outside it may be offloaded.
         for runtime in runtimes:
@@ -168,7 +213,8 @@ class FusedEngine(TimeSlicedEngine):
             members = [k for k, plan in enumerate(plans) if index < len(plan["micro"])]
             tokens = [plans[k]["inputs"][index]["input_ids"].numel() for k in members]
             passes = [
-                self._lay_out(runtimes, plans, generators, group, index, layouts) for group in _passes(members, tokens)
+                self._lay_out(runtimes, plans, generators, group, index, layouts)
+                for group in _passes(members, tokens, self.pass_tokens)
             ]
             schedule.append((members, passes))
         for index, (members, passes) in enumerate(schedule):
@@ -390,6 +436,7 @@ class FusedEngine(TimeSlicedEngine):
         }
 
     def _step(self, runtimes: Sequence[TrialRuntime], ready: list[int], grad_norms: list[torch.Tensor | None]) -> None:
+        self._stepped = True
         grads = [[p.grad for p in runtimes[k].state.params if p.grad is not None] for k in ready]
         norms = clip_gang(grads, [runtimes[k].args.max_grad_norm for k in ready])
         for k, norm in zip(ready, norms, strict=True):
@@ -438,12 +485,12 @@ already saturates an H200 on a 1B model. Larger gangs train in several passes of
 fusing never makes a step slower than the members' own passes would be."""
 
 
-def _passes(members: list[int], tokens: list[int]) -> list[list[int]]:
-    """Split the members (in order) into passes of at most :data:`PASS_TOKENS` tokens (at least one each)."""
+def _passes(members: list[int], tokens: list[int], limit: int = PASS_TOKENS) -> list[list[int]]:
+    """Split the members (in order) into passes of at most ``limit`` tokens (at least one member each)."""
     passes: list[list[int]] = []
     size = 0
     for member, count in zip(members, tokens, strict=True):
-        if passes and size + count <= PASS_TOKENS:
+        if passes and size + count <= limit:
             passes[-1].append(member)
             size += count
         else:
