@@ -21,9 +21,9 @@ def configure(trial: optuna.Trial):
     return lora(r=rank, lora_dropout=0.2), sft_args(learning_rate=lr, weight_decay=decay, seed=3)
 
 
-def _study_with_parent(make_executor, clone_after_step: int, **clone_kwargs):
+def _study_with_parent(make_executor, clone_after_step: int, engine: str = "time_sliced", **clone_kwargs):
     """Run a parent trial; once it has reported ``clone_after_step``, clone it and run the clone."""
-    executor = make_executor(num_chunks=NUM_CHUNKS, max_concurrent_trials=2)
+    executor = make_executor(num_chunks=NUM_CHUNKS, max_concurrent_trials=2, engine=engine)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     study.enqueue_trial({"r": 8, "learning_rate": 2e-2, "weight_decay": 0.1})
     objective = executor.objective(configure)
@@ -38,8 +38,9 @@ def _study_with_parent(make_executor, clone_after_step: int, **clone_kwargs):
     return study, study.trials[0], study.trials[child]
 
 
-def test_warm_clone_without_change_continues_exactly(make_executor) -> None:
-    _study, parent, clone = _study_with_parent(make_executor, clone_after_step=1)
+@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+def test_warm_clone_without_change_continues_exactly(make_executor, engine: str) -> None:
+    _study, parent, clone = _study_with_parent(make_executor, clone_after_step=1, engine=engine)
     assert parent.state == clone.state == TrialState.COMPLETE
     branch = clone.user_attrs[_attrs.BRANCH_STEP]
     assert 2 <= branch < NUM_CHUNKS

@@ -112,8 +112,9 @@ def test_delete_ends_the_trial_as_fail_and_frees_its_state(make_executor) -> Non
     assert executor._engine.resident.peft.peft_config == {}
 
 
-def test_a_trial_still_paused_at_the_end_is_pruned_and_can_be_continued(make_executor, tmp_path) -> None:
-    executor = make_executor(num_chunks=4, max_concurrent_trials=2, pause_grace_seconds=0.5)
+@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+def test_a_trial_still_paused_at_the_end_is_pruned_and_can_be_continued(make_executor, tmp_path, engine) -> None:
+    executor = make_executor(num_chunks=4, max_concurrent_trials=2, pause_grace_seconds=0.5, engine=engine)
     study = optuna.create_study(study_name="end", pruner=optuna.pruners.NopPruner())
     run = Background(lambda: executor.optimize(study, by_number(CONFIGS[:2]), n_trials=2))
     wait_until(lambda: 0 in study.trials[0].intermediate_values, what="trial 0's first report")
@@ -131,7 +132,8 @@ def test_a_trial_still_paused_at_the_end_is_pruned_and_can_be_continued(make_exe
     assert continued.state == TrialState.COMPLETE and continued.user_attrs[_attrs.CLONE] == "warm"
     assert list(continued.intermediate_values) == [0, 1, 2, 3]
     alone = optuna.create_study(pruner=optuna.pruners.NopPruner())
-    make_executor(num_chunks=4, max_concurrent_trials=1).optimize(alone, by_number(CONFIGS[:1]), n_trials=1)
+    single = make_executor(num_chunks=4, max_concurrent_trials=1, engine=engine)
+    single.optimize(alone, by_number(CONFIGS[:1]), n_trials=1)
     assert _values(continued) == _values(alone.trials[0])
 
 

@@ -280,3 +280,33 @@ def test_a_failed_shared_pass_fails_only_the_trial_that_fails_alone(make_executo
         assert got.keys() == sliced[position].keys()
         for step, value in sliced[position].items():
             assert got[step] == pytest.approx(value, rel=1e-5)
+
+
+def test_a_fused_study_exports_and_checkpoints_what_a_time_sliced_study_does(make_executor, tmp_path) -> None:
+    """Final adapters and per-chunk checkpoints (with their optimizer state) equal the time-sliced ones."""
+    import torch
+    from optuna.artifacts import FileSystemArtifactStore
+    from safetensors.torch import load_file
+
+    from optuna_rapidfire import _attrs
+
+    saved = {}
+    for engine in ("time_sliced", "fused"):
+        folder = tmp_path / f"artifacts-{engine}"
+        folder.mkdir()
+        store = FileSystemArtifactStore(str(folder))
+        executor = make_executor(engine=engine, num_chunks=2, max_concurrent_trials=3, artifact_store=store)
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        for i in range(len(CONFIGS)):
+            study.enqueue_trial({"config": i})
+        executor.optimize(study, configure, n_trials=len(CONFIGS))
+        adapters = [load_file(f"{t.user_attrs[_attrs.ADAPTER_PATH]}/adapter_model.safetensors") for t in study.trials]
+        links = [t.system_attrs[_attrs.CHECKPOINT] for t in study.trials]
+        saved[engine] = (adapters, links, sorted(p.name for p in folder.iterdir()))
+    sliced, fused = saved["time_sliced"], saved["fused"]
+    for ours, theirs in zip(fused[0], sliced[0], strict=True):
+        assert ours.keys() == theirs.keys() and ours
+        for key, value in theirs.items():
+            torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert [link["step"] for link in fused[1]] == [link["step"] for link in sliced[1]] == [2, 2, 2]
+    assert len(fused[2]) == len(sliced[2]) > 0
