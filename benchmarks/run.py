@@ -132,6 +132,32 @@ def _configure(trial: optuna.Trial, batch: int) -> tuple[LoraConfig, SFTConfig]:
     return lora(rank), sft_args(lr, batch)
 
 
+def configure_dpo(batch: int) -> Callable[[optuna.Trial], tuple[LoraConfig, Any]]:
+    return functools.partial(_configure_dpo, batch=batch)
+
+
+def _configure_dpo(trial: optuna.Trial, batch: int) -> tuple[LoraConfig, Any]:
+    from trl import DPOConfig
+
+    lr = trial.suggest_float("learning_rate", 1e-5, 1e-2, log=True)
+    trial.suggest_categorical("r", [8, 16])
+    gpu = torch.cuda.is_available()
+    args = DPOConfig(
+        learning_rate=lr,
+        per_device_train_batch_size=batch,
+        per_device_eval_batch_size=8,
+        max_length=512,
+        bf16=gpu,
+        use_cpu=not gpu,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    return lora(16), args
+
+
 def grid(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` configs spread over the search space (a fixed, seeded list shared by every method)."""
     sampler = optuna.samplers.QMCSampler(seed=seed, scramble=True)
@@ -294,11 +320,11 @@ class Bench:
         """Write what a part has so far: a call cut short by a time limit keeps what finished."""
         write_reports(Path(self.options.out), {part: data}, self.command)
 
-    def rows(self, n: int) -> Any:
-        return load_gsm8k("train", num_rows=n, format="text")
+    def rows(self, n: int, format: str = "text") -> Any:
+        return load_gsm8k("train", num_rows=n, format=format)
 
-    def eval_rows(self) -> Any:
-        return load_gsm8k("test", num_rows=64 if not self.smoke else 8, format="text")
+    def eval_rows(self, format: str = "text") -> Any:
+        return load_gsm8k("test", num_rows=64 if not self.smoke else 8, format=format)
 
     def factory(self, shape: str) -> Callable[[], tuple[Any, Any]]:
         return functools.partial(build_model, shape, self.tokenizer_dir)
@@ -306,10 +332,11 @@ class Bench:
     def executor(self, shape: str, rows: int, num_chunks: int, concurrent: int, **kwargs: Any) -> RapidFireExecutor:
         """An executor over ``rows`` GSM8K examples; time-sliced unless ``engine`` says otherwise."""
         kwargs.setdefault("engine", "time_sliced")
+        data = kwargs.pop("data", "text")
         return RapidFireExecutor(
             model=self.factory(shape),
-            train_dataset=self.rows(rows),
-            eval_dataset=self.eval_rows(),
+            train_dataset=self.rows(rows, data),
+            eval_dataset=self.eval_rows(data),
             num_chunks=num_chunks,
             max_concurrent_trials=concurrent,
             output_dir=self.workdir / "out",
@@ -421,21 +448,27 @@ class Bench:
             (f"fused_k{k}_bs2", "fused", k, 2, 192),
             ("time_sliced_k4_bs16", "time_sliced", 4, 16, 1024),
             ("fused_k4_bs16", "fused", 4, 16, 1024),
+            ("time_sliced_k2_bs32", "time_sliced", 2, 32, 1024),
+            ("fused_k2_bs32", "fused", 2, 32, 1024),
+            (f"dpo_time_sliced_k{k}_bs2", "time_sliced", k, 2, 96),
+            (f"dpo_fused_k{k}_bs2", "fused", k, 2, 96),
         ]
         if self.smoke:
             configs = [(label, engine, trials, batch, 32) for label, engine, trials, batch, _ in configs]
         result: dict[str, Any] = {"model": shape, "pass_tokens": PASS_TOKENS, "num_chunks": 4, "runs": {}}
         reported: dict[str, list[dict[int, float]]] = {}
         for label, engine, trials, batch, examples in configs:
-            executor = self.executor(shape, examples, 4, trials, engine=engine)
+            dpo = label.startswith("dpo")
+            configure = configure_dpo(batch) if dpo else configure_from_params(batch)
+            executor = self.executor(shape, examples, 4, trials, engine=engine, data="preference" if dpo else "text")
             study = optuna.create_study(pruner=optuna.pruners.NopPruner())
             for i in range(trials):
                 study.enqueue_trial({"learning_rate": 1e-4 * (1 + i), "r": 16})
-            executor.objective(configure_from_params(batch))  # loads the model
+            executor.objective(configure)  # loads the model
             _reset_peak()
             with Recorder() as recorder:
                 start = time.perf_counter()
-                executor.optimize(study, configure_from_params(batch), n_trials=trials)
+                executor.optimize(study, configure, n_trials=trials)
                 wall = time.perf_counter() - start
             if self.options.profile and engine == "fused" and batch == 2:
                 self._profile(executor, trials, batch, f"{label}_profile.txt")
@@ -460,10 +493,16 @@ class Bench:
         result["fused_k8_bs2_over_ceiling"] = tps[f"fused_k{k}_bs2"] / tps["ceiling_bs32"]
         result["fused_over_time_sliced_throughput_k8"] = tps[f"fused_k{k}_bs2"] / tps[f"time_sliced_k{k}_bs2"]
         result["fused_over_time_sliced_at_saturation"] = tps["fused_k4_bs16"] / tps["time_sliced_k4_bs16"]
+        result["fused_over_time_sliced_k2_bs32"] = tps["fused_k2_bs32"] / tps["time_sliced_k2_bs32"]
+        result["dpo_fused_over_time_sliced_k8"] = tps[f"dpo_fused_k{k}_bs2"] / tps[f"dpo_time_sliced_k{k}_bs2"]
         # The same trials on both engines report per-chunk eval losses that differ by bf16 rounding only.
         result["per_chunk_values_max_relative_difference"] = {
             f"k{k}_bs2": _max_relative_difference(reported[f"time_sliced_k{k}_bs2"], reported[f"fused_k{k}_bs2"]),
             "k4_bs16": _max_relative_difference(reported["time_sliced_k4_bs16"], reported["fused_k4_bs16"]),
+            "k2_bs32": _max_relative_difference(reported["time_sliced_k2_bs32"], reported["fused_k2_bs32"]),
+            f"dpo_k{k}_bs2": _max_relative_difference(
+                reported[f"dpo_time_sliced_k{k}_bs2"], reported[f"dpo_fused_k{k}_bs2"]
+            ),
         }
         return result
 
@@ -808,26 +847,38 @@ def _markdown(out: Path) -> str:
                 f"{run['wall_seconds']:.1f} | {run['peak_memory_gb']:.2f} |"
             )
         diffs = data.get("per_chunk_values_max_relative_difference", {})
-        lines += [
-            "",
-            f"fused K=8 batch 2 / ceiling: {data['fused_k8_bs2_over_ceiling']:.3f}; fused / time-sliced at K=8 "
-            f"batch 2: {data['fused_over_time_sliced_throughput_k8']:.2f}; at K=4 batch 16 (saturation): "
-            f"{data['fused_over_time_sliced_at_saturation']:.3f}. Largest relative difference of the per-chunk "
-            f"eval losses the same trials reported on the two engines (bf16): "
-            + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items() if v is not None)
-            + ".",
-        ]
+        lines += (
+            []
+            if "fused_k8_bs2_over_ceiling" not in data
+            else [
+                "",
+                f"fused K=8 batch 2 / ceiling: {data['fused_k8_bs2_over_ceiling']:.3f}; fused / time-sliced at K=8 "
+                f"batch 2: {data['fused_over_time_sliced_throughput_k8']:.2f}; at K=4 batch 16 (saturation): "
+                f"{data['fused_over_time_sliced_at_saturation']:.3f}; at K=2 batch 32: "
+                f"{data.get('fused_over_time_sliced_k2_bs32', float('nan')):.3f}; DPO at K=8 batch 2: "
+                f"{data.get('dpo_fused_over_time_sliced_k8', float('nan')):.2f}. Largest relative difference of the "
+                f"per-chunk eval losses the same trials reported on the two engines (bf16): "
+                + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items() if v is not None)
+                + ".",
+            ]
+        )
     data = load("fused_bf16")
     if data:
         lines += [
             "",
             f"## Fused pass in bf16 against each trial alone ({data['model']}, 5 mixed adapters)",
             "",
-            "| gang | loss max rel. difference | gradient max rel. difference (per LoRA tensor, norm) |",
-            "|---|---|---|",
+            "| gang | loss: gang vs alone | gradients: gang vs alone | gradients: gang vs float32 "
+            "| gradients: alone vs float32 |",
+            "|---|---|---|---|---|",
         ]
         for k, r in data["results"].items():
-            lines.append(f"| {k} | {r['loss_max_relative_difference']:.1e} | {r['grad_max_relative_difference']:.1e} |")
+            lines.append(
+                f"| {k} | {r['loss_max_relative_difference']:.1e} | {r['grad_max_relative_difference']:.1e} | "
+                f"{r.get('gang_vs_float32_grad_max_relative_error', float('nan')):.1e} | "
+                f"{r.get('alone_vs_float32_grad_max_relative_error', float('nan')):.1e} |"
+            )
+        lines.append("\nLargest relative differences over the trials; gradients per LoRA tensor, in Frobenius norm.")
     data = load("fused_probe")
     if data:
         tps = data["tokens_per_second"]

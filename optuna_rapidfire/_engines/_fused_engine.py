@@ -320,26 +320,43 @@ class FusedEngine(TimeSlicedEngine):
         """One forward/backward of a laid-out pass; each member's loss, detached.
 
         The losses need no host synchronisation: the label positions were found on the host when the chunk
-        was collated, and the per-member sums come from one ``index_add_``.
+        was collated, and the per-member sums come from one ``index_add_``. The output layer and the loss
+        run over :data:`HEAD_TOKENS` loss tokens at a time, each block's backward right after it, so the
+        float32 logits of the whole pass (tokens x vocabulary) never exist at once; the backbone then
+        backpropagates the gathered gradient once.
         """
         if shared.row_pairs is not None:
             return self._preference_pass(first, shared, backbone, head)
+        count = int(shared.where.shape[1])
         # The gang's layers stay in place through the backward pass too: activation checkpointing
         # recomputes forwards there. Mixed precision covers the forward pass and the losses only.
         with fused_forward(self.resident.module, shared.gang, shared.layers):
             with first.spec.kind.autocast(first.args, self.device):
-                nll = self._token_nll(shared, backbone, head)
-                sums = nll.new_zeros(len(shared.group)).index_add_(0, shared.where[1], nll)
-                member_losses = sums * shared.scales
-            member_losses.sum().backward()
-        return list(member_losses.detach().unbind())
+                picked = self._loss_hidden(shared, backbone)
+            cut = picked.detach().requires_grad_(picked.requires_grad)
+            member_losses = torch.zeros(len(shared.group), device=self.device)
+            for start in range(0, count, HEAD_TOKENS):
+                block = slice(start, min(start + HEAD_TOKENS, count))
+                with first.spec.kind.autocast(first.args, self.device):
+                    nll = F.cross_entropy(head(cut[block]).float(), shared.where[2, block], reduction="none")
+                    sums = nll.new_zeros(len(shared.group)).index_add_(0, shared.where[1, block], nll)
+                    losses = sums * shared.scales
+                if cut.requires_grad:
+                    losses.sum().backward()
+                member_losses += losses.detach()
+            if cut.requires_grad and cut.grad is not None:
+                picked.backward(cut.grad)
+        return list(member_losses.unbind())
+
+    def _loss_hidden(self, shared: _Pass, backbone: torch.nn.Module) -> torch.Tensor:
+        """The backbone's last hidden state at every loss token's position (the one predicting it)."""
+        outputs = backbone(input_ids=shared.input_ids, attention_mask=shared.attention, use_cache=False)
+        hidden = outputs.last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, shared.where[0])
 
     def _token_nll(self, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module) -> torch.Tensor:
         """The negative log-probability of every loss token of the pass (float32)."""
-        outputs = backbone(input_ids=shared.input_ids, attention_mask=shared.attention, use_cache=False)
-        hidden = outputs.last_hidden_state
-        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, shared.where[0])
-        return F.cross_entropy(head(picked).float(), shared.where[2], reduction="none")
+        return F.cross_entropy(head(self._loss_hidden(shared, backbone)).float(), shared.where[2], reduction="none")
 
     def _preference_pass(
         self, first: TrialRuntime, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module
@@ -437,6 +454,10 @@ class FusedEngine(TimeSlicedEngine):
 
     def _step(self, runtimes: Sequence[TrialRuntime], ready: list[int], grad_norms: list[torch.Tensor | None]) -> None:
         self._stepped = True
+        for k in ready:  # a step whose micro-batches had no loss token: zero gradients, as a backward gives
+            for param in runtimes[k].state.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
         grads = [[p.grad for p in runtimes[k].state.params if p.grad is not None] for k in ready]
         norms = clip_gang(grads, [runtimes[k].args.max_grad_norm for k in ready])
         for k, norm in zip(ready, norms, strict=True):
@@ -478,6 +499,10 @@ def _dpo_refusal(trainer: Any) -> str | None:
         return "adds a router auxiliary loss"
     return None
 
+
+HEAD_TOKENS = 4096
+"""Loss tokens per block of the output layer and loss in an SFT pass: float32 logits of 4096 x 128k
+vocabulary take 2 GB, where a whole 16k-token pass would take 8 GB (and twice that for the loss)."""
 
 PASS_TOKENS = 16_384
 """The most tokens (rows x padded length) one shared pass takes: 32 rows of 512, where one adapter's pass
