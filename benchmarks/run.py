@@ -455,8 +455,16 @@ class Bench:
         ]
         if self.smoke:
             configs = [(label, engine, trials, batch, 32) for label, engine, trials, batch, _ in configs]
+        if self.options.fused_runs:  # measure only these, keeping the other runs of --out/fused.json
+            configs = [c for c in configs if c[0] in self.options.fused_runs.split(",")]
         result: dict[str, Any] = {"model": shape, "pass_tokens": PASS_TOKENS, "num_chunks": 4, "runs": {}}
         reported: dict[str, list[dict[int, float]]] = {}
+        earlier = Path(self.options.out) / "fused.json"
+        if self.options.fused_runs and earlier.exists():
+            kept = json.loads(earlier.read_text())
+            result["runs"] = kept.get("runs", {})
+            reported = kept.get("reported", {})
+            result["per_chunk_values_max_relative_difference"] = kept.get("per_chunk_values_max_relative_difference", {})
         for label, engine, trials, batch, examples in configs:
             dpo = label.startswith("dpo")
             configure = configure_dpo(batch) if dpo else configure_from_params(batch)
@@ -485,181 +493,40 @@ class Bench:
                 "peak_memory_gb": _peak_memory_gb(),
                 "failed": sum(t.state != optuna.trial.TrialState.COMPLETE for t in study.trials),
             }
-            reported[label] = [dict(t.intermediate_values) for t in sorted(study.trials, key=lambda t: t.number)]
+            reported[label] = [
+                {int(step): v for step, v in t.intermediate_values.items()}
+                for t in sorted(study.trials, key=lambda t: t.number)
+            ]
+            result["reported"] = reported
             print(f"fused part, {label}: {result['runs'][label]['tokens_per_second']:.0f} tokens/s", flush=True)
             _drop(executor)
             self.save("fused", result)
-        tps = {label: run["tokens_per_second"] for label, run in result["runs"].items()}
-        result["fused_k8_bs2_over_ceiling"] = tps[f"fused_k{k}_bs2"] / tps["ceiling_bs32"]
-        result["fused_over_time_sliced_throughput_k8"] = tps[f"fused_k{k}_bs2"] / tps[f"time_sliced_k{k}_bs2"]
-        result["fused_over_time_sliced_at_saturation"] = tps["fused_k4_bs16"] / tps["time_sliced_k4_bs16"]
-        result["fused_over_time_sliced_k2_bs32"] = tps["fused_k2_bs32"] / tps["time_sliced_k2_bs32"]
-        result["dpo_fused_over_time_sliced_k8"] = tps[f"dpo_fused_k{k}_bs2"] / tps[f"dpo_time_sliced_k{k}_bs2"]
-        # The same trials on both engines report per-chunk eval losses that differ by bf16 rounding only.
-        result["per_chunk_values_max_relative_difference"] = {
-            f"k{k}_bs2": _max_relative_difference(reported[f"time_sliced_k{k}_bs2"], reported[f"fused_k{k}_bs2"]),
-            "k4_bs16": _max_relative_difference(reported["time_sliced_k4_bs16"], reported["fused_k4_bs16"]),
-            "k2_bs32": _max_relative_difference(reported["time_sliced_k2_bs32"], reported["fused_k2_bs32"]),
-            f"dpo_k{k}_bs2": _max_relative_difference(
-                reported[f"dpo_time_sliced_k{k}_bs2"], reported[f"dpo_fused_k{k}_bs2"]
-            ),
-        }
+        _fused_ratios(result, k)
         return result
 
-    def _profile(self, executor: RapidFireExecutor, trials: int, batch: int, name: str) -> None:
-        """One more study on ``executor`` under torch's profiler; its top operators go to ``name`` in --out."""
-        from torch.profiler import ProfilerActivity, profile
 
-        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-        for i in range(trials):
-            study.enqueue_trial({"learning_rate": 1e-4 * (1 + i), "r": 16})
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        with profile(activities=activities) as prof:
-            executor.optimize(study, configure_from_params(batch), n_trials=trials)
-        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        tables = [prof.key_averages().table(sort_by=key, row_limit=40) for key in (sort, "cpu_time_total")]
-        Path(self.options.out).mkdir(parents=True, exist_ok=True)
-        (Path(self.options.out) / name).write_text("\n\n".join(tables))
-
-    # (d)
-    def scale(self, shape: str) -> dict[str, Any]:
-        sizes = [1, 4, 8, 16, 32] if not self.smoke else [1, 2, 4]
-        rows_per_trial_chunk = 32 if not self.smoke else 8
-        results = []
-        for k in sizes:
-            chunks = 16
-            executor = self.executor(shape, rows_per_trial_chunk * chunks, chunks, k)
-            executor.objective(configure_from_params(self.batch))
-            engine = executor._engine
-            assert engine is not None
-            # Room for 8 trials' states on the device: beyond that, idle trials move to pinned CPU memory.
-            executor._engine.state_budget = None if k <= 8 else 8 * _state_bytes(shape)
-            study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-            for i in range(k):
-                study.enqueue_trial({"learning_rate": 1e-4 * (1 + i % 4), "r": 16})
-            configure = functools.partial(_configure_two_chunks, batch=self.batch, chunks=chunks)
-            _reset_peak()
-            with Recorder() as recorder:
-                executor.optimize(study, configure, n_trials=k)
-            results.append(
-                {
-                    "live_trials": k,
-                    "switch_ms_median": statistics.median(recorder.switches) * 1e3 if recorder.switches else None,
-                    "switch_ms_p95": _percentile(recorder.switches, 0.95) * 1e3 if recorder.switches else None,
-                    "switches": len(recorder.switches),
-                    "offloads": engine.offloads,
-                    "peak_memory_gb": _peak_memory_gb(),
-                    "base_memory_gb": engine.resident.base_nbytes() / 2**30,
-                }
-            )
-            _drop(executor)
-        return {"model": shape, "results": results}
-
-    # (c)
-    def search(self, shape: str) -> dict[str, Any]:
-        sizes = [int(n) for n in self.options.search_sizes.split(",")] if not self.smoke else [4]
-        rows, chunks = (64, 4) if not self.smoke else (16, 2)
-        out = []
-        for n in sizes:
-            params = grid(n)
-            exhaustive = self._sweep(shape, rows, chunks, params, concurrent=1, pruner=optuna.pruners.NopPruner())
-            target = min(exhaustive["final_values"]) * 1.01
-            median = functools.partial(optuna.pruners.MedianPruner, n_startup_trials=4, n_warmup_steps=1)
-            runs = {
-                "exhaustive_sequential": exhaustive,
-                "sequential_pruned": self._sweep(shape, rows, chunks, params, concurrent=1, pruner=median()),
-                "executor_pruned": self._sweep(shape, rows, chunks, params, concurrent=min(8, n), pruner=median()),
-                "executor_pruned_clone": self._sweep(
-                    shape, rows, chunks, None, concurrent=min(8, n), pruner=median(), n_trials=n
-                ),
-            }
-            for run in runs.values():
-                run["time_to_target_seconds"] = _time_to(run["completions"], target)
-            base = runs["executor_pruned"]["time_to_target_seconds"]
-            out.append(
-                {
-                    "configs": n,
-                    "target_eval_loss": target,
-                    "runs": runs,
-                    "speedup_vs_sequential": exhaustive["wall_seconds"] / base if base else None,
-                    "speedup_vs_sequential_pruned": (runs["sequential_pruned"]["time_to_target_seconds"] or math.inf)
-                    / base
-                    if base
-                    else None,
-                }
-            )
-            self.save("search", {"model": shape, "rows": rows, "num_chunks": chunks, "sweeps": out})
-        return {"model": shape, "rows": rows, "num_chunks": chunks, "sweeps": out}
-
-    def _sweep(
-        self,
-        shape: str,
-        rows: int,
-        chunks: int,
-        params: list[dict[str, Any]] | None,
-        concurrent: int,
-        pruner: optuna.pruners.BasePruner,
-        n_trials: int | None = None,
-    ) -> dict[str, Any]:
-        from optuna_rapidfire.samplers import CloneSampler
-
-        executor = self.executor(shape, rows, chunks, concurrent)
-        executor.objective(configure_from_params(self.batch))  # load the model before the clock starts
-        sampler = CloneSampler(optuna.samplers.RandomSampler(seed=0), seed=0) if params is None else None
-        study = optuna.create_study(pruner=pruner, sampler=sampler)
-        for p in params or []:
-            study.enqueue_trial(p)
-        completions: list[tuple[float, float]] = []
-        start = time.perf_counter()
-
-        def on_end(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-            if trial.state == optuna.trial.TrialState.COMPLETE and trial.value is not None:
-                completions.append((time.perf_counter() - start, trial.value))
-
-        executor.optimize(
-            study, configure_from_params(self.batch), n_trials=n_trials or len(params or []), callbacks=[on_end]
-        )
-        wall = time.perf_counter() - start
-        _drop(executor)
-        states = [t.state.name for t in study.trials]
-        return {
-            "wall_seconds": wall,
-            "completions": completions,
-            "final_values": [t.value for t in study.trials if t.value is not None],
-            "pruned": states.count("PRUNED"),
-            "complete": states.count("COMPLETE"),
-            "warm_clones": sum(t.user_attrs.get("rapidfire:clone") == "warm" for t in study.trials),
-        }
-
-    # multi-GPU
-    def multi_gpu(self, shape: str) -> dict[str, Any]:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 2
-        devices: list[str] = [f"cuda:{i}" for i in range(count)] if torch.cuda.is_available() else ["cpu", "cpu"]
-        rows, chunks, configs = (256, 8, 16) if not self.smoke else (32, 2, 4)
-        result: dict[str, Any] = {"model": shape, "configs": configs, "rows": rows, "devices": devices}
-        for label, chosen in (("one_gpu", devices[:1]), ("all_gpus", devices)):
-            url = f"sqlite:///{self.workdir / f'{label}.db'}"
-            study = optuna.create_study(storage=url, study_name=label, pruner=optuna.pruners.NopPruner())
-            for i in range(configs):
-                study.enqueue_trial({"learning_rate": 1e-4 * (1 + i % 4), "r": 16})
-            executor = self.executor(shape, rows, chunks, 8, devices=chosen if len(chosen) > 1 else chosen[0])
-            start = time.perf_counter()
-            executor.optimize(study, configure_from_params(self.batch), n_trials=configs)
-            wall = time.perf_counter() - start
-            trials = study.get_trials()
-            window = max(t.datetime_complete for t in trials) - min(t.datetime_start for t in trials)
-            tokens = configs * _tokens_per_trial(self, rows)
-            result[label] = {
-                "wall_seconds": wall,
-                "trial_window_seconds": window.total_seconds(),
-                "tokens": tokens,
-                "tokens_per_second": tokens / window.total_seconds(),
-                "workers": sorted({t.user_attrs.get("rapidfire:worker", "") for t in trials}),
-            }
-        result["two_gpu_over_one_gpu_throughput"] = (
-            result["all_gpus"]["tokens_per_second"] / result["one_gpu"]["tokens_per_second"]
-        )
-        return result
+def _fused_ratios(result: dict[str, Any], k: int) -> None:
+    """The fused part's ratios, from whichever of its runs ``result`` holds."""
+    tps = {label: run["tokens_per_second"] for label, run in result["runs"].items()}
+    reported = {label: [{int(s): v for s, v in t.items()} for t in runs] for label, runs in result["reported"].items()}
+    ratios = {
+        "fused_k8_bs2_over_ceiling": (f"fused_k{k}_bs2", "ceiling_bs32"),
+        "fused_over_time_sliced_throughput_k8": (f"fused_k{k}_bs2", f"time_sliced_k{k}_bs2"),
+        "fused_over_time_sliced_at_saturation": ("fused_k4_bs16", "time_sliced_k4_bs16"),
+        "fused_over_time_sliced_k2_bs32": ("fused_k2_bs32", "time_sliced_k2_bs32"),
+        "dpo_fused_over_time_sliced_k8": (f"dpo_fused_k{k}_bs2", f"dpo_time_sliced_k{k}_bs2"),
+    }
+    for key, (ours, theirs) in ratios.items():
+        if ours in tps and theirs in tps:
+            result[key] = tps[ours] / tps[theirs]
+    # The same trials on both engines report per-chunk eval losses that differ by bf16 rounding only.
+    diffs = result.setdefault("per_chunk_values_max_relative_difference", {})
+    for name in (f"k{k}_bs2", "k4_bs16", "k2_bs32", f"dpo_k{k}_bs2"):
+        sliced, fused = f"time_sliced_{name}", f"fused_{name}"
+        if name.startswith("dpo"):
+            sliced, fused = f"dpo_time_sliced_{name[4:]}", f"dpo_fused_{name[4:]}"
+        if sliced in reported and fused in reported:
+            diffs[name] = _max_relative_difference(reported[sliced], reported[fused])
 
 
 def _max_relative_difference(a: list[dict[int, float]], b: list[dict[int, float]]) -> float | None:
@@ -986,6 +853,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--smoke", action="store_true", help="tiny model and sizes: a CPU dry run of the harness")
     parser.add_argument("--profile", action="store_true", help="fused part: also profile one fused study")
+    parser.add_argument(
+        "--fused-runs", default="", help="fused part: only these runs (comma-separated), merged into --out/fused.json"
+    )
     options = parser.parse_args(argv)
     if options.rebuild:
         rebuild(Path(options.out))
