@@ -464,7 +464,8 @@ class Bench:
             kept = json.loads(earlier.read_text())
             result["runs"] = kept.get("runs", {})
             reported = kept.get("reported", {})
-            result["per_chunk_values_max_relative_difference"] = kept.get("per_chunk_values_max_relative_difference", {})
+            key = "per_chunk_values_max_relative_difference"
+            result[key] = kept.get(key, {})
         for label, engine, trials, batch, examples in configs:
             dpo = label.startswith("dpo")
             configure = configure_dpo(batch) if dpo else configure_from_params(batch)
