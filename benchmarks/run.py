@@ -509,7 +509,9 @@ class Bench:
 def _fused_ratios(result: dict[str, Any], k: int) -> None:
     """The fused part's ratios, from whichever of its runs ``result`` holds."""
     tps = {label: run["tokens_per_second"] for label, run in result["runs"].items()}
-    reported = {label: [{int(s): v for s, v in t.items()} for t in runs] for label, runs in result["reported"].items()}
+    reported = {
+        label: [{int(s): v for s, v in t.items()} for t in runs] for label, runs in result.get("reported", {}).items()
+    }
     ratios = {
         "fused_k8_bs2_over_ceiling": (f"fused_k{k}_bs2", "ceiling_bs32"),
         "fused_over_time_sliced_throughput_k8": (f"fused_k{k}_bs2", f"time_sliced_k{k}_bs2"),
@@ -610,10 +612,18 @@ def rebuild(out: Path) -> None:
         summary["time_to_best_speedup_vs_sequential"] = largest["speedup_vs_sequential"]
         summary["time_to_best_speedup_vs_sequential_pruned"] = largest["speedup_vs_sequential_pruned"]
     fused = parts["fused"]
-    if fused and "fused_k8_bs2_over_ceiling" in fused:
-        summary["fused_k8_bs2_over_ceiling"] = fused["fused_k8_bs2_over_ceiling"]
-        summary["fused_over_time_sliced_throughput_k8"] = fused["fused_over_time_sliced_throughput_k8"]
-        summary["fused_over_time_sliced_at_saturation"] = fused["fused_over_time_sliced_at_saturation"]
+    if fused:
+        k = 8 if "fused_k8_bs2" in fused["runs"] else 3  # --smoke runs gangs of 3
+        _fused_ratios(fused, k)  # from the runs the part finished
+        for key in (
+            "fused_k8_bs2_over_ceiling",
+            "fused_over_time_sliced_throughput_k8",
+            "fused_over_time_sliced_at_saturation",
+            "fused_over_time_sliced_k2_bs32",
+            "dpo_fused_over_time_sliced_k8",
+        ):
+            if key in fused:
+                summary[key] = fused[key]
     multi = parts["multi_gpu"]
     if multi:
         summary["two_gpu_over_one_gpu_throughput"] = multi["two_gpu_over_one_gpu_throughput"]
@@ -702,6 +712,7 @@ def _markdown(out: Path) -> str:
             )
     data = load("fused")
     if data:
+        _fused_ratios(data, 8 if "fused_k8_bs2" in data["runs"] else 3)
         lines += [
             "",
             f"## Fused engine ({data['model']}, LoRA r16, 512-token rows, real studies through the executor)",
@@ -714,22 +725,21 @@ def _markdown(out: Path) -> str:
                 f"| {label} | {run['engine']} | {run['trials']} x {run['batch']} | {run['tokens_per_second']:.0f} | "
                 f"{run['wall_seconds']:.1f} | {run['peak_memory_gb']:.2f} |"
             )
+        ratios = {
+            "fused K=8 batch 2 / ceiling": "fused_k8_bs2_over_ceiling",
+            "fused / time-sliced at K=8 batch 2": "fused_over_time_sliced_throughput_k8",
+            "at K=4 batch 16 (saturation)": "fused_over_time_sliced_at_saturation",
+            "at K=2 batch 32": "fused_over_time_sliced_k2_bs32",
+            "DPO fused / time-sliced at K=8 batch 2": "dpo_fused_over_time_sliced_k8",
+        }
+        said = [f"{text}: {data[key]:.3f}" for text, key in ratios.items() if key in data]
         diffs = data.get("per_chunk_values_max_relative_difference", {})
-        lines += (
-            []
-            if "fused_k8_bs2_over_ceiling" not in data
-            else [
-                "",
-                f"fused K=8 batch 2 / ceiling: {data['fused_k8_bs2_over_ceiling']:.3f}; fused / time-sliced at K=8 "
-                f"batch 2: {data['fused_over_time_sliced_throughput_k8']:.2f}; at K=4 batch 16 (saturation): "
-                f"{data['fused_over_time_sliced_at_saturation']:.3f}; at K=2 batch 32: "
-                f"{data.get('fused_over_time_sliced_k2_bs32', float('nan')):.3f}; DPO at K=8 batch 2: "
-                f"{data.get('dpo_fused_over_time_sliced_k8', float('nan')):.2f}. Largest relative difference of the "
-                f"per-chunk eval losses the same trials reported on the two engines (bf16): "
-                + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items() if v is not None)
-                + ".",
-            ]
-        )
+        lines += ["", "; ".join(said) + "."] if said else []
+        if diffs:
+            lines.append(
+                "Largest relative difference of the per-chunk eval losses the same trials reported on the two "
+                "engines (bf16): " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items() if v is not None) + "."
+            )
     data = load("fused_bf16")
     if data:
         lines += [

@@ -320,33 +320,19 @@ class FusedEngine(TimeSlicedEngine):
         """One forward/backward of a laid-out pass; each member's loss, detached.
 
         The losses need no host synchronisation: the label positions were found on the host when the chunk
-        was collated, and the per-member sums come from one ``index_add_``. The output layer and the loss
-        run over :data:`HEAD_TOKENS` loss tokens at a time, each block's backward right after it, so the
-        float32 logits of the whole pass (tokens x vocabulary) never exist at once; the backbone then
-        backpropagates the gathered gradient once.
+        was collated, and the per-member sums come from one ``index_add_``.
         """
         if shared.row_pairs is not None:
             return self._preference_pass(first, shared, backbone, head)
-        count = int(shared.where.shape[1])
         # The gang's layers stay in place through the backward pass too: activation checkpointing
         # recomputes forwards there. Mixed precision covers the forward pass and the losses only.
         with fused_forward(self.resident.module, shared.gang, shared.layers):
             with first.spec.kind.autocast(first.args, self.device):
-                picked = self._loss_hidden(shared, backbone)
-            cut = picked.detach().requires_grad_(picked.requires_grad)
-            member_losses = torch.zeros(len(shared.group), device=self.device)
-            for start in range(0, count, HEAD_TOKENS):
-                block = slice(start, min(start + HEAD_TOKENS, count))
-                with first.spec.kind.autocast(first.args, self.device):
-                    nll = F.cross_entropy(head(cut[block]).float(), shared.where[2, block], reduction="none")
-                    sums = nll.new_zeros(len(shared.group)).index_add_(0, shared.where[1, block], nll)
-                    losses = sums * shared.scales
-                if cut.requires_grad:
-                    losses.sum().backward()
-                member_losses += losses.detach()
-            if cut.requires_grad and cut.grad is not None:
-                picked.backward(cut.grad)
-        return list(member_losses.unbind())
+                nll = self._token_nll(shared, backbone, head)
+                sums = nll.new_zeros(len(shared.group)).index_add_(0, shared.where[1], nll)
+                member_losses = sums * shared.scales
+            member_losses.sum().backward()
+        return list(member_losses.detach().unbind())
 
     def _loss_hidden(self, shared: _Pass, backbone: torch.nn.Module) -> torch.Tensor:
         """The backbone's last hidden state at every loss token's position (the one predicting it)."""
@@ -499,10 +485,6 @@ def _dpo_refusal(trainer: Any) -> str | None:
         return "adds a router auxiliary loss"
     return None
 
-
-HEAD_TOKENS = 4096
-"""Loss tokens per block of the output layer and loss in an SFT pass: float32 logits of 4096 x 128k
-vocabulary take 2 GB, where a whole 16k-token pass would take 8 GB (and twice that for the loss)."""
 
 PASS_TOKENS = 16_384
 """The most tokens (rows x padded length) one shared pass takes: 32 rows of 512, where one adapter's pass
