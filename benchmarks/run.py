@@ -846,7 +846,7 @@ def _plots(out: Path) -> None:
         axes[2].bar(labels, [r["tokens_per_second"] for r in fused_runs.values()], color=colors)
         axes[2].set_ylabel("training tokens / s")
         axes[2].tick_params(axis="x", labelrotation=30)
-        axes[2].set_title("Fused engine (orange) vs time-sliced (blue), ceiling (gray)")
+        axes[2].set_title("Fused (orange), time-sliced (blue), ceiling (gray)", fontsize=10)
     figure.tight_layout()
     figure.savefig(out / "performance.png", dpi=120)
 
