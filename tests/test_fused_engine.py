@@ -173,21 +173,26 @@ def _configure_equal(trial: optuna.Trial):
     return lora(r=4, lora_dropout=0.0, target_modules=MODULES["qkvo"]), args
 
 
-def test_equal_adapters_on_packed_rows_report_the_time_sliced_values(make_executor) -> None:
+def _engines_agree(make_executor, objective, params: list[dict], **executor_kwargs) -> None:
+    """The same enqueued trials on both engines: every trial completes and reports the same values."""
     values = {}
     for engine in ("time_sliced", "fused"):
-        executor = make_executor(engine=engine, num_chunks=2, max_concurrent_trials=3)
+        executor = make_executor(engine=engine, num_chunks=2, max_concurrent_trials=len(params), **executor_kwargs)
         study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-        for lr in (1e-4, 1e-3, 3e-3):
-            study.enqueue_trial({"lr": lr})
-        executor.optimize(study, _configure_equal, n_trials=3)
-        assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+        for trial_params in params:
+            study.enqueue_trial(trial_params)
+        executor.optimize(study, objective, n_trials=len(params))
+        assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * len(params)
         values[engine] = [dict(t.intermediate_values) for t in study.trials]
-    assert executor._engine.fused_steps > 0
+    assert executor._engine.fused_steps > 0  # the gang really shared passes
     for a, b in zip(values["time_sliced"], values["fused"], strict=True):
         assert a.keys() == b.keys() and a
         for step in a:
             assert b[step] == pytest.approx(a[step], rel=1e-5)
+
+
+def test_equal_adapters_on_packed_rows_report_the_time_sliced_values(make_executor) -> None:
+    _engines_agree(make_executor, _configure_equal, [{"lr": lr} for lr in (1e-4, 1e-3, 3e-3)])
 
 
 def test_a_fused_dpo_study_reports_the_time_sliced_values(make_executor, caplog) -> None:
@@ -196,8 +201,6 @@ def test_a_fused_dpo_study_reports_the_time_sliced_values(make_executor, caplog)
 
     from optuna_rapidfire.demo import load_gsm8k
 
-    train = load_gsm8k("train", num_rows=24, format="preference")
-    evaluation = load_gsm8k("test", num_rows=4, format="preference")
     configs = [
         (lora(r=4, lora_dropout=0.0), dpo_args(beta=0.1, learning_rate=1e-2, max_grad_norm=1.0, seed=3)),
         (
@@ -206,22 +209,15 @@ def test_a_fused_dpo_study_reports_the_time_sliced_values(make_executor, caplog)
         ),
         (lora(r=2, lora_dropout=0.1), dpo_args(beta=0.2, learning_rate=2e-2, per_device_train_batch_size=1)),
     ]
-    values = {}
-    for engine in ("time_sliced", "fused"):
-        executor = make_executor(
-            engine=engine, train_dataset=train, eval_dataset=evaluation, num_chunks=2, max_concurrent_trials=3
+    with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+        _engines_agree(
+            make_executor,
+            lambda t: configs[t.number],
+            [{}] * len(configs),
+            train_dataset=load_gsm8k("train", num_rows=24, format="preference"),
+            eval_dataset=load_gsm8k("test", num_rows=4, format="preference"),
         )
-        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-        with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
-            executor.optimize(study, lambda t: configs[t.number], n_trials=3)
-        assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
-        values[engine] = [dict(t.intermediate_values) for t in study.trials]
-    assert executor._engine.fused_steps > 0
     assert "not fused" not in caplog.text
-    for a, b in zip(values["time_sliced"], values["fused"], strict=True):
-        assert a.keys() == b.keys() and a
-        for step in a:
-            assert b[step] == pytest.approx(a[step], rel=1e-5)
 
 
 def test_dpo_losses_the_fused_pass_does_not_compute_train_time_sliced_and_say_why(make_executor, caplog) -> None:
