@@ -4,18 +4,20 @@ Everything but training is the time-sliced engine's (building, clones, checkpoin
 A *gang* is the set of live trials the scheduler hands over together: those ready at the least progress.
 Each fused step takes the next micro-batch of every gang member that has one left in the chunk, pads them
 to one length, runs the frozen backbone once with every adapter on its own rows
-(:mod:`optuna_rapidfire._engines._fused`), and computes each trial's loss as TRL's SFT loss does
-(per-token log-probabilities of the shifted labels, summed and divided by the tokens of the trial's own
-accumulated batch). After its own ``gradient_accumulation_steps`` micro-batches a trial clips its
+(:mod:`optuna_rapidfire._engines._fused`), and computes each trial's loss as TRL does: SFT, the shifted
+labels' negative log-probabilities summed and divided by the tokens of the trial's own accumulated batch;
+DPO, the sigmoid loss of each pair's log-ratio margin against a reference pass of the whole gang with the
+adapters off, with the trial's own beta. After its own ``gradient_accumulation_steps`` micro-batches a trial clips its
 gradients to its own ``max_grad_norm`` and steps its own optimizer and LR schedule. Trials whose chunk
 holds fewer micro-batches leave the later steps.
 
 Adapter dropout masks come from each trial's own generator (seeded from its ``seed``, saved with its
 state and checkpoints) and are drawn for the trial's own sequence length, so a trial gets the same masks
 alone or in any gang; a lone trial trains through the same fused path for that reason. Only gangs that
-can share a pass are fused: SFT trials with the same precision and activation checkpointing, no LoRA
-variant (DoRA), no padding-free packing, no custom loss; any other gang trains time-sliced (with PEFT's
-dropout from the global RNG), and the engine says why once.
+can share a pass are fused: SFT or DPO trials (not mixed) with the same precision and activation
+checkpointing, no LoRA variant (DoRA), no padding-free packing, TRL's default loss, no custom loss or
+metrics; any other gang trains time-sliced (with PEFT's dropout from the global RNG), and the engine says
+why once. A shared pass that fails before any member stepped is retried one member at a time.
 """
 
 from __future__ import annotations
