@@ -175,14 +175,20 @@ def slow_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
     def apply(seconds: float) -> None:
         import time
 
+        from optuna_rapidfire._engines._fused_engine import FusedEngine
         from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 
-        original = TimeSlicedEngine.run_chunk
+        original, original_gang = TimeSlicedEngine.run_chunk, FusedEngine.run_gang
 
         def slow(self: TimeSlicedEngine, runtime: Any) -> Any:
             time.sleep(seconds)
             return original(self, runtime)
 
+        def slow_gang(self: FusedEngine, runtimes: Any) -> Any:
+            time.sleep(seconds)
+            return original_gang(self, runtimes)
+
         monkeypatch.setattr(TimeSlicedEngine, "run_chunk", slow)
+        monkeypatch.setattr(FusedEngine, "run_gang", slow_gang)
 
     return apply

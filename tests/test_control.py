@@ -96,8 +96,9 @@ def test_a_command_waits_for_the_chunk_in_progress(make_executor, monkeypatch) -
     assert study.trials[0].state == TrialState.COMPLETE
 
 
-def test_delete_ends_the_trial_as_fail_and_frees_its_state(make_executor) -> None:
-    executor = make_executor(num_chunks=4, max_concurrent_trials=2)
+@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+def test_delete_ends_the_trial_as_fail_and_frees_its_state(make_executor, engine) -> None:
+    executor = make_executor(num_chunks=4, max_concurrent_trials=2, engine=engine)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     run = Background(lambda: executor.optimize(study, by_number(CONFIGS[:3]), n_trials=3))
     wait_until(lambda: 0 in study.trials[1].intermediate_values, what="trial 1's first report")
@@ -200,10 +201,13 @@ def test_concurrent_commands_are_applied_exactly_once(make_executor, slow_chunks
     assert study.trials[0].state == TrialState.COMPLETE
 
 
-def test_fail_trial_from_outside_ends_it_cleanly_and_the_study_goes_on(make_executor, slow_chunks, tmp_path) -> None:
+@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+def test_fail_trial_from_outside_ends_it_cleanly_and_the_study_goes_on(
+    make_executor, slow_chunks, tmp_path, engine
+) -> None:
     slow_chunks(0.05)
     url = f"sqlite:///{tmp_path / 'rf.db'}"
-    executor = make_executor(num_chunks=5, max_concurrent_trials=3)
+    executor = make_executor(num_chunks=5, max_concurrent_trials=3, engine=engine)
     study = optuna.create_study(storage=url, study_name="fail", pruner=optuna.pruners.NopPruner())
     run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=4))
     wait_until(lambda: 0 in study.trials[1].intermediate_values, what="trial 1's first report")
