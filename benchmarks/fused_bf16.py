@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 
 from benchmarks.run import SHAPES, machine
 from optuna_rapidfire._engines._fused import Gang, fused_forward, segment_losses
+from optuna_rapidfire._model import ResidentModel
 
 ADAPTERS: dict[str, tuple[dict[str, Any], int]] = {
     "t0": ({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}, 2),
@@ -47,16 +48,12 @@ def main() -> None:
     torch.manual_seed(0)
     with device:
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=2048)).to(torch.bfloat16)
-    model.requires_grad_(False)
-    peft: Any = None
+    resident = ResidentModel(model, tokenizer=None, device=device)  # type: ignore[arg-type]
     for seed, (name, (settings, _)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed)
-        config = LoraConfig(init_lora_weights=False, **settings)  # non-zero B: every update matters
-        peft = get_peft_model(model, config, adapter_name=name) if peft is None else peft
-        if name not in peft.peft_config:
-            peft.add_adapter(name, config)
-    for n, p in peft.named_parameters():
-        p.requires_grad_("lora_" in n)
+        # Non-zero B (init_lora_weights=False): every update matters.
+        resident.add_adapter(name, LoraConfig(init_lora_weights=False, **settings), seed)
+    resident.set_trainable(list(ADAPTERS), True)
+    peft: Any = resident.peft
     peft.train()
     generator = torch.Generator().manual_seed(0)
     vocab = SHAPES[shape]["vocab_size"]

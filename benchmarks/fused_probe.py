@@ -17,14 +17,17 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 
 from benchmarks.run import SHAPES, machine
 from optuna_rapidfire._engines._fused import Gang, fused_forward, segment_losses
+from optuna_rapidfire._model import ResidentModel
 
 K, BATCH, TOKENS, CEILING_BATCH = 8, 2, 512, 32
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def main() -> None:
@@ -42,20 +45,14 @@ def main() -> None:
     with device:
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=2048))
         model = model.to(torch.float32 if options.smoke else torch.bfloat16)
-    model.requires_grad_(False)
     names = [f"t{i}" for i in range(K)]
-    peft = None
-    for name in names:
-        config = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-        if peft is None:
-            peft = get_peft_model(model, config, adapter_name=name)
-        else:
-            peft.add_adapter(name, config)
-    assert peft is not None
-    for n, p in peft.named_parameters():
-        p.requires_grad_("lora_" in n)
+    resident = ResidentModel(model, tokenizer=None, device=device)  # type: ignore[arg-type]
+    for seed, name in enumerate(names):
+        resident.add_adapter(name, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS), seed)
+    resident.set_trainable(names, True)
+    peft: Any = resident.peft
     peft.train()
-    params = {name: [p for n, p in peft.named_parameters() if f".{name}." in n] for name in names}
+    params = {name: resident.adapter_params(name) for name in names}
     optimizers = {name: torch.optim.AdamW(params[name], lr=1e-4, foreach=True) for name in names}
     joint = torch.optim.AdamW([{"params": params[n], "lr": 1e-4 * (i + 1)} for i, n in enumerate(names)], foreach=True)
     vocab = SHAPES[shape]["vocab_size"]

@@ -10,7 +10,6 @@ then raises :class:`StorageUnavailableError`. Only connection-level errors are r
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any
 
@@ -83,7 +82,6 @@ class _Retrying:
     def __init__(self, inner: BaseStorage, retry_seconds: float) -> None:
         self._inner = inner
         self._retry_seconds = retry_seconds
-        self._outage_lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:  # plain attributes (``_backend``, ``url``...)
         return getattr(self._inner, name)

@@ -44,9 +44,12 @@ class FinishedElsewhere(Exception):
 
 def _fetch_parent(checkpoints: Checkpoints, study: optuna.Study, parent: int) -> TrialSnapshot:
     """The latest checkpoint of trial ``parent`` (for a warm clone of a trial that ran elsewhere)."""
-    trials = study._storage.get_all_trials(study._study_id, deepcopy=False)
-    match = next((t for t in trials if t.number == parent), None)
-    link = None if match is None else match.system_attrs.get(_attrs.CHECKPOINT)
+    storage = study._storage
+    try:
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, parent)
+    except KeyError:
+        trial_id = None
+    link = None if trial_id is None else storage.get_trial(trial_id).system_attrs.get(_attrs.CHECKPOINT)
     if link is None:
         raise CheckpointError(f"trial {parent} has no checkpoint in the artifact store")
     return checkpoints.load(study, link, {parent})

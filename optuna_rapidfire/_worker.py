@@ -19,7 +19,7 @@ from optuna_rapidfire._scheduler import Entry, Scheduler, Task
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from optuna_rapidfire._engines._base import Branch, Engine
+    from optuna_rapidfire._engines._base import Branch, ChunkResult, Engine
 
 _logger = get_logger(__name__)
 
@@ -118,22 +118,15 @@ class DeviceWorker(threading.Thread):
             self.scheduler.built(entry, runtime, chunks_done=done, finished=done >= total)
             entry.events.put(Built(total, branch))
         elif task is Task.TRAIN:
-            result = self.engine.run_chunk(entry.runtime)
-            if entry.spec.checkpoint:
-                result.snapshot = self.engine.snapshot(entry.runtime)
-            self.scheduler.chunk_done(entry)
-            entry.events.put(result)
+            self._deliver(entry, self.engine.run_chunk(entry.runtime))
         elif task is Task.TRAIN_GANG:
             gang: list[Entry] = entry  # type: ignore[assignment]
             results = self.engine.run_gang([e.runtime for e in gang])  # type: ignore[attr-defined]
             for member, result in zip(gang, results, strict=True):
                 if isinstance(result, BaseException):  # this member failed alone
                     self._fail(member, result)
-                    continue
-                if member.spec.checkpoint:
-                    result.snapshot = self.engine.snapshot(member.runtime)
-                self.scheduler.chunk_done(member)
-                member.events.put(result)
+                else:
+                    self._deliver(member, result)
         elif task is Task.PAUSE:
             self.engine.pause(entry.runtime)
             entry.events.put(Paused())
@@ -151,6 +144,13 @@ class DeviceWorker(threading.Thread):
                 self.engine.release(entry.runtime)
             self.scheduler.remove(entry)
             entry.events.put(Released())
+
+    def _deliver(self, entry: Entry, result: ChunkResult) -> None:
+        """Hand a trained chunk to the trial's driver (with its state as a checkpoint, when it has them)."""
+        if entry.spec.checkpoint:
+            result.snapshot = self.engine.snapshot(entry.runtime)
+        self.scheduler.chunk_done(entry)
+        entry.events.put(result)
 
     def _fail(self, entry: Entry, error: BaseException) -> None:
         text = "".join(traceback.format_exception(error))

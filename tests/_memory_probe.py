@@ -13,6 +13,7 @@ from pathlib import Path
 
 import optuna
 import torch
+from conftest import lora, sft_args
 from peft import LoraConfig
 from trl import SFTConfig
 
@@ -49,15 +50,14 @@ def main() -> None:
 
     def configure(trial: optuna.Trial) -> tuple[LoraConfig, SFTConfig]:
         lr = trial.suggest_float("learning_rate", 1e-4, 1e-2, log=True)
-        args = SFTConfig(
+        args = sft_args(
             learning_rate=lr,
             per_device_train_batch_size=1,
             num_train_epochs=0.25,
-            bf16=False,
             max_length=32,
-            gradient_checkpointing=False,
+            lr_scheduler_type="linear",
         )
-        return LoraConfig(r=8, target_modules=["q_proj", "v_proj"]), args
+        return lora(r=8, lora_alpha=8), args
 
     objective = executor.objective(configure)  # loads the base model
     engine = executor._engine

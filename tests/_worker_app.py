@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 import optuna
+from conftest import lora, sft_args
 from optuna.artifacts import FileSystemArtifactStore
 from peft import LoraConfig
 from trl import SFTConfig
@@ -22,18 +23,8 @@ LEARNING_RATES = [1e-3, 3e-3, 1e-2, 3e-2]
 
 def configure(trial: optuna.Trial) -> tuple[LoraConfig, SFTConfig]:
     lr = trial.suggest_categorical("learning_rate", LEARNING_RATES)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
-    args = SFTConfig(
-        learning_rate=lr,
-        per_device_train_batch_size=2,
-        num_train_epochs=1,
-        bf16=False,
-        max_length=128,
-        gradient_checkpointing=False,
-        lr_scheduler_type="cosine",
-        seed=7,
-    )
-    return lora, args
+    args = sft_args(learning_rate=lr, per_device_train_batch_size=2, lr_scheduler_type="cosine", seed=7)
+    return lora(r=4, lora_alpha=8, lora_dropout=0.1), args
 
 
 def executor(devices: str = "cpu", **overrides: Any) -> RapidFireExecutor:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 from optuna_rapidfire._engines._fused import Gang, clip_gang, fused_forward, layer_plans, segment_losses
+from optuna_rapidfire._model import ResidentModel
 
 # Mixed ranks, target modules, dropout and batch sizes, as trials of one study would have.
 ADAPTERS = {
@@ -23,23 +24,23 @@ ADAPTERS = {
 TOKENS = 12
 
 
+def _with_adapters(tiny_model: str, configs: dict[str, LoraConfig]) -> torch.nn.Module:
+    """The tiny model with these adapters (the i-th drawn from seed i), all trainable, in training mode."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    resident = ResidentModel(base, tokenizer=None, device=torch.device("cpu"))  # type: ignore[arg-type]
+    for seed, (name, config) in enumerate(configs.items()):
+        resident.add_adapter(name, config, seed)
+    resident.set_trainable(list(configs), True)
+    assert resident.peft is not None
+    resident.peft.train()
+    return resident.peft
+
+
 @pytest.fixture
 def model(tiny_model: str) -> torch.nn.Module:
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    base.requires_grad_(False)
-    peft_model = None
-    for seed, (name, (settings, _)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed)
-        config = LoraConfig(init_lora_weights=False, **settings)  # non-zero B: every update matters
-        if peft_model is None:
-            peft_model = get_peft_model(base, config, adapter_name=name)
-        else:
-            peft_model.add_adapter(name, config)
-    assert peft_model is not None
-    for param_name, param in peft_model.named_parameters():
-        param.requires_grad_("lora_" in param_name)
-    peft_model.train()
-    return peft_model
+    # Non-zero B (init_lora_weights=False): every update matters.
+    configs = {name: LoraConfig(init_lora_weights=False, **settings) for name, (settings, _) in ADAPTERS.items()}
+    return _with_adapters(tiny_model, configs)
 
 
 def _batches() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -91,22 +92,14 @@ def test_a_gang_gives_each_trial_its_own_loss_and_gradients(model: torch.nn.Modu
 
 def test_equal_adapters_take_the_batched_path_and_give_each_trial_its_own_gradients(tiny_model: str) -> None:
     """Same rank, targets and rows, no dropout: the rows reshape without copies and the update adds in place."""
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    base.requires_grad_(False)
     names = ["a", "b", "c"]
-    model = None
-    for seed, name in enumerate(names):
-        torch.manual_seed(seed)
-        config = LoraConfig(
-            r=4, lora_alpha=8 * (seed + 1), target_modules=["q_proj", "v_proj"], init_lora_weights=False
-        )
-        model = get_peft_model(base, config, adapter_name=name) if model is None else model
-        if name not in model.peft_config:
-            model.add_adapter(name, config)
-    assert model is not None
-    for param_name, param in model.named_parameters():
-        param.requires_grad_("lora_" in param_name)
-    model.train()
+    model = _with_adapters(
+        tiny_model,
+        {
+            name: LoraConfig(r=4, lora_alpha=8 * (i + 1), target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+            for i, name in enumerate(names)
+        },
+    )
     plans = layer_plans(model, Gang(names, [2, 2, 2], [None] * 3))
     assert plans and all(plan.uniform for _, plan in plans)
     ids = torch.randint(0, 1024, (6, TOKENS), generator=torch.Generator().manual_seed(1))

@@ -113,9 +113,10 @@ def test_a_killed_worker_s_trials_resume_on_another_worker_from_their_checkpoint
             assert by_number[victim.number].state == TrialState.FAIL
         retries = {t.system_attrs["failed_trial"]: t for t in trials if "failed_trial" in t.system_attrs}
         assert sorted(retries) == sorted(v.number for v in victims)
-        assert all(r.state == TrialState.COMPLETE for r in retries.values()), [
-            (t.number, t.state.name, t.system_attrs.get("retry_history"), t.user_attrs) for t in trials
-        ]
+        # On failure: each trial's state, why it failed or how it resumed, and the workers' logs.
+        told = (_attrs.FAIL_REASON, _attrs.RETRY_OF, _attrs.RESUMED_FROM_STEP, _attrs.RESUME_FAILED)
+        summary = [(t.number, t.state.name, {k: t.user_attrs[k] for k in told if k in t.user_attrs}) for t in trials]
+        assert all(r.state == TrialState.COMPLETE for r in retries.values()), f"{summary}\n{log[-6000:]}"
 
         # Every config completed exactly once: nothing lost, nothing trained twice.
         complete = [t for t in trials if t.state == TrialState.COMPLETE]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
 
 @dataclass
@@ -81,10 +81,9 @@ def layer_plans(model: torch.nn.Module, gang: Gang) -> list[tuple[Any, _LayerPla
     return plans
 
 
-@contextlib.contextmanager
 def fused_forward(
     model: torch.nn.Module, gang: Gang, plans: list[tuple[Any, _LayerPlan]] | None = None
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Within the context, ``model``'s LoRA layers apply ``gang``'s adapters row segment by row segment.
 
     ``plans``: :func:`layer_plans` of this model and gang, when the caller has them already.
@@ -93,24 +92,23 @@ def fused_forward(
         ValueError: If an adapter cannot be fused (a LoRA variant such as DoRA).
     """
     plans = layer_plans(model, gang) if plans is None else plans
-    try:
-        for layer, plan in plans:
-            layer.forward = types.MethodType(_bound_forward(gang, plan), layer)
-        yield
-    finally:
-        for layer, _ in plans:
-            layer.__dict__.pop("forward", None)
+    return _forwards(plans, lambda plan: _bound_forward(gang, plan))
 
 
-@contextlib.contextmanager
-def base_only(plans: list[tuple[Any, _LayerPlan]]) -> Iterator[None]:
+def base_only(plans: list[tuple[Any, _LayerPlan]]) -> contextlib.AbstractContextManager[None]:
     """Within the context, the planned LoRA layers compute their frozen base layer only (a reference model).
 
     Unlike PEFT's ``disable_adapter()``, this leaves which adapters are trainable untouched.
     """
+    return _forwards(plans, lambda plan: _base_forward)
+
+
+@contextlib.contextmanager
+def _forwards(plans: list[tuple[Any, _LayerPlan]], forward: Callable[[_LayerPlan], Any]) -> Iterator[None]:
+    """Within the context, each planned layer runs ``forward(plan)`` (bound to the layer) instead of its own."""
     try:
-        for layer, _ in plans:
-            layer.forward = types.MethodType(_base_forward, layer)
+        for layer, plan in plans:
+            layer.forward = types.MethodType(forward(plan), layer)
         yield
     finally:
         for layer, _ in plans:
@@ -153,7 +151,7 @@ class _LayerPlan:
 
 def _bound_forward(gang: Gang, plan: _LayerPlan) -> Any:
     def forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return fused_linear(layer, gang, x, *args, plan=plan, **kwargs)
+        return fused_linear(layer, gang, plan, x, *args, **kwargs)
 
     return forward
 
@@ -172,9 +170,7 @@ def _scales(values: list[float], dtype: torch.dtype, device: torch.device) -> to
     return tensor
 
 
-def fused_linear(
-    layer: Any, gang: Gang, x: torch.Tensor, *args: Any, plan: _LayerPlan | None = None, **kwargs: Any
-) -> torch.Tensor:
+def fused_linear(layer: Any, gang: Gang, plan: _LayerPlan, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The base layer on all rows, plus adapter i's update on segment i, in two batched matmuls.
 
     The second product adds onto the base output in place of a separate sum (``baddbmm``) when the dtypes
@@ -182,7 +178,6 @@ def fused_linear(
     is not cast to the adapters' dtype first (autocast casts it for the matmul, as it would PEFT's).
     """
     result = layer.base_layer(x, *args, **kwargs)
-    plan = plan or _LayerPlan.of(layer, gang)
     if not plan.present or layer.disable_adapters:
         return result
     if x.shape[0] != sum(gang.rows):

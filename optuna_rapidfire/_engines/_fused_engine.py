@@ -185,12 +185,7 @@ class FusedEngine(TimeSlicedEngine):
         device, resident = self.device, self.resident
         self._stepped = False
         plans = [self._plan(runtime) for runtime in runtimes]
-        # The whole gang is on the device while it trains: only trials outside it may be offloaded.
-        for runtime in runtimes:
-            if not runtime.state.resident:
-                runtime.state.onload(device)
-            runtime.last_used = time.monotonic()
-        self._fit_budget(keep=list(runtimes))
+        self._on_device(runtimes)  # the whole gang: only trials outside it may be offloaded
         first = runtimes[0]
         enabled, kwargs = first.spec.kind.checkpointing(first.args)
         resident.set_checkpointing(enabled, kwargs)
@@ -205,15 +200,15 @@ class FusedEngine(TimeSlicedEngine):
         head = resident.base.get_output_embeddings()
         losses: list[list[torch.Tensor]] = [[] for _ in runtimes]
         grad_norms: list[torch.Tensor | None] = [None for _ in runtimes]
-        longest = max(len(plan["micro"]) for plan in plans)
+        longest = max(len(plan.inputs) for plan in plans)
         generators = [self._dropout_generator(runtime) for runtime in runtimes]
         # Every pass of the chunk is laid out before the first runs, so the loop below only launches work:
         # no host-side preparation or synchronisation between one pass and the next.
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any] = {}
         schedule = []
         for index in range(longest):
-            members = [k for k, plan in enumerate(plans) if index < len(plan["micro"])]
-            tokens = [plans[k]["inputs"][index]["input_ids"].numel() for k in members]
+            members = [k for k, plan in enumerate(plans) if index < len(plan.inputs)]
+            tokens = [plans[k].inputs[index]["input_ids"].numel() for k in members]
             passes = [
                 self._lay_out(runtimes, plans, generators, group, index, layouts)
                 for group in _passes(members, tokens, self.pass_tokens)
@@ -224,9 +219,7 @@ class FusedEngine(TimeSlicedEngine):
                 for k, value in zip(shared.group, self._fused_pass(first, shared, backbone, head), strict=True):
                     losses[k].append(value)
             self.fused_steps += 1
-            ready = [
-                k for k in members if (index + 1) % plans[k]["accumulation"] == 0 or index + 1 == len(plans[k]["micro"])
-            ]
+            ready = [k for k in members if plans[k].steps_at(index)]
             if ready:
                 self._step(runtimes, ready, grad_norms)
         metrics = []
@@ -237,11 +230,11 @@ class FusedEngine(TimeSlicedEngine):
             state.dropout_rng = generators[k].get_state()
             plan = plans[k]
             per_step = [
-                torch.stack(losses[k][i : i + plan["accumulation"]]).sum()
-                for i in range(0, len(losses[k]), plan["accumulation"])
+                torch.stack(losses[k][i : i + plan.accumulation]).sum()
+                for i in range(0, len(losses[k]), plan.accumulation)
             ]
             trainer: Any = runtime.trainer
-            trainer._total_train_tokens = getattr(trainer, "_total_train_tokens", 0) + plan["tokens"]
+            trainer._total_train_tokens = getattr(trainer, "_total_train_tokens", 0) + plan.tokens
             values = {
                 "train_loss": torch.stack(per_step).mean().item(),
                 "train_learning_rate": float(state.lr_scheduler.get_last_lr()[0]),
@@ -256,21 +249,21 @@ class FusedEngine(TimeSlicedEngine):
     def _lay_out(
         self,
         runtimes: Sequence[TrialRuntime],
-        plans: list[dict[str, Any]],
+        plans: list[_ChunkPlan],
         generators: list[torch.Generator],
         group: list[int],
         index: int,
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any],
     ) -> _Pass:
         """The ``group``'s ``index``-th micro-batches as one pass: inputs, loss token positions, gang."""
-        batches = [plans[k]["inputs"][index] for k in group]
+        batches = [plans[k].inputs[index] for k in group]
         length = max(b["input_ids"].shape[1] for b in batches)
         input_ids = torch.cat(
             [_pad(b["input_ids"], length, _pad_id(runtimes[k])) for k, b in zip(group, batches, strict=True)]
         )
         attention = None  # no mask at all when nothing is masked: the model then needs no check of it
         padded = any(b["input_ids"].shape[1] < length for b in batches)
-        if padded or not all(plans[k]["unmasked"][index] for k in group):
+        if padded or not all(plans[k].unmasked[index] for k in group):
             attention = torch.cat(
                 [_pad(b.get("attention_mask", torch.ones_like(b["input_ids"])), length, 0) for b in batches]
             )
@@ -286,7 +279,7 @@ class FusedEngine(TimeSlicedEngine):
         members: list[torch.Tensor] = []  # DPO: each pair's member
         betas: list[float] = []
         for j, k in enumerate(group):
-            row, column, labels = plans[k]["targets"][index]
+            row, column, labels = plans[k].targets[index]
             flat.append((row + offset) * length + column)
             # SFT sums token losses per member; DPO sums token log-probabilities per row.
             segment.append(row + offset if preference else torch.full_like(row, j))
@@ -295,26 +288,16 @@ class FusedEngine(TimeSlicedEngine):
                 half = rows[j] // 2
                 pairs.append(len(betas) + torch.arange(rows[j]) % half)
                 members.append(torch.full((half,), j))
-                betas.extend([plans[k]["beta"]] * half)
+                betas.extend([plans[k].beta] * half)
             offset += rows[j]
         where = _to_device_async(torch.stack([torch.cat(flat), torch.cat(segment), torch.cat(target)]), self.device)
-        scales = torch.stack([plans[k]["scales"][index] for k in group])
+        scales = torch.stack([plans[k].scales[index] for k in group])
+        row_pairs = pair_members = None
         if preference:
             signs = torch.cat([torch.cat([torch.ones(r // 2), -torch.ones(r // 2)]) for r in rows])
-            layout = torch.stack([torch.cat(pairs).float(), signs])
-            pair_info = torch.stack([torch.cat(members).float(), torch.tensor(betas)])
-            return _Pass(
-                group,
-                gang,
-                layouts[key],
-                input_ids,
-                attention,
-                where,
-                scales,
-                _to_device_async(layout, self.device),
-                _to_device_async(pair_info, self.device),
-            )
-        return _Pass(group, gang, layouts[key], input_ids, attention, where, scales)
+            row_pairs = _to_device_async(torch.stack([torch.cat(pairs).float(), signs]), self.device)
+            pair_members = _to_device_async(torch.stack([torch.cat(members).float(), torch.tensor(betas)]), self.device)
+        return _Pass(group, gang, layouts[key], input_ids, attention, where, scales, row_pairs, pair_members)
 
     def _fused_pass(
         self, first: TrialRuntime, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module
@@ -383,12 +366,11 @@ class FusedEngine(TimeSlicedEngine):
             generator.set_state(runtime.state.dropout_rng)
         return generator
 
-    def _plan(self, runtime: TrialRuntime) -> dict[str, Any]:
-        """The trial's micro-batches of its next chunk, collated, and each accumulated step's token count."""
-        kind: Any = runtime.spec.kind  # an SFT kind (see refusal): it collates its own micro-batches
+    def _plan(self, runtime: TrialRuntime) -> _ChunkPlan:
+        """The trial's micro-batches of its next chunk, collated, with where their loss tokens are."""
+        kind: Any = runtime.spec.kind  # an SFT or DPO kind (see refusal): it collates its own micro-batches
         trainer, args = runtime.trainer, runtime.args
         dataset, micro = self._next_chunk(runtime)
-        accumulation = args.gradient_accumulation_steps
         collated = [kind.collate(trainer, rows_of(dataset, indices)) for indices in micro]
         preference = kind.name == "dpo"
         targets, unmasked = [], []
@@ -401,52 +383,38 @@ class FusedEngine(TimeSlicedEngine):
             targets.append((row, column, shifted[row, column]))
             unmasked.append("attention_mask" not in batch or bool(batch["attention_mask"].all()))
         inputs = [_to_device(batch, self.device) for batch in collated]
-        items, divisors = [], []
+        accumulation = args.gradient_accumulation_steps
+        scales: list[torch.Tensor] = []
         for first in range(0, len(inputs), accumulation):
-            group = inputs[first : first + accumulation]
-            count = trainer._get_num_items_in_batch(group, self.device)
-            items.extend([count] * len(group))
-            divisors.extend([accumulation_divisor(trainer, count, len(group))] * len(group))
-        if preference:
-            # DPO: a micro-batch's loss is the mean of its pairs' losses, divided by the accumulation steps.
-            scales = [
-                torch.full((), 1.0 / (len(b["input_ids"]) // 2 * divisor), device=self.device)
-                for b, divisor in zip(collated, divisors, strict=True)
-            ]
-        else:
-            # SFT: a micro-batch's loss is its summed token NLL times this: 1 / (tokens of the accumulated
-            # batch, at least 1 as in TRL (its own tokens when the trainer gives no count) x the divisor).
-            scales = [
-                1.0
-                / (
-                    torch.as_tensor(count if count is not None else len(target[0]), device=self.device)
-                    .float()
-                    .clamp(min=1)
-                    * divisor
-                )
-                for count, divisor, target in zip(items, divisors, targets, strict=True)
-            ]
-        tokens = sum(
-            int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in collated
+            group = slice(first, first + accumulation)
+            count = trainer._get_num_items_in_batch(inputs[group], self.device)
+            divisor = accumulation_divisor(trainer, count, len(inputs[group]))
+            for batch, target in zip(collated[group], targets[group], strict=True):
+                if preference:  # DPO: the mean of the micro-batch's pairs' losses, over the divisor
+                    scales.append(torch.full((), 1.0 / (len(batch["input_ids"]) // 2 * divisor), device=self.device))
+                    continue
+                # SFT: the summed token NLL over the tokens of the accumulated batch (at least 1, as TRL;
+                # the micro-batch's own tokens when the trainer gives no count) and the divisor.
+                tokens = torch.as_tensor(count if count is not None else len(target[0]), device=self.device)
+                scales.append(1.0 / (tokens.float().clamp(min=1) * divisor))
+        return _ChunkPlan(
+            inputs=inputs,
+            targets=targets,
+            unmasked=unmasked,
+            scales=scales,
+            accumulation=accumulation,
+            tokens=sum(
+                int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in collated
+            ),
+            beta=float(getattr(args, "beta", 0.0)),
         )
-        return {
-            "micro": micro,
-            "inputs": inputs,
-            "targets": targets,
-            "unmasked": unmasked,
-            "scales": scales,
-            "accumulation": accumulation,
-            "tokens": tokens,
-            "beta": float(getattr(args, "beta", 0.0)),
-        }
 
     def _step(self, runtimes: Sequence[TrialRuntime], ready: list[int], grad_norms: list[torch.Tensor | None]) -> None:
         self._stepped = True
-        for k in ready:  # a step whose micro-batches had no loss token: zero gradients, as a backward gives
-            for param in runtimes[k].state.params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-        grads = [[p.grad for p in runtimes[k].state.params if p.grad is not None] for k in ready]
+        grads = []
+        for k in ready:  # a step whose micro-batches had no loss token gets zero gradients, as a backward would
+            params = runtimes[k].state.params
+            grads.append([p.grad if p.grad is not None else _zero_grad(p) for p in params])
         norms = clip_gang(grads, [runtimes[k].args.max_grad_norm for k in ready])
         for k, norm in zip(ready, norms, strict=True):
             runtime = runtimes[k]
@@ -454,6 +422,25 @@ class FusedEngine(TimeSlicedEngine):
                 grad_norms[k] = norm
             runtime.state.optimizer.step()
             self._after_optimizer_step(runtime)
+
+
+@dataclass
+class _ChunkPlan:
+    """One trial's chunk in a gang: its micro-batches (on the device), each one's loss tokens (row,
+    column, label; on the host), whether nothing in it is masked, and its loss scale; the trial's
+    accumulation steps, trained tokens and DPO beta."""
+
+    inputs: list[dict[str, Any]]
+    targets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    unmasked: list[bool]
+    scales: list[torch.Tensor]
+    accumulation: int
+    tokens: int
+    beta: float
+
+    def steps_at(self, index: int) -> bool:
+        """Whether the trial steps its optimizer after its ``index``-th micro-batch."""
+        return (index + 1) % self.accumulation == 0 or index + 1 == len(self.inputs)
 
 
 @dataclass
@@ -513,6 +500,11 @@ def _to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _zero_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    param.grad = torch.zeros_like(param)
+    return param.grad
 
 
 def _pad_id(runtime: TrialRuntime) -> int:

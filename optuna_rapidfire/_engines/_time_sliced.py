@@ -22,7 +22,7 @@ from optuna_rapidfire._snapshot import TrialSnapshot
 from optuna_rapidfire._state import Position, RngState, TrialState
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    from collections.abc import Hashable, Sequence
 
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
@@ -135,7 +135,7 @@ class TimeSlicedEngine(Engine):
         if spec.clone_of is not None:
             runtime.branch = self._branch_from(runtime, spec.clone_of, parent)
         self._runtimes.append(runtime)
-        self._fit_budget(keep=runtime)
+        self._fit_budget(keep=[runtime])
         return runtime
 
     # -- clones and snapshots --------------------------------------------------------------------
@@ -270,17 +270,16 @@ class TimeSlicedEngine(Engine):
 
     # -- memory ----------------------------------------------------------------------------------
 
-    def _fit_budget(self, keep: TrialRuntime | list[TrialRuntime]) -> None:
+    def _fit_budget(self, keep: Sequence[TrialRuntime]) -> None:
         """Offload least recently used idle trials (never those in ``keep``) until the state fits the budget."""
         if self.state_budget is None:
             return
-        kept = keep if isinstance(keep, list) else [keep]
         resident = [r for r in self._runtimes if r.state.resident]
         used = sum(r.state.nbytes() for r in resident)
         for victim in sorted(resident, key=lambda r: r.last_used):
             if used <= self.state_budget:
                 break
-            if any(victim is k for k in kept):
+            if any(victim is k for k in keep):
                 continue
             used -= victim.state.nbytes()
             victim.state.offload(self.device)
@@ -295,9 +294,7 @@ class TimeSlicedEngine(Engine):
     def _switch_to(self, runtime: TrialRuntime) -> None:
         start = time.perf_counter()
         state = runtime.state
-        if not state.resident:
-            state.onload(self.device)
-        self._fit_budget(keep=runtime)
+        self._on_device([runtime])
         self._use(runtime)
         enabled, kwargs = runtime.spec.kind.checkpointing(runtime.args)
         self.resident.set_checkpointing(enabled, kwargs)
@@ -306,7 +303,14 @@ class TimeSlicedEngine(Engine):
             self.switches += 1
             self._current = runtime
             self.switch_seconds.append(time.perf_counter() - start)
-        runtime.last_used = time.monotonic()
+
+    def _on_device(self, runtimes: Sequence[TrialRuntime]) -> None:
+        """Bring the trials' states onto the device (marked just used) and offload others to fit the budget."""
+        for runtime in runtimes:
+            if not runtime.state.resident:
+                runtime.state.onload(self.device)
+            runtime.last_used = time.monotonic()
+        self._fit_budget(keep=runtimes)
 
     def _use(self, runtime: TrialRuntime) -> None:
         """Route the model's forward passes through the trial: its adapter, its TRL head, its dropout."""
