@@ -24,6 +24,7 @@ from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, TrialS
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._pruning import prune_decision, resolve_auto_resources
 from optuna_rapidfire._scheduler import Entry, Phase
+from optuna_rapidfire._trainers._base import ACCELERATE_STATE
 from optuna_rapidfire._worker import Built, Failed, Paused, Released, Saved
 
 if TYPE_CHECKING:
@@ -107,7 +108,8 @@ class TrialDriver:
     def _spec(self) -> TrialSpec:
         ex = self.ex
         try:
-            peft_config, args, kind = ex._checked_config(self.configure(self.trial), self.study)
+            with ACCELERATE_STATE:  # making TrainingArguments must not clear a trainer being built
+                peft_config, args, kind = ex._checked_config(self.configure(self.trial), self.study)
         except (TypeError, ValueError) as error:
             # A config no trial can use: stop the study rather than fail trial after trial.
             ex._call_error = ex._call_error or error

@@ -126,3 +126,36 @@ def test_study_optimize_with_objective_interleaves_the_same_way(make_executor, c
 
     assert _rounds(chunk_log) == [0, 0, 0, 1, 1, 1]
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+
+
+def test_training_arguments_made_in_another_thread_wait_until_a_trainer_being_built_is_isolated(
+    make_executor, monkeypatch
+) -> None:
+    """Every new TrainingArguments clears accelerate's shared state; a trial thread's configure(trial) in
+    the middle of another trial's trainer construction made SFTTrainer fail on its accelerator state."""
+    import threading
+
+    import accelerate
+
+    from optuna_rapidfire._trainers._base import ACCELERATE_STATE
+
+    original = accelerate.Accelerator.__init__
+    waited: list[bool] = []
+
+    def init_then_configure_elsewhere(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+
+        def configure_elsewhere() -> None:  # what a trial thread does when it runs configure(trial)
+            with ACCELERATE_STATE:
+                sft_args()
+
+        other = threading.Thread(target=configure_elsewhere)
+        other.start()
+        other.join(timeout=0.5)
+        waited.append(other.is_alive())  # still waiting: the build holds the state
+
+    monkeypatch.setattr(accelerate.Accelerator, "__init__", init_then_configure_elsewhere)
+    study = optuna.create_study()
+    make_executor(num_chunks=2, max_concurrent_trials=1).optimize(study, by_number([(lora(), sft_args())]), n_trials=1)
+    assert study.trials[0].state == optuna.trial.TrialState.COMPLETE
+    assert waited and all(waited)

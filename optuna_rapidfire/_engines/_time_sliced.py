@@ -20,6 +20,7 @@ from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, Engine, TrialSpec
 from optuna_rapidfire._snapshot import TrialSnapshot
 from optuna_rapidfire._state import Position, RngState, TrialState
+from optuna_rapidfire._trainers._base import ACCELERATE_STATE
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Sequence
@@ -95,15 +96,18 @@ class TimeSlicedEngine(Engine):
         parent = "" if spec.clone_of is None else self._parent_snapshot(spec)
         kind = spec.kind
         name = f"trial_{spec.number}"
-        args = kind.effective_args(spec.args, os.path.join(self.output_dir, name), self.device)
+        with ACCELERATE_STATE:
+            args = kind.effective_args(spec.args, os.path.join(self.output_dir, name), self.device)
         params = self.resident.add_adapter(name, spec.peft_config, seed=args.seed)
         try:
             if not params:
                 raise ValueError(f"The adapter config of trial {spec.number} creates no trainable parameters.")
             sample = self.data.train.select(self.data.plan.rows(0)[:1].tolist())
-            with self.resident.building(name) as trainer_forward:
+            # No other thread may make TrainingArguments (clearing accelerate's shared state) until the
+            # trainer has its own copy of that state.
+            with ACCELERATE_STATE, self.resident.building(name) as trainer_forward:
                 trainer = kind.build_trainer(self.resident, args, sample, self.extras)
-            kind.isolate(trainer)
+                kind.isolate(trainer)
             key = kind.data_key(args)
             sizes = self.data.chunk_sizes(key, lambda ds, split: kind.prepare(trainer, ds, split))
             steps_per_chunk = self._steps_per_chunk(spec.number, args, kind, sizes)

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -26,6 +27,13 @@ if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
 
     from optuna_rapidfire._model import ResidentModel
+
+
+ACCELERATE_STATE = threading.RLock()
+"""Held while ``TrainingArguments`` are made (``configure(trial)`` in a trial thread, a trial's effective
+args) and while a trainer is built, until :meth:`TrainerKind.isolate` has given it its own copy of
+accelerate's state: every new ``TrainingArguments`` clears accelerate's process-wide state, which a trainer
+under construction reads (``SFTTrainer`` reads ``accelerator.parallelism_config``)."""
 
 
 @dataclass(frozen=True)
