@@ -56,7 +56,7 @@ class PostgresServer:
             check=True,
             capture_output=True,
         )
-        self.url = f"postgresql+psycopg2://rapidfire@127.0.0.1:{self.port}/postgres"
+        self.url = f"postgresql://rapidfire@127.0.0.1:{self.port}/postgres"
 
     def start(self) -> None:
         options = f"-p {self.port} -k {self.workdir} -c listen_addresses=127.0.0.1 -c fsync=off"
