@@ -1,18 +1,21 @@
-"""``optuna-rapidfire``: list trials and stop, resume, delete or clone them, from any machine.
+"""optuna-rapidfire: list trials and stop, resume, delete or clone them, from any machine.
 
-    optuna-rapidfire ls     --storage sqlite:///rf.db --study-name demo
-    optuna-rapidfire stop   --storage sqlite:///rf.db --study-name demo 3
-    optuna-rapidfire resume --storage sqlite:///rf.db --study-name demo 3
-    optuna-rapidfire delete --storage sqlite:///rf.db --study-name demo 7 --reason diverged
-    optuna-rapidfire clone  --storage sqlite:///rf.db --study-name demo 5 --set learning_rate=1e-4 [--cold]
-    optuna-rapidfire worker --storage postgresql://... --study-name demo --app mymodule:app --study-trials 64
+  optuna-rapidfire ls     --storage sqlite:///rf.db --study-name demo
+  optuna-rapidfire stop   --storage sqlite:///rf.db --study-name demo 3
+  optuna-rapidfire resume --storage sqlite:///rf.db --study-name demo 3
+  optuna-rapidfire delete --storage sqlite:///rf.db --study-name demo 7 --reason diverged
+  optuna-rapidfire clone  --storage sqlite:///rf.db --study-name demo 5 --set learning_rate=1e-4 [--cold]
+  optuna-rapidfire worker --storage postgresql://user:pw@db/optuna --study-name demo --app tuning:app --study-trials 64
 
-Commands go through the study's storage and take effect before the trial's next chunk starts. A worker
-joins a study from any machine: ``app`` is a function of the user's module, called as
-``app(devices=...)``, that returns ``(executor, configure)`` or ``(executor, configure, study_kwargs)``
-(``sampler=``, ``pruner=`` for ``optuna.load_study``). Workers record heartbeats; the trials of a worker
-that dies are retried on a live one from their last per-chunk checkpoint.
+Every command works on a study that already exists (made with optuna create-study or in Python): none
+creates a database, its tables or a study. Commands go through the study's storage and take effect before
+the trial's next chunk starts. A worker joins a study from any machine: --app names a function of your
+module, called as app(devices=...), that returns (executor, configure) or (executor, configure,
+study_kwargs), the last with sampler= and pruner= for optuna.load_study. Workers record heartbeats; the
+trials of a worker that dies are retried on a live one from their last per-chunk checkpoint.
 """
+
+# The docstring above is the text of --help, so it is plain text, not reST.
 
 from __future__ import annotations
 
@@ -23,18 +26,39 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from optuna_rapidfire import _attrs, control
+from optuna_rapidfire._storages import hide_password
 
 if TYPE_CHECKING:
     import optuna
+    from sqlalchemy.engine import URL
+
+_RDB_BACKENDS = {"sqlite", "postgresql", "mysql", "oracle", "mssql"}
+_DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "oracle": 1521, "mssql": 1433}
+# A server that drops packets would otherwise keep the command waiting for the operating system's timeout.
+_CONNECT_TIMEOUT_S = 10
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("optuna-rapidfire")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="optuna-rapidfire", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="optuna-rapidfire", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help_text: str, with_trial: bool = True) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("--storage", required=True, help="the study's storage URL (sqlite:///..., postgresql://...)")
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument(
+            "--storage", required=True, help="the study's storage URL (sqlite:///rf.db, postgresql://user:pw@host/db)"
+        )
         sub.add_argument("--study-name", required=True)
         if with_trial:
             sub.add_argument("trial", type=int, help="trial number")
@@ -78,6 +102,105 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
     return params
 
 
+# -- opening a study that exists ---------------------------------------------------------------------
+
+
+def _unreachable(url: str, error: Exception) -> str:
+    """One line saying which server (or file) could not be reached and why, without the password."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    lines = str(getattr(error, "orig", None) or error).strip().splitlines()  # the driver's words, no SQL
+    reason = lines[0] if lines else type(error).__name__
+    if parsed.password:
+        reason = reason.replace(str(parsed.password), "***")
+    if parsed.get_backend_name() == "sqlite":
+        return f"cannot open {hide_password(url)}: {reason}"
+    port = parsed.port or _DEFAULT_PORTS.get(parsed.get_backend_name()) or "default port"
+    return f"cannot connect to {parsed.host or 'localhost'}:{port} ({hide_password(url)}): {reason}"
+
+
+def _sqlite_path(parsed: URL) -> str | None:
+    database = parsed.database or ""
+    if parsed.query.get("uri") == "true":
+        database = database.removeprefix("file:")
+    return None if database in ("", ":memory:") else database
+
+
+def _open_storage(url: str, **rdb_kwargs: Any) -> optuna.storages.RDBStorage:
+    """The RDB storage at ``url``, which must already hold Optuna's tables.
+
+    Opening an SQLite path creates the file and Optuna's ``RDBStorage`` creates its tables, so a typo in a
+    read-only command would leave an empty database behind: the file and the tables are checked first.
+    """
+    import optuna
+    import sqlalchemy
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+    shown = hide_password(url)
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        parsed = None
+    if parsed is None or parsed.get_backend_name() not in _RDB_BACKENDS:
+        raise ValueError(f"--storage must be an RDB URL (postgresql://..., sqlite:///...), but got {shown!r}.")
+    backend = parsed.get_backend_name()
+    connect_args: dict[str, Any] = {}
+    if backend == "sqlite":
+        path = _sqlite_path(parsed)
+        if path is None:
+            raise ValueError(f"{shown} is an in-memory database, which holds no study: give the study's file.")
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"no SQLite database at {os.path.abspath(path)} ({shown}): check the path, or create the study "
+                f"first (optuna create-study --storage {shown} --study-name NAME)."
+            )
+    elif backend in ("postgresql", "mysql"):
+        connect_args["connect_timeout"] = _CONNECT_TIMEOUT_S
+    try:
+        engine = sqlalchemy.create_engine(parsed, connect_args=connect_args)
+    except ImportError as error:
+        hint = " (pip install 'optuna-rapidfire[postgresql]')" if backend == "postgresql" else ""
+        raise ValueError(f"no database driver for {shown}: {error}{hint}.") from None
+    try:
+        with engine.connect() as connection:
+            tables = set(sqlalchemy.inspect(connection).get_table_names())
+    except SQLAlchemyError as error:
+        raise ValueError(_unreachable(url, error)) from None
+    finally:
+        engine.dispose()
+    if "studies" not in tables:
+        raise ValueError(
+            f"{shown} holds no Optuna study (it has no Optuna tables): create the study first "
+            f"(optuna create-study --storage {shown} --study-name NAME)."
+        )
+    try:
+        return optuna.storages.RDBStorage(url, skip_table_creation=True, **rdb_kwargs)
+    except RuntimeError as error:  # Optuna's "the table schema is too old: run optuna storage upgrade"
+        raise ValueError(str(error)) from None
+
+
+def _check_study(storage: optuna.storages.BaseStorage, study_name: str, url: str) -> None:
+    try:
+        storage.get_study_id_from_name(study_name)
+    except KeyError:
+        names = sorted(study.study_name for study in storage.get_all_studies())
+        there = f"studies there: {', '.join(names)}" if names else "it holds no study yet"
+        raise ValueError(f"no study {study_name!r} in {hide_password(url)}; {there}") from None
+
+
+def _load_study(url: str, study_name: str) -> optuna.Study:
+    import optuna
+
+    storage = _open_storage(url)
+    _check_study(storage, study_name, url)
+    return optuna.load_study(study_name=study_name, storage=storage)
+
+
+# -- ls ----------------------------------------------------------------------------------------------
+
+
 def _table(study: optuna.Study) -> str:
     rows = [("trial", "state", "chunks", "value", "parent", "params")]
     for trial in study.get_trials(deepcopy=False):
@@ -100,16 +223,20 @@ def _table(study: optuna.Study) -> str:
     )
 
 
+# -- the commands ------------------------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``optuna-rapidfire`` command."""
     import optuna
+    from sqlalchemy.exc import SQLAlchemyError
 
     options = _parser().parse_args(argv)
     if options.command == "worker":
         return _worker(options)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = optuna.load_study(study_name=options.study_name, storage=options.storage)
+        study = _load_study(options.storage, options.study_name)
         if options.command == "ls":
             print(_table(study))
         elif options.command == "stop":
@@ -124,11 +251,16 @@ def main(argv: list[str] | None = None) -> int:
         elif options.command == "clone":
             child = control.clone(study, options.trial, _overrides(options.set), warm_start=not options.cold)
             print(f"trial {options.trial}: {'cold' if options.cold else 'warm'} clone enqueued as trial {child}")
+    except SQLAlchemyError as error:  # the server went away after the study was opened
+        return _error(_unreachable(options.storage, error))
     except (ValueError, TypeError, KeyError) as error:
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"optuna-rapidfire: error: {message}", file=sys.stderr)
-        return 2
+        return _error(error.args[0] if isinstance(error, KeyError) and error.args else error)
     return 0
+
+
+def _error(message: object) -> int:
+    print(f"optuna-rapidfire: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _load_app(spec: str) -> Any:
@@ -153,24 +285,20 @@ def _load_app(spec: str) -> Any:
 def _worker(options: argparse.Namespace) -> int:
     """``optuna-rapidfire worker``: one executor joined to a shared study, with heartbeats."""
     import optuna
+    from sqlalchemy.exc import SQLAlchemyError
 
     from optuna_rapidfire._executor import RapidFireExecutor
     from optuna_rapidfire._logging import get_logger
-    from optuna_rapidfire._storages import hide_password
 
     logger = get_logger("optuna_rapidfire.worker")
     for name in ("n_trials", "study_trials", "heartbeat_interval", "max_retry"):
         value = getattr(options, name)
         if value is not None and value < (0 if name == "max_retry" else 1):
-            print(f"optuna-rapidfire: error: --{name.replace('_', '-')} must be positive, got {value}", file=sys.stderr)
-            return 2
+            return _error(f"--{name.replace('_', '-')} must be positive, got {value}")
     try:
-        scheme = options.storage.split(":", 1)[0].split("+")[0]
-        if scheme not in {"sqlite", "postgresql", "mysql", "oracle", "mssql"}:
-            shown = hide_password(options.storage)
-            raise ValueError(f"--storage must be an RDB URL (postgresql://..., sqlite:///...), got {shown!r}.")
         app = _load_app(options.app)
-        storage = optuna.storages.RDBStorage(
+        # The storage and the study are checked before app() builds the executor (it may load a model).
+        storage = _open_storage(
             options.storage,
             heartbeat_interval=options.heartbeat_interval,
             grace_period=options.grace_period,
@@ -178,16 +306,17 @@ def _worker(options: argparse.Namespace) -> int:
                 max_retry=options.max_retry
             ),
         )
+        _check_study(storage, options.study_name, options.storage)
         made = app(devices=options.devices)
         if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], RapidFireExecutor)):
             raise TypeError(f"--app {options.app!r} must return (executor, configure[, study_kwargs]).")
         executor, configure = made[0], made[1]
         study_kwargs = dict(made[2]) if len(made) == 3 else {}
         study = optuna.load_study(study_name=options.study_name, storage=storage, **study_kwargs)
+    except SQLAlchemyError as error:
+        return _error(_unreachable(options.storage, error))
     except (ValueError, TypeError, KeyError) as error:
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"optuna-rapidfire: error: {message}", file=sys.stderr)
-        return 2
+        return _error(error.args[0] if isinstance(error, KeyError) and error.args else error)
     logger.info("Worker %s joined study %r on %s.", os.getpid(), options.study_name, hide_password(options.storage))
     with executor:
         executor.optimize(
