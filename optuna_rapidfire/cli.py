@@ -30,6 +30,7 @@ from optuna_rapidfire._storages import hide_password
 
 if TYPE_CHECKING:
     import optuna
+    from optuna.trial import FrozenTrial
     from sqlalchemy.engine import URL
 
 _RDB_BACKENDS = {"sqlite", "postgresql", "mysql", "oracle", "mssql"}
@@ -201,22 +202,41 @@ def _load_study(url: str, study_name: str) -> optuna.Study:
 # -- ls ----------------------------------------------------------------------------------------------
 
 
+def _lineage(trial: FrozenTrial, chunks_done: dict[int, int]) -> str:
+    """``parent@step warm|cold`` for a clone: where it branched, or for one that has not started yet, where
+    it would branch now (a warm clone starts from its parent's latest chunk boundary)."""
+    parent = trial.user_attrs.get(_attrs.PARENT)
+    if parent is not None:
+        return f"{parent}@{trial.user_attrs.get(_attrs.BRANCH_STEP, 0)} {trial.user_attrs.get(_attrs.CLONE, '')}"
+    request = trial.user_attrs.get(_attrs.CLONE_OF) or trial.system_attrs.get(_attrs.CLONE_OF)
+    if not isinstance(request, dict) or not isinstance(request.get("parent"), int):
+        return ""
+    warm = bool(request.get("warm", True))
+    step = chunks_done.get(request["parent"], 0) if warm else 0
+    return f"{request['parent']}@{step} {'warm' if warm else 'cold'}"
+
+
 def _table(study: optuna.Study) -> str:
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    chunks_done = {t.number: int(t.user_attrs.get(_attrs.CHUNKS_DONE, len(t.intermediate_values))) for t in trials}
     rows = [("trial", "state", "chunks", "value", "parent", "params")]
-    for trial in study.get_trials(deepcopy=False):
+    for trial in trials:
         state = trial.state.name
         status = trial.user_attrs.get(_attrs.STATUS)
         if state == "RUNNING" and status:
             state = f"RUNNING ({status})"
-        done = trial.user_attrs.get(_attrs.CHUNKS_DONE, len(trial.intermediate_values))
-        total = trial.user_attrs.get(_attrs.TOTAL_CHUNKS, "?")
+        if trial.state == TrialState.WAITING:
+            # Not started: Optuna keeps an enqueued trial's params (a clone's included) as "fixed_params".
+            chunks, params = "-", dict(trial.system_attrs.get("fixed_params") or {})
+        else:
+            total = trial.user_attrs.get(_attrs.TOTAL_CHUNKS, "?")
+            chunks, params = f"{chunks_done[trial.number]}/{total}", trial.params
         last = trial.value if trial.value is not None else trial.intermediate_values.get(trial.last_step or 0)
-        parent = trial.user_attrs.get(_attrs.PARENT)
-        if parent is not None:
-            parent = f"{parent}@{trial.user_attrs.get(_attrs.BRANCH_STEP, 0)} {trial.user_attrs.get(_attrs.CLONE, '')}"
-        params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items())
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
         value = "" if last is None else f"{last:.6g}"
-        rows.append((str(trial.number), state, f"{done}/{total}", value, str(parent or ""), params))
+        rows.append((str(trial.number), state, chunks, value, _lineage(trial, chunks_done), shown))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5] for row in rows

@@ -10,7 +10,9 @@ import optuna
 import pytest
 import sqlalchemy
 from _servers import postgres_server
+from optuna.trial import TrialState
 
+from optuna_rapidfire import _attrs
 from optuna_rapidfire.cli import main
 
 UNREACHABLE = "postgresql://user:secret@127.0.0.1:1/db"  # nothing listens on port 1
@@ -33,6 +35,23 @@ def _run(capsys: pytest.CaptureFixture[str], command: str, storage: str, study_n
 def _study(tmp_path: Path, name: str = "demo") -> tuple[str, optuna.Study]:
     url = f"sqlite:///{tmp_path / 'rf.db'}"
     return url, optuna.create_study(storage=url, study_name=name)
+
+
+def _running_trial(study: optuna.Study, chunks_done: int) -> optuna.Trial:
+    """A trial as the executor leaves it between chunks: params suggested, progress recorded."""
+    trial = study.ask()
+    trial.suggest_float("learning_rate", 1e-5, 1e-1, log=True)
+    trial.suggest_int("r", 4, 16)
+    trial.suggest_categorical("trainer", ["sft", "dpo"])
+    trial.set_user_attr(_attrs.TOTAL_CHUNKS, 8)
+    trial.set_user_attr(_attrs.CHUNKS_DONE, chunks_done)
+    for step in range(chunks_done):
+        trial.report(1.0 / (step + 1), step)
+    return trial
+
+
+def _row(table: str, number: int) -> str:
+    return next(line for line in table.splitlines() if line.split()[0] == str(number))
 
 
 def test_a_wrong_study_name_names_the_studies_that_exist(tmp_path: Path, capsys) -> None:
@@ -116,3 +135,35 @@ def test_help_reads_as_plain_text(capsys, argv: list[str]) -> None:
     assert "``" not in out and ":func:" not in out
     if argv == ["--help"]:
         assert "optuna-rapidfire ls     --storage sqlite:///rf.db --study-name demo\n" in out  # examples kept as lines
+
+
+def test_a_warm_clone_enqueued_from_the_cli_shows_its_parent_and_params_while_waiting(tmp_path: Path, capsys) -> None:
+    url, study = _study(tmp_path)
+    parent = _running_trial(study, chunks_done=3)
+    assert main(["clone", "--storage", url, "--study-name", "demo", "0", "--set", "learning_rate=1e-4"]) == 0
+    assert capsys.readouterr().out.strip() == "trial 0: warm clone enqueued as trial 1"
+    assert main(["clone", "--storage", url, "--study-name", "demo", "0", "--set", "r=16", "--cold"]) == 0
+    capsys.readouterr()
+
+    assert main(["ls", "--storage", url, "--study-name", "demo"]) == 0
+    table = capsys.readouterr().out
+    header = table.splitlines()[0].split()
+    assert header == ["trial", "state", "chunks", "value", "parent", "params"]
+    assert _row(table, 0).split()[1:4] == ["RUNNING", "3/8", "0.333333"]
+    lr, r, trainer = (parent.params[k] for k in ("learning_rate", "r", "trainer"))
+    warm = _row(table, 1).split(None, 5)
+    assert warm == ["1", "WAITING", "-", "0@3", "warm", f"learning_rate=0.0001, r={r}, trainer={trainer}"]
+    cold = _row(table, 2).split(None, 5)
+    assert cold == ["2", "WAITING", "-", "0@0", "cold", f"learning_rate={lr:.4g}, r=16, trainer={trainer}"]
+    assert [t.state for t in study.get_trials()] == [TrialState.RUNNING, TrialState.WAITING, TrialState.WAITING]
+
+
+def test_a_clone_that_has_started_shows_where_it_branched(tmp_path: Path, capsys) -> None:
+    url, study = _study(tmp_path)
+    _running_trial(study, chunks_done=5)
+    child = study.ask()  # what the executor records once the clone is built from its parent's step 2
+    child.set_user_attr(_attrs.PARENT, 0)
+    child.set_user_attr(_attrs.BRANCH_STEP, 2)
+    child.set_user_attr(_attrs.CLONE, "warm")
+    assert main(["ls", "--storage", url, "--study-name", "demo"]) == 0
+    assert _row(capsys.readouterr().out, 1).split()[1:5] == ["RUNNING", "0/?", "0@2", "warm"]
