@@ -4,6 +4,11 @@ A command is a study system attribute under its own unique key, so commands writ
 clients at once never overwrite each other; once the executor running the trial has applied it, a
 second key marks it done, so it is never applied twice. Any process that can open the storage can
 issue commands. optuna-dashboard's form writes the same requests as user attributes of the trial.
+
+The dashboard lets a person edit that form only on a RUNNING trial (running or paused here): it greys
+it out on a COMPLETE trial and hides it on a PRUNED or FAIL one, and its server cannot write user
+attributes of a finished trial. So a clone of a finished trial is asked for on the form of a trial that
+still runs, naming the parent (``trial=5``); that trial's driver applies it like its own commands.
 """
 
 from __future__ import annotations
@@ -26,8 +31,13 @@ if TYPE_CHECKING:
 _logger = get_logger(__name__)
 
 OPS = ("stop", "resume", "delete", "clone")
-# The dashboard's choice widget stores floats; these are the values of its choices.
+# The dashboard's choice widget stores floats; these are the values of its choices. It pre-selects the
+# first choice, so that one does nothing: a stray Submit must not pause a trial.
+_NO_ACTION = 0.0
 _FORM_VALUES = {1.0: "stop", 2.0: "resume", 3.0: "delete", 4.0: "clone"}
+_FORM_CHOICES = ["no action", "stop (pause)", "resume", "delete", "clone"]
+# In the form's text, ``trial=<n>`` names the trial to clone (by default the form's own trial).
+_TARGET = "trial"
 
 
 @dataclass(frozen=True)
@@ -119,13 +129,12 @@ def mark_done(study: optuna.Study, trial_id: int, command: Command, result: str)
 
 def _form_command(trial: FrozenTrial) -> Command | None:
     action = trial.user_attrs.get(_attrs.ACTION)
-    if action in (None, ""):
+    if action in (None, "", _NO_ACTION):
         return None
     op = _FORM_VALUES.get(float(action)) if isinstance(action, (int, float)) else str(action).strip().lower()
+    key = f"form:{trial.number}"
     if op not in OPS:
-        return Command(
-            key=f"form:{trial.number}", op="invalid", trial=trial.number, reason=f"unknown action {action!r}"
-        )
+        return Command(key=key, op="invalid", trial=trial.number, reason=f"unknown action {action!r}")
     text = str(trial.user_attrs.get(_attrs.ACTION_ARGS) or "").strip()
     warm = True
     params: dict[str, Any] = {}
@@ -135,7 +144,18 @@ def _form_command(trial: FrozenTrial) -> Command | None:
             continue
         name, _, value = part.partition("=")
         params[name.strip()] = _parse_value(value.strip())
-    return Command(key=f"form:{trial.number}", op=op, trial=trial.number, params=params, warm=warm, reason=text or None)
+    target = params.pop(_TARGET, trial.number)
+    if not isinstance(target, int) or isinstance(target, bool):
+        return Command(key=key, op="invalid", trial=trial.number, reason=f"{_TARGET}={target!r} is not a trial number")
+    if target != trial.number and op != "clone":
+        # The driver of this trial applies the command to itself: only a clone may be about another trial.
+        return Command(
+            key=key,
+            op="invalid",
+            trial=trial.number,
+            reason=f"only clone can name another trial; {op} trial {target} from its own form",
+        )
+    return Command(key=key, op=op, trial=target, params=params, warm=warm, reason=text or None)
 
 
 def _parse_value(text: str) -> Any:
@@ -154,30 +174,38 @@ def _parse_value(text: str) -> Any:
 def register_dashboard_form(study: optuna.Study) -> bool:
     """Add the stop/resume/delete/clone form to running trials in optuna-dashboard.
 
-    Does nothing (and returns False) if optuna-dashboard is not installed or the study already has a
-    form of its own.
+    Replaces the form an older version of this package registered. Does nothing (and returns False) if
+    optuna-dashboard is not installed or the study already has a form of its own.
     """
     try:
         from optuna_dashboard import ChoiceWidget, TextInputWidget, register_user_attr_form_widgets
         from optuna_dashboard._form_widget import get_form_widgets_json
     except ImportError:
         return False
-    if get_form_widgets_json(study._storage.get_study_system_attrs(study._study_id)) is not None:
-        return False
-    register_user_attr_form_widgets(
-        study,
-        widgets=[
-            ChoiceWidget(
-                choices=["stop (pause)", "resume", "delete", "clone"],
-                values=sorted(_FORM_VALUES),
-                description="RapidFire control: applied before the trial's next chunk",
-                user_attr_key=_attrs.ACTION,
+    # The text comes first: the dashboard writes the widgets' attributes one at a time in this order, so
+    # a driver that sees the new action also sees its text.
+    widgets = [
+        TextInputWidget(
+            description=(
+                "clone: overrides as name=value, comma separated; trial=<n> clones trial n "
+                "(also a finished one); add 'cold' for a cold clone"
             ),
-            TextInputWidget(
-                description="clone: overrides as name=value, comma separated; add 'cold' for a cold clone",
-                user_attr_key=_attrs.ACTION_ARGS,
-                optional=True,
-            ),
-        ],
-    )
+            user_attr_key=_attrs.ACTION_ARGS,
+            optional=True,
+        ),
+        ChoiceWidget(
+            choices=_FORM_CHOICES,
+            values=[_NO_ACTION, *sorted(_FORM_VALUES)],
+            description="RapidFire control: applied before the trial's next chunk",
+            user_attr_key=_attrs.ACTION,
+        ),
+    ]
+    current = get_form_widgets_json(study._storage.get_study_system_attrs(study._study_id))
+    if current is not None:
+        keys = {w.get("user_attr_key") for w in current.get("widgets", [])}
+        if current.get("output_type") != "user_attr" or keys != {_attrs.ACTION, _attrs.ACTION_ARGS}:
+            return False
+        if list(current["widgets"]) == [w.to_dict() for w in widgets]:
+            return True
+    register_user_attr_form_widgets(study, widgets=widgets)
     return True
