@@ -1,4 +1,5 @@
-"""optuna-dashboard in a real headless Chromium: the control form and the "Fail Trial" button."""
+"""optuna-dashboard in a real headless Chromium: the control form (no action pre-selected; clones of finished
+trials asked for on a running trial's form) and the "Fail Trial" button."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 from _servers import dashboard_server
 from conftest import Background, by_number, lora, sft_args, wait_until
 from optuna.trial import TrialState
-from playwright.sync_api import Page, sync_playwright
+from optuna_dashboard import ChoiceWidget, TextInputWidget, register_user_attr_form_widgets
+from optuna_dashboard._form_widget import get_form_widgets_json
+from playwright.sync_api import Page, expect, sync_playwright
 
-from optuna_rapidfire import _attrs
+from optuna_rapidfire import _attrs, _commands
 
 CONFIGS = [(lora(r=4), sft_args(learning_rate=1e-2 * (i + 1))) for i in range(3)]
 CHROMIUM_FLAGS = [
@@ -45,9 +48,67 @@ def _open_trial(page: Page, dashboard: str, study: optuna.Study, number: int) ->
     page.get_by_text(f"Trial {number} (trial_id=").wait_for()
 
 
-def _submit(page: Page, action: str) -> None:
+def _submit(page: Page, action: str, text: str = "") -> None:
+    if text:
+        page.get_by_role("textbox").fill(text)
+        page.wait_for_timeout(800)  # the dashboard takes the text 500 ms after the last keystroke
     page.get_by_label(action).check()
     page.get_by_role("button", name="Submit").click()
+
+
+def _form_trial(number: int, action: float, text: str = "") -> optuna.trial.FrozenTrial:
+    trial = optuna.trial.create_trial(
+        state=TrialState.RUNNING, user_attrs={_attrs.ACTION: action, _attrs.ACTION_ARGS: text}
+    )
+    trial.number = number
+    return trial
+
+
+def test_the_form_preselects_no_action_and_a_bare_submit_is_no_command() -> None:
+    study = optuna.create_study()
+    assert _commands.register_dashboard_form(study)
+    form = get_form_widgets_json(study._storage.get_study_system_attrs(study._study_id))
+    assert form is not None
+    choice = next(w for w in form["widgets"] if w["type"] == "choice")
+    # The dashboard pre-selects the first choice and submits every widget.
+    assert (choice["choices"][0], choice["values"][0]) == ("no action", 0.0)
+    assert _commands._form_command(_form_trial(3, choice["values"][0])) is None
+    stop = choice["values"][choice["choices"].index("stop (pause)")]
+    command = _commands._form_command(_form_trial(3, stop))
+    assert command is not None and command.op == "stop"
+
+
+def test_an_older_rapidfire_form_is_replaced_but_a_users_own_form_is_kept() -> None:
+    study = optuna.create_study()
+    old = [  # what this package registered before "no action" existed
+        ChoiceWidget(choices=["stop (pause)", "resume"], values=[1.0, 2.0], user_attr_key=_attrs.ACTION),
+        TextInputWidget(user_attr_key=_attrs.ACTION_ARGS, optional=True),
+    ]
+    register_user_attr_form_widgets(study, old)
+    assert _commands.register_dashboard_form(study)
+    form = get_form_widgets_json(study._storage.get_study_system_attrs(study._study_id))
+    assert form is not None and [w["type"] for w in form["widgets"]] == ["text", "choice"]
+
+    mine = ChoiceWidget(choices=["good", "bad"], values=[1.0, 0.0], user_attr_key="rating")
+    register_user_attr_form_widgets(study, [mine])
+    assert not _commands.register_dashboard_form(study)
+    assert get_form_widgets_json(study._storage.get_study_system_attrs(study._study_id)) == {
+        "output_type": "user_attr",
+        "widgets": [mine.to_dict()],
+    }
+
+
+def test_a_form_clone_may_name_another_trial_and_other_actions_may_not() -> None:
+    clone = _commands._form_command(_form_trial(3, 4.0, "trial=0, learning_rate=1e-4, cold"))
+    assert clone is not None
+    assert (clone.op, clone.trial, clone.params, clone.warm) == ("clone", 0, {"learning_rate": 1e-4}, False)
+    own = _commands._form_command(_form_trial(3, 4.0, "learning_rate=1e-4"))
+    assert own is not None and (own.op, own.trial) == ("clone", 3)
+    for action, text in ((1.0, "trial=0"), (3.0, "trial=0"), (4.0, "trial=best")):
+        command = _commands._form_command(_form_trial(3, action, text))
+        assert command is not None and (command.op, command.trial) == ("invalid", 3), (action, text)
+    stop_self = _commands._form_command(_form_trial(3, 1.0, "trial=3"))
+    assert stop_self is not None and (stop_self.op, stop_self.trial) == ("stop", 3)
 
 
 def test_stop_from_the_dashboard_form_pauses_while_the_others_continue(
@@ -97,3 +158,49 @@ def test_fail_trial_button_ends_the_trial_cleanly_and_the_study_goes_on(
     assert study.trials[2].state == TrialState.FAIL
     assert [study.trials[n].state for n in (0, 1)] == [TrialState.COMPLETE] * 2
     assert executor._engine._runtimes == []
+
+
+def _by_learning_rate(trial: optuna.Trial):
+    return lora(r=4), sft_args(learning_rate=trial.suggest_float("learning_rate", 1e-4, 1e-1, log=True))
+
+
+def test_a_bare_submit_does_nothing_and_a_running_trials_form_clones_a_finished_trial(
+    make_executor, slow_chunks, browser_page: Page, tmp_path: Path
+) -> None:
+    page = browser_page
+    url = f"sqlite:///{tmp_path / 'rf.db'}"
+    executor = make_executor(num_chunks=10, max_concurrent_trials=1)
+    study = optuna.create_study(storage=url, study_name="ui", pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial({"learning_rate": 1e-2})
+    study.enqueue_trial({"learning_rate": 2e-2})
+    executor.optimize(study, _by_learning_rate, n_trials=1)
+    slow_chunks(0.8)  # trial 1 runs long enough to be driven from the browser
+    with dashboard_server(url) as dashboard:
+        # The dashboard itself greys out the form of a finished trial: no Submit there.
+        _open_trial(page, dashboard, study, 0)
+        page.get_by_text("Set User Attributes Form").wait_for()
+        expect(page.get_by_role("button", name="Submit")).to_have_count(0)
+
+        run = Background(lambda: executor.optimize(study, _by_learning_rate, n_trials=2))
+        wait_until(lambda: 0 in study.trials[1].intermediate_values, what="trial 1's first report")
+        _open_trial(page, dashboard, study, 1)
+        expect(page.get_by_label("no action")).to_be_checked()
+        expect(page.get_by_label("stop (pause)")).not_to_be_checked()
+        page.get_by_role("button", name="Submit").click()
+        wait_until(lambda: study.trials[1].user_attrs.get(_attrs.ACTION) == 0, what="the bare submit")
+        submitted_at = study.trials[1].user_attrs[_attrs.CHUNKS_DONE]
+        wait_until(lambda: study.trials[1].user_attrs[_attrs.CHUNKS_DONE] > submitted_at + 1, what="two more chunks")
+        assert study.trials[1].user_attrs[_attrs.STATUS] == "running"
+        assert _attrs.ACTION_DONE not in study.trials[1].user_attrs and len(study.trials) == 2
+
+        _open_trial(page, dashboard, study, 1)
+        _submit(page, "clone", "trial=0, learning_rate=5e-3")
+        done = wait_until(lambda: study.trials[1].user_attrs.get(_attrs.ACTION_DONE), what="the clone")
+        assert done.startswith("clone: enqueued as trial 2"), done
+        assert study.trials[1].user_attrs[_attrs.CHUNKS_DONE] < 10  # applied while trial 1 ran
+        run.join()
+    parent, second, child = study.trials
+    assert child.user_attrs[_attrs.CLONE_OF]["parent"] == 0 and child.user_attrs[_attrs.CLONE_OF]["warm"]
+    assert child.params == {"learning_rate": 5e-3}
+    assert child.state == TrialState.COMPLETE and child.user_attrs[_attrs.PARENT] == 0
+    assert parent.state == second.state == TrialState.COMPLETE
