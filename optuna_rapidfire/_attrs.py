@@ -8,7 +8,8 @@ ADAPTER_PATH = PREFIX + "adapter_path"
 """Directory of a COMPLETE trial's final adapter, in PEFT's format."""
 
 CHUNKS_DONE = PREFIX + "chunks_done"
-"""Chunks the trial has trained so far."""
+"""Chunks the trial has trained so far. Chunks are counted from 1 in every message and attribute ("after
+chunk 3" means three chunks trained); the Optuna step a chunk reports at is its count minus one."""
 
 TOTAL_CHUNKS = PREFIX + "total_chunks"
 """Chunks the trial trains when it is not stopped early (``num_chunks`` x epochs)."""
@@ -26,11 +27,16 @@ WORKER = PREFIX + "worker"
 """Where the trial runs: ``host:pid:device``."""
 
 FAIL_REASON = PREFIX + "fail_reason"
-"""Why a FAIL trial failed (exception type and message)."""
+"""Why a FAIL trial failed (exception type and message, or ``deleted: <reason>``)."""
+
+PRUNED_REASON = PREFIX + "pruned_reason"
+"""Why and when a PRUNED trial was stopped: the pruner, the chunk, the value and how many trials it was
+compared with at that step (or that it was still paused when the study ended)."""
 
 STATUS = PREFIX + "status"
-"""What a person sees of a RUNNING trial: ``running`` or ``paused``; ``paused-at-end`` for a trial still
-paused when the study ended (it is then PRUNED), ``deleted`` for a deleted one (then FAIL)."""
+"""Where the trial is: ``running`` or ``paused`` while RUNNING; once finished ``complete``, ``pruned`` or
+``failed``, or ``paused-at-end`` for a trial still paused when the study ended (it is then PRUNED) and
+``deleted`` for a deleted one (then FAIL)."""
 
 PARENT = PREFIX + "parent"
 """Number of the trial a clone was copied from."""
@@ -49,10 +55,12 @@ CLONE_OF = PREFIX + "clone_of"
 by a sampler on the trial it is sampling."""
 
 ACTION = PREFIX + "action"
-"""Set through optuna-dashboard's form on a running trial: 1 stop, 2 resume, 3 delete, 4 clone."""
+"""Set through optuna-dashboard's form on a running trial: 0 no action (the default), 1 stop, 2 resume,
+3 delete, 4 clone."""
 
 ACTION_ARGS = PREFIX + "action_args"
-"""Form text with the action: for clone, ``name=value`` overrides separated by commas, or ``cold``."""
+"""Form text with the action: for clone, ``name=value`` overrides separated by commas, ``cold``, and
+``trial=<n>`` to clone trial n (a finished one too) instead of the form's own trial."""
 
 ACTION_DONE = PREFIX + "action_done"
 """What the executor did with the last form action."""

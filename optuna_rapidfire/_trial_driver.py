@@ -68,6 +68,7 @@ class TrialDriver:
         self._holds_slot = False
         self._run_id = 0  # the trial's MLflow run handle, when tracking is on
         self._adapter_path: str | None = None
+        self._total_chunks = 0
 
     # -- the trial from start to end -------------------------------------------------------------
 
@@ -93,17 +94,41 @@ class TrialDriver:
             value = self._follow()
             state = "COMPLETE" if not math.isnan(value) else "FAIL"
             return value
-        except optuna.TrialPruned:
+        except optuna.TrialPruned as pruned:
             state = "PRUNED"
+            self._record_end("pruned", (_attrs.PRUNED_REASON, str(pruned)))
+            raise
+        except FinishedElsewhere:
+            raise
+        except BaseException as error:
+            # Whatever ends the trial with an exception is its fail reason (a bad config, a missing metric...).
+            self._record_end("failed", (_attrs.FAIL_REASON, f"{type(error).__name__}: {error}"[:2000]))
             raise
         finally:
             if self.entry is not None and self.entry.phase is not Phase.GONE:
                 self._leave(Phase.RELEASE)
             if self._holds_slot:
                 ex._slots.release()
+            if state == "COMPLETE":
+                self._record_end("complete")
+            elif state == "FAIL" and value is not None:  # returned NaN: failed on the device, or deleted
+                self._record_end("failed")
             ex._progress.trial_ended(self.trial.number, state, value)
             if ex._tracker is not None:
                 ex._tracker.trial_ended(self._run_id, state, value, self._adapter_path)
+
+    def _record_end(self, status: str, reason: tuple[str, str] | None = None) -> None:
+        """Write the trial's final status (unless a more telling one is set) and why it ended."""
+        try:
+            current = self.study._storage.get_trial(self.trial._trial_id)
+            if current.state.is_finished():
+                return
+            if current.user_attrs.get(_attrs.STATUS) not in ("deleted", "paused-at-end"):
+                self.trial.set_user_attr(_attrs.STATUS, status)
+            if reason is not None and reason[0] not in current.user_attrs:
+                self.trial.set_user_attr(*reason)
+        except Exception:  # the storage is gone: the trial's end is still told by Optuna
+            _logger.debug("Trial %d: its final status could not be written.", self.trial.number, exc_info=True)
 
     def _spec(self) -> TrialSpec:
         ex = self.ex
@@ -170,6 +195,7 @@ class TrialDriver:
 
     def _built(self, event: Built) -> None:
         trial = self.trial
+        self._total_chunks = event.total_chunks
         trial.set_user_attr(_attrs.TOTAL_CHUNKS, event.total_chunks)
         resolve_auto_resources(self.study.pruner, event.total_chunks)
         if event.branch is not None:
@@ -191,7 +217,9 @@ class TrialDriver:
             for step, metrics in enumerate(branch.history):
                 trial.report(metrics[self.ex.metric], step)
             trial.set_user_attr(_attrs.CHUNKS_DONE, branch.step)
-            _logger.info("Trial %d is a warm clone of trial %d from step %d.", trial.number, branch.parent, branch.step)
+            _logger.info(
+                "Trial %d is a warm clone of trial %d after chunk %d.", trial.number, branch.parent, branch.step
+            )
         else:
             trial.set_user_attr(_attrs.COLD_REASON, branch.reason)
             _logger.info("Trial %d is a cold clone of trial %d: %s.", trial.number, branch.parent, branch.reason)
@@ -228,7 +256,7 @@ class TrialDriver:
             _logger.warning(
                 "Trial %d: the checkpoint after chunk %d could not be saved (%s: %s).",
                 self.trial.number,
-                event.step,
+                event.step + 1,
                 type(error).__name__,
                 error,
             )
@@ -260,17 +288,17 @@ class TrialDriver:
         pruned, snapshot = self._should_prune(step)
         if pruned:
             self._leave(Phase.RELEASE)
-            raise optuna.TrialPruned(f"Pruned after chunk {step} ({ex.metric}={value:.6g}).")
+            raise optuna.TrialPruned(self._pruned_reason(step, value))
         pause = False
         for command in _commands.pending(self.study, snapshot):
             if command.op == "delete":
-                _commands.mark_done(self.study, trial._trial_id, command, f"deleted after chunk {step}")
+                _commands.mark_done(self.study, trial._trial_id, command, f"deleted after chunk {step + 1}")
                 return self._delete(command.reason)
             if command.op == "stop" and pause:
                 _commands.mark_done(self.study, trial._trial_id, command, "ignored: already paused")
             elif command.op == "stop" and not event.last:
                 pause = True
-                _commands.mark_done(self.study, trial._trial_id, command, f"paused after chunk {step}")
+                _commands.mark_done(self.study, trial._trial_id, command, f"paused after chunk {step + 1}")
             else:
                 self._other_command(command, last=event.last)
         if event.last:
@@ -294,6 +322,17 @@ class TrialDriver:
         scheduler.wait_for_round(entry, step, stage="screened")
         return prune_decision(self.study, snapshot, step, round_peers), snapshot
 
+    def _pruned_reason(self, step: int, value: float) -> str:
+        """What the log and the trial's user attrs say about a pruning: who, when, on what value, against whom."""
+        peers = sum(
+            step in t.intermediate_values and t.number != self.trial.number
+            for t in self.study._storage.get_all_trials(self.study._study_id, deepcopy=False)
+        )
+        return (
+            f"{type(self.study.pruner).__name__} stopped it after chunk {step + 1}/{self._total_chunks} "
+            f"(step {step}): {self.ex.metric}={value:.6g}, compared with {peers} other trial(s) at that step."
+        )
+
     def _other_command(self, command: _commands.Command, *, last: bool) -> None:
         trial_id = self.trial._trial_id
         if command.op == "clone":
@@ -305,7 +344,7 @@ class TrialDriver:
                 _commands.mark_done(self.study, trial_id, command, f"refused: {error}")
             else:
                 _commands.mark_done(self.study, trial_id, command, f"enqueued as trial {child}")
-        elif command.op == "stop":
+        elif command.op in ("stop", "delete") and last:
             _commands.mark_done(self.study, trial_id, command, "ignored: the trial has trained its last chunk")
         elif command.op == "resume":
             _commands.mark_done(self.study, trial_id, command, "ignored: the trial is not paused")
@@ -321,6 +360,9 @@ class TrialDriver:
         assert isinstance(done, Saved)
         self._adapter_path = os.path.abspath(done.path)
         self.trial.set_user_attr(_attrs.ADAPTER_PATH, self._adapter_path)
+        # A request that came while the adapter was being saved: the trial is still RUNNING, so it is answered.
+        for command in _commands.pending(self.study, self.study._storage.get_trial(self.trial._trial_id)):
+            self._other_command(command, last=True)
         return value
 
     def _failed(self, event: Failed) -> float:
@@ -373,7 +415,7 @@ class TrialDriver:
         self._holds_slot = False
         trial.set_user_attr(_attrs.STATUS, "paused")
         ex._progress.trial_paused(trial.number)
-        _logger.info("Trial %d paused after chunk %d.", trial.number, step)
+        _logger.info("Trial %d paused after chunk %d.", trial.number, step + 1)
         ex._paused.add(entry)
         try:
             while True:
@@ -393,7 +435,7 @@ class TrialDriver:
                         self._holds_slot = True
                         trial.set_user_attr(_attrs.STATUS, "running")
                         ex._progress.trial_resumed(trial.number)
-                        _logger.info("Trial %d resumed after chunk %d.", trial.number, step)
+                        _logger.info("Trial %d resumed after chunk %d.", trial.number, step + 1)
                         return None
                     if command.op == "delete":
                         _commands.mark_done(self.study, trial._trial_id, command, "deleted while paused")
@@ -410,5 +452,5 @@ class TrialDriver:
         self._leave(Phase.RELEASE)
         self.trial.set_user_attr(_attrs.STATUS, "paused-at-end")
         raise optuna.TrialPruned(
-            f"Still paused after chunk {step} when the study ended; its state is kept: clone it to continue."
+            f"Still paused after chunk {step + 1} when the study ended; its state is kept: clone it to continue."
         )

@@ -60,7 +60,7 @@ def test_stop_and_resume_from_another_process(make_executor, chunk_log, slow_chu
     assert resumed.returncode == 0, resumed.stderr
     run.join()
     trial = study.trials[0]
-    assert trial.state == TrialState.COMPLETE and trial.user_attrs[_attrs.STATUS] == "running"
+    assert trial.state == TrialState.COMPLETE and trial.user_attrs[_attrs.STATUS] == "complete"
     assert list(trial.intermediate_values) == list(range(8))
 
     # Pausing (and moving its state off the device) changed nothing in what it computed.

@@ -113,7 +113,8 @@ def test_pbt_and_control_example(tmp_path: Path, tiny_model: str) -> None:
     assert f"paused trial {leader}," in out and f"cloned trial {leader} as trial" in out
     study = optuna.load_study(study_name="pbt", storage=f"sqlite:///{tmp_path / 'p.db'}")
     assert any(t.user_attrs.get("rapidfire:parent") == leader for t in study.trials)
-    assert study.trials[leader].user_attrs["rapidfire:status"] == "running"
+    # Resumed, it ran to its end (a pruner may have stopped it after the resume).
+    assert study.trials[leader].user_attrs["rapidfire:status"] in ("complete", "pruned")
 
 
 def test_dpo_example(tmp_path: Path, tiny_model: str) -> None:
