@@ -19,7 +19,7 @@ from optuna_rapidfire._commands import register_dashboard_form
 from optuna_rapidfire._data import ChunkPlan, PreparedData
 from optuna_rapidfire._engines._fused_engine import FusedEngine
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
-from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._logging import get_logger, quiet_library_noise
 from optuna_rapidfire._model import ModelSource, ResidentModel, load_model, resolve_devices
 from optuna_rapidfire._pool import Slots, TrialPool
 from optuna_rapidfire._progress import Progress
@@ -177,6 +177,7 @@ class RapidFireExecutor:
     ) -> None:
         # Everything but the devices, to build one executor per device in worker processes.
         self._init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "devices")}
+        quiet_library_noise()
         from datasets import Dataset
 
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
@@ -550,6 +551,7 @@ class RapidFireExecutor:
         kind = kind_for(args)
         for note in kind.check_args(args):
             self._note_once(note)
+        kind.check_columns(self._train, self._eval, args, self._extras)
         if kind.name == "grpo" and not self._reward_sources:
             raise ValueError("GRPOConfig trials need rewards: pass RapidFireExecutor(..., reward_funcs=[...]).")
         with self._notes_lock:

@@ -7,6 +7,7 @@ a chunk here is the same computation TRL's own loop would run on those batches.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -125,6 +126,8 @@ class TimeSlicedEngine(Engine):
             )
         except BaseException:
             self.resident.delete_adapter(name)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(self.output_dir, name))
             raise
         runtime = TrialRuntime(
             spec=spec,
@@ -246,10 +249,20 @@ class TimeSlicedEngine(Engine):
         for chunk, size in enumerate(sizes):
             micro = len(kind.micro_batches(args, np.arange(size)))
             if micro < 1:
+                rows = len(self.data.plan.rows(chunk))
+                if getattr(args, "packing", False):
+                    why = f"packing joined its {rows} rows into {size} examples"
+                elif size < rows:
+                    why = (
+                        f"preparation dropped {rows - size} of its {rows} rows (TRL drops rows whose tokens are "
+                        "all masked, e.g. a prompt that fills max_length, and rows it cannot use)"
+                    )
+                else:
+                    why = f"it has only {rows} rows"
                 raise ValueError(
-                    f"Chunk {chunk} holds {size} examples after preparation, fewer than one batch of "
-                    f"per_device_train_batch_size={args.per_device_train_batch_size} (trial {number}). "
-                    "Lower num_chunks or the batch size."
+                    f"Chunk {chunk + 1} of {len(sizes)} holds {size} examples after preparation, fewer than one "
+                    f"batch of per_device_train_batch_size={args.per_device_train_batch_size} (trial {number}): "
+                    f"{why}. Lower num_chunks or the batch size, or check the rows and max_length."
                 )
             steps.append(math.ceil(micro / args.gradient_accumulation_steps))
         return steps
@@ -268,6 +281,10 @@ class TimeSlicedEngine(Engine):
             self._runtimes.remove(runtime)
         if self._current is runtime:
             self._current = None
+        # TRL's trainer makes its output_dir and writes nothing there (the executor saves adapters itself).
+        for folder in (os.path.join(self.output_dir, runtime.state.adapter_name), self.output_dir):
+            with contextlib.suppress(OSError):  # not empty: another trial's, or something of the user's
+                os.rmdir(folder)
 
     def save_adapter(self, runtime: TrialRuntime, directory: str) -> None:
         self.resident.save_adapter(runtime.state.adapter_name, directory)

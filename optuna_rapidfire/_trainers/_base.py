@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable, Iterator
+    from collections.abc import Callable, Collection, Hashable, Iterator
 
     import numpy as np
     from datasets import Dataset
@@ -144,6 +144,20 @@ class TrainerKind(ABC):
             for name, why in _OWNED_FIELDS.items()
             if hasattr(args, name) and not _is_default(args, name)
         ]
+
+    @abstractmethod
+    def needed_columns(self, columns: Collection[str], args: TrainingArguments, extras: TrainerExtras) -> str | None:
+        """``None`` when rows with ``columns`` can be prepared by this trainer, else what columns it needs."""
+
+    def check_columns(self, train: Dataset, eval: Dataset, args: TrainingArguments, extras: TrainerExtras) -> None:
+        """Raise ``ValueError`` naming the columns found and the ones needed, before any trial trains."""
+        for name, dataset in (("train_dataset", train), ("eval_dataset", eval)):
+            needed = self.needed_columns(dataset.column_names, args, extras)
+            if needed is not None:
+                raise ValueError(
+                    f"{name} has the columns {dataset.column_names}, but {type(args).__name__} trials need "
+                    f"{needed}. Rename or map the columns first (dataset.rename_column / dataset.map)."
+                )
 
     def effective_args(self, args: TrainingArguments, output_dir: str, device: torch.device) -> TrainingArguments:
         """A copy of the user's args with the fields the executor owns set for the executor's loop."""

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, cast
 from optuna_rapidfire._trainers._base import CollatedKind, TrainerExtras, reference_is_the_base
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    from collections.abc import Collection, Hashable
 
     from datasets import Dataset
     from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
@@ -44,6 +44,11 @@ class DPOKind(CollatedKind):
         if dpo.sync_ref_model:
             raise ValueError("DPOConfig.sync_ref_model=True is not supported with LoRA adapters (TRL neither).")
         return super().check_args(args)
+
+    def needed_columns(self, columns: Collection[str], args: TrainingArguments, extras: TrainerExtras) -> str | None:
+        if {"chosen", "rejected"} <= set(columns):
+            return None
+        return "'prompt', 'chosen' and 'rejected' columns ('prompt' may be left out when both answers begin with it)"
 
     def data_key(self, args: TrainingArguments) -> Hashable:
         return ("dpo", *(repr(getattr(args, f, None)) for f in _DATA_FIELDS))

@@ -10,7 +10,7 @@ import torch
 from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind, reference_is_the_base
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    from collections.abc import Collection, Hashable
 
     import numpy as np
     from datasets import Dataset
@@ -47,6 +47,9 @@ class GRPOKind(TrainerKind):
         if grpo.cast_lm_head_to_fp32:
             raise ValueError("GRPOConfig.cast_lm_head_to_fp32=True is not supported: it replaces the shared LM head.")
         return super().check_args(args)
+
+    def needed_columns(self, columns: Collection[str], args: TrainingArguments, extras: TrainerExtras) -> str | None:
+        return None if "prompt" in columns else "a 'prompt' column (and the columns the reward functions read)"
 
     def data_key(self, args: TrainingArguments) -> Hashable:
         return ("grpo",)  # prompts are tokenized on the fly, in the trainer's generation step

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, cast
 from optuna_rapidfire._trainers._base import CollatedKind, TrainerExtras
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    from collections.abc import Collection, Hashable
 
     from datasets import Dataset
     from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
@@ -44,6 +44,22 @@ class SFTKind(CollatedKind):
         from trl import SFTConfig
 
         return SFTConfig
+
+    def needed_columns(self, columns: Collection[str], args: TrainingArguments, extras: TrainerExtras) -> str | None:
+        text_field = getattr(args, "dataset_text_field", "text")
+        usable = (
+            extras.formatting_func is not None
+            or text_field in columns
+            or "messages" in columns
+            or "input_ids" in columns
+            or {"prompt", "completion"} <= set(columns)
+        )
+        if usable:
+            return None
+        return (
+            f"a {text_field!r} column (SFTConfig.dataset_text_field), 'messages' (conversations), 'prompt' and "
+            "'completion', or 'input_ids' (tokenized); or pass formatting_func= to the executor"
+        )
 
     def data_key(self, args: TrainingArguments) -> Hashable:
         return ("sft", *(repr(getattr(args, f, None)) for f in _DATA_FIELDS))
