@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import fcntl
+import hashlib
+import os
+import tempfile
 import threading
 import time
 import warnings
@@ -90,23 +93,28 @@ class AskLock:
     Popping an enqueued (WAITING) trial is a read-then-write in Optuna's RDB storage; PostgreSQL and
     MySQL make it atomic with ``SELECT ... FOR UPDATE``, SQLite does not, so two threads or processes can
     both pop the same trial and run it twice. The pool holds this lock from before a thread asks until
-    its objective starts. On SQLite a lock file next to the database extends it to the other worker
-    processes of the machine.
+    its objective starts. On SQLite a lock file extends it to the other worker processes of the machine:
+    it lives in the temporary folder, named after the database's path, so nothing is left beside the
+    database (removing a lock file that other processes may hold would break the lock).
     """
 
     def __init__(self, study: optuna.Study) -> None:
         self._thread_lock = threading.Lock()
-        self._path = file_path(study, journal=False)
+        path = file_path(study, journal=False)
+        self._path = None
+        if path is not None:
+            digest = hashlib.sha256(path.encode()).hexdigest()[:24]
+            self._path = os.path.join(tempfile.gettempdir(), f"optuna-rapidfire-ask-{digest}.lock")
 
     def acquire(self) -> IO[bytes] | None:
         self._thread_lock.acquire()
         if self._path is None:
             return None
         try:
-            handle = open(self._path + ".rapidfire-ask.lock", "ab")  # noqa: SIM115 - held until release
+            handle = open(self._path, "ab")  # noqa: SIM115 - held until release
             fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:  # a read-only folder: threads are still serialised
-            _logger.debug("No lock file next to %s; asks are serialised within this process only.", self._path)
+        except OSError:  # no writable temporary folder: threads are still serialised
+            _logger.debug("No lock file %s; asks are serialised within this process only.", self._path)
             return None
         return handle
 
