@@ -8,8 +8,9 @@ way share one prepared copy.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +90,8 @@ class PreparedData:
             cached = self._chunks.get((key, chunk))
         if cached is None:
             raw = self.train.select(self.plan.rows(chunk).tolist())
-            cached = prepare(raw, "train")
+            with quiet_datasets():
+                cached = prepare(raw, "train")
             with self._lock:
                 cached = self._chunks.setdefault((key, chunk), cached)
         return cached
@@ -103,10 +105,40 @@ class PreparedData:
         with self._lock:
             cached = self._evals.get(key)
         if cached is None:
-            cached = prepare(self.eval, "eval")
+            with quiet_datasets():
+                cached = prepare(self.eval, "eval")
             with self._lock:
                 cached = self._evals.setdefault(key, cached)
         return cached
+
+
+class _QuietDatasets:
+    """Counts the preparations under way, so that the first turns ``datasets``' bars off and the last
+    restores the user's setting."""
+
+    lock = threading.Lock()
+    depth = 0
+    restore = False
+
+
+@contextlib.contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """No ``datasets`` progress bars while TRL prepares a chunk (about four bars a chunk and trial, which
+    would bury the study's own progress); the user's setting is restored afterwards."""
+    import datasets
+
+    with _QuietDatasets.lock:
+        if _QuietDatasets.depth == 0:
+            _QuietDatasets.restore = datasets.is_progress_bar_enabled()
+            datasets.disable_progress_bars()
+        _QuietDatasets.depth += 1
+    try:
+        yield
+    finally:
+        with _QuietDatasets.lock:
+            _QuietDatasets.depth -= 1
+            if _QuietDatasets.depth == 0 and _QuietDatasets.restore:
+                datasets.enable_progress_bars()
 
 
 def rows_of(dataset: Dataset, indices: list[int]) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 
 _lock = threading.Lock()
 _ROOT = "optuna_rapidfire"
@@ -24,3 +25,19 @@ def get_logger(name: str) -> logging.Logger:
             root.setLevel(logging.INFO)
             root.propagate = False
     return logging.getLogger(name)
+
+
+# Deprecation warnings that other libraries' own defaults raise in every study, which a user cannot act on:
+# TRL's SFTConfig defaults to the old name ``gradient_checkpointing=True``, and PEFT reads the model's
+# ``is_gradient_checkpointing`` when the first adapter is added (transformers 5 renamed both to
+# ``activation_checkpointing``).
+_LIBRARY_NOISE = (
+    r"`gradient_checkpointing` is deprecated and will be removed in v6",
+    r"`is_gradient_checkpointing` is deprecated and will be removed in v6",
+)
+
+
+def quiet_library_noise() -> None:
+    """Ignore the warnings of :data:`_LIBRARY_NOISE` (every other warning still shows)."""
+    for message in _LIBRARY_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)

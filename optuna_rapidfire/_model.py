@@ -196,26 +196,30 @@ class ResidentModel:
         adapter; here the adapter layers are listed once, and only the two adapters concerned have their
         ``requires_grad`` changed, so a switch costs microseconds whatever the number of live trials.
         """
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        peft = self.peft
-        assert peft is not None
+        assert self.peft is not None
         with self._lock:
             if self._active == name:
                 return
-            if self._layers is None:
-                self._layers = [m for m in peft.modules() if isinstance(m, BaseTunerLayer)]
-            for layer in self._layers:
-                layer.__dict__["_active_adapter"] = [name]
+            self._point_at(name)
             if self._active is not None and self._active in self._params:
                 for param in self._params[self._active]:
                     param.requires_grad_(False)
             for param in self.adapter_params(name):
                 param.requires_grad_(True)
-            # PeftModel and its tuner each keep the name (PEFT's set_adapter sets both).
-            peft.base_model.__dict__["active_adapter"] = name
-            peft.__dict__["active_adapter"] = name
             self._active = name
+
+    def _point_at(self, name: str) -> None:
+        """Make ``name`` the adapter PEFT's layers and models name as active (``requires_grad`` untouched)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        assert self.peft is not None
+        if self._layers is None:
+            self._layers = [m for m in self.peft.modules() if isinstance(m, BaseTunerLayer)]
+        for layer in self._layers:
+            layer.__dict__["_active_adapter"] = [name]
+        # PeftModel and its tuner each keep the name (PEFT's set_adapter sets both).
+        self.peft.base_model.__dict__["active_adapter"] = name
+        self.peft.__dict__["active_adapter"] = name
 
     def set_trainable(self, names: list[str], trainable: bool) -> None:
         """Make several adapters trainable at once (a fused gang), or none of them again.
@@ -281,6 +285,10 @@ class ResidentModel:
         if self.peft is None:
             return
         if name in self.peft.peft_config:
+            others = [n for n in self.peft.peft_config if n != name]
+            if others and self.peft.active_adapter == name:
+                # Point PEFT at another adapter first: deleting the active one makes PEFT pick one and warn.
+                self._point_at(others[0])
             try:
                 self.peft.delete_adapter(name)
             except (ValueError, KeyError, AttributeError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from typing import Any
@@ -22,11 +23,18 @@ class Progress:
         self._free_positions: list[int] = []
         self._summary: Any = None
         self._finished = 0
+        self._redirect: Any = None
         if self.enabled:
             from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self._tqdm = tqdm
             self._summary = tqdm(total=total_trials, desc="trials", unit="trial", position=0, leave=True)
+            # Log lines (Optuna's and ours) are written above the bars instead of onto the bars' line.
+            self._redirect = logging_redirect_tqdm(
+                loggers=[logging.getLogger("optuna"), logging.getLogger("optuna_rapidfire")], tqdm_class=tqdm
+            )
+            self._redirect.__enter__()
 
     def trial_started(self, number: int, total_chunks: int, done: int = 0) -> None:
         if not self.enabled:
@@ -82,3 +90,4 @@ class Progress:
                 bar.close()
             self._bars.clear()
             self._summary.close()
+            self._redirect.__exit__(None, None, None)

@@ -25,7 +25,7 @@ def build_tiny_model(
     num_attention_heads: int = 4,
     intermediate_size: int | None = None,
     vocab_size: int = 512,
-    max_position_embeddings: int = 512,
+    max_position_embeddings: int = 2048,
     initializer_range: float = 0.2,
     seed: int = 0,
 ) -> Path:
