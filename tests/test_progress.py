@@ -42,3 +42,20 @@ def test_progress_reuses_lines_of_finished_trials() -> None:
     progress.chunk_done(0, "eval_loss", 1.0)
     progress.trial_ended(0, "COMPLETE", 1.0)
     progress.close()
+
+
+def test_log_lines_go_above_the_bars_on_a_terminal(monkeypatch) -> None:
+    """Optuna's and the package's log lines are written through tqdm while bars show, never onto a bar's line."""
+    import logging
+
+    from tqdm.contrib.logging import _TqdmLoggingHandler
+
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    loggers = [logging.getLogger("optuna"), logging.getLogger("optuna_rapidfire")]
+    before = [list(logger.handlers) for logger in loggers]
+    progress = Progress(True, total_trials=2)
+    assert progress.enabled
+    for logger in loggers:
+        assert any(isinstance(h, _TqdmLoggingHandler) for h in logger.handlers), logger.name
+    progress.close()
+    assert [list(logger.handlers) for logger in loggers] == before
