@@ -10,7 +10,6 @@ pool, a paused trial does not take a thread away from the live ones.
 from __future__ import annotations
 
 import contextlib
-import copy
 import fcntl
 import hashlib
 import os
@@ -21,9 +20,9 @@ import warnings
 from typing import IO, TYPE_CHECKING, Any
 
 import optuna
-from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import TrialState
 
+from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._storages import StorageUnavailableError, file_path, retrying
 
@@ -34,8 +33,19 @@ _logger = get_logger(__name__)
 _WAIT_SECONDS = 1.0  # how often a worker waiting for the study's end looks at the storage
 
 
+class Lease:
+    """One slot held by one trial; :meth:`release` gives it back, once (later calls do nothing)."""
+
+    def __init__(self, slots: Slots) -> None:
+        self._slots = slots
+        self.held = True
+
+    def release(self) -> None:
+        self._slots._give_back(self)
+
+
 class Slots:
-    """A counting semaphore where resumed trials go before new ones."""
+    """A counting semaphore of leases, where resumed trials go before new ones."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -43,7 +53,8 @@ class Slots:
         self._resuming = 0
         self._cond = threading.Condition()
 
-    def acquire(self, *, resume: bool = False) -> None:
+    def acquire(self, *, resume: bool = False) -> Lease:
+        """Wait for a free slot and hold it (``resume``: before any new trial)."""
         with self._cond:
             if resume:
                 self._resuming += 1
@@ -54,11 +65,14 @@ class Slots:
                 if resume:
                     self._resuming -= 1
             self._used += 1
+            return Lease(self)
 
-    def release(self) -> None:
+    def _give_back(self, lease: Lease) -> None:
         with self._cond:
-            self._used -= 1
-            self._cond.notify_all()
+            if lease.held:
+                lease.held = False
+                self._used -= 1
+                self._cond.notify_all()
 
     def free(self) -> int:
         """Slots a new trial could take now."""
@@ -132,7 +146,8 @@ class TrialPool:
     Args:
         study: The study.
         objective: The executor's objective.
-        slots: The executor's slots; the pool takes one for each trial it starts and hands it over.
+        slots: The device's slots; the pool takes a lease for each trial it starts and hands it to the
+            trial's driver.
         n_trials: Trials to start (``None``: until ``timeout`` or ``study.stop()``).
         timeout: Seconds after which no new trial starts.
         callbacks, catch, gc_after_trial: As in ``study.optimize``.
@@ -143,7 +158,8 @@ class TrialPool:
         externally_finished: Whether the trial ``number`` was finished from outside (dashboard "Fail
             Trial"): Optuna's tell then raises, and the pool goes on instead of failing.
         retry_seconds: How long the trials' storage calls retry while the storage is unreachable.
-        target: Run until the study (all workers together) has this many COMPLETE or PRUNED trials,
+        target: ``(n, states)``: run until the study (all workers together) has ``n`` trials in ``states``
+            (finished states, from a ``MaxTrialsCallback``),
             and nothing is left running elsewhere that could still come back as a retry.
         take_ticket: With several worker processes, takes one of the trials left to start among all
             of them (``False``: none is left), so a worker that started late takes fewer trials.
@@ -165,7 +181,7 @@ class TrialPool:
         pause_grace: float,
         externally_finished: Callable[[int], bool],
         take_ticket: Callable[[], bool] | None = None,
-        target: int | None = None,
+        target: tuple[int, tuple[TrialState, ...]] | None = None,
         retry_seconds: float = 0.0,
     ) -> None:
         self.study = study
@@ -185,7 +201,7 @@ class TrialPool:
         self._retry_seconds = retry_seconds
         self._unasked = 0  # threads started that have not asked for their trial yet
         self._told_waiting = False
-        self._storage = retrying(study._storage, retry_seconds)
+        self._storage = retrying(_compat.storage(study), retry_seconds)
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._stop = False
@@ -212,11 +228,13 @@ class TrialPool:
                 if verdict == "wait":
                     self.slots.wait_for_change(_WAIT_SECONDS)
                     continue
-            self.slots.acquire()
+            lease = self.slots.acquire()
             if self._take_ticket is not None and not self._take_ticket():
-                self.slots.release()
+                lease.release()
                 break
-            thread = threading.Thread(target=self._one_trial, name=f"rapidfire-trial-{started}", daemon=True)
+            thread = threading.Thread(
+                target=self._one_trial, args=(lease,), name=f"rapidfire-trial-{started}", daemon=True
+            )
             with self._lock:
                 self._threads.append(thread)
                 self._unasked += 1
@@ -245,21 +263,24 @@ class TrialPool:
 
     def _target_verdict(self) -> str:
         """With ``target``: ``start`` a trial, ``wait`` (another worker's trials may still need a retry),
-        or ``done`` (the study has ``target`` COMPLETE or PRUNED trials and nothing is left to run)."""
+        or ``done`` (the study has the target's trials and nothing is left to run)."""
         storage = self._storage
-        if is_heartbeat_enabled(storage):
+        if _compat.heartbeats_enabled(storage):
             # Optuna does this when a trial starts; a worker waiting for the study's end does it too, so
             # the trials of a dead worker come back (as retries) while others can take them.
-            view = copy.copy(self.study)
-            view._storage = storage
+            view = _compat.with_storage(self.study, storage)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 optuna.storages.fail_stale_trials(view)
-        trials = storage.get_all_trials(self.study._study_id, deepcopy=False)
+        assert self.target is not None
+        wanted, counted = self.target
+        trials = storage.get_all_trials(_compat.study_id(self.study), deepcopy=False)
         states = [t.state for t in trials]
-        finished = states.count(TrialState.COMPLETE) + states.count(TrialState.PRUNED)
+        finished = sum(states.count(state) for state in counted)
         running = states.count(TrialState.RUNNING)
-        if TrialState.WAITING in states or finished + running < (self.target or 0):
+        if finished >= wanted:
+            return "done"
+        if TrialState.WAITING in states or finished + running < wanted:
             return "start"
         with self._lock:
             mine = sum(t.is_alive() for t in self._threads)
@@ -271,7 +292,7 @@ class TrialPool:
                 "Waiting for %d trial(s) running on other workers%s.",
                 running - mine,
                 ""
-                if is_heartbeat_enabled(storage)
+                if _compat.heartbeats_enabled(storage)
                 else " (without heartbeats, a dead worker's trials never end: "
                 "give the storage a heartbeat_interval, or a timeout to this call)",
             )
@@ -284,11 +305,11 @@ class TrialPool:
             return True
         return deadline is not None and time.monotonic() >= deadline
 
-    def _one_trial(self) -> None:
-        # A study object per thread: each has its own stop flag, which study.optimize resets on entry.
-        study = copy.copy(self.study)
-        study._storage = self._storage  # Optuna's calls for this trial retry while the storage is down
-        self.local.slot_taken = True  # the objective takes over the slot acquired for it
+    def _one_trial(self, lease: Lease) -> None:
+        # A study object per thread (each has its own stop flag, which study.optimize resets on entry),
+        # whose storage calls retry while the storage is down.
+        study = _compat.with_storage(self.study, self._storage)
+        self.local.lease = lease  # the trial's driver takes it over (take_lease)
         self.local.trial_number = None
         self.local.ask_handle = self._ask_lock.acquire()
         self.local.asking = True
@@ -310,9 +331,15 @@ class TrialPool:
                     self._error = self._error or _storage_error_in(error) or error
         finally:
             self.asked()
-            if self.local.slot_taken:  # the objective never ran
-                self.slots.release()
+            lease.release()  # the driver gave it back already, or the objective never ran
             self.slots.notify()
+
+    def take_lease(self, trial_number: int) -> Lease | None:
+        """The slot the pool took for the calling thread, handed to its trial ``trial_number`` (once)."""
+        lease: Lease | None = getattr(self.local, "lease", None)
+        self.local.lease = None
+        self.local.trial_number = trial_number
+        return lease
 
     def asked(self) -> None:
         """The calling thread's trial is asked (its objective runs): other threads may ask now."""
@@ -325,5 +352,5 @@ class TrialPool:
             self.slots.notify()
 
     def _watch_stop(self, study: optuna.Study, trial: Any) -> None:
-        if study._stop_flag:
+        if _compat.stop_requested(study):
             self._stop = True

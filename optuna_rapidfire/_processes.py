@@ -22,13 +22,20 @@ import optuna
 from optuna.storages import JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 
+from optuna_rapidfire import _compat
+from optuna_rapidfire._device import DeviceRuntime
 from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._model import resolve_devices
+from optuna_rapidfire._optimize import end_paused, optimize
 from optuna_rapidfire._progress import Progress
+from optuna_rapidfire._services import StudyServices
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     import torch
+
+    from optuna_rapidfire._config import ExecutorConfig
 
 _logger = get_logger(__name__)
 
@@ -38,8 +45,7 @@ def storage_spec(study: optuna.Study) -> tuple[str, str, dict[str, Any]]:
 
     An RDB storage's heartbeat settings (interval, grace period, retry callback) travel with it.
     """
-    storage: Any = study._storage
-    storage = getattr(storage, "_backend", storage)  # RDB storages come wrapped in a cache
+    storage = _compat.backend_storage(study)
     if isinstance(storage, RDBStorage):
         settings = {
             "heartbeat_interval": storage.heartbeat_interval,
@@ -47,8 +53,9 @@ def storage_spec(study: optuna.Study) -> tuple[str, str, dict[str, Any]]:
             "heartbeat_stale_trial_callback": storage.heartbeat_stale_trial_callback,
         }
         return "rdb", storage.url, settings
-    if isinstance(storage, JournalStorage) and isinstance(storage._backend, JournalFileBackend):
-        return "journal", storage._backend._file_path, {}
+    journal = _compat.journal_file(storage)
+    if journal is not None:
+        return "journal", journal, {}
     raise ValueError(
         "Several devices run one worker process each, so the study needs a storage they can all open: an "
         "RDB URL (sqlite:///study.db, postgresql://...) or a JournalStorage on a file, not "
@@ -95,13 +102,12 @@ def _environ(changes: dict[str, str]) -> Iterator[None]:
 
 
 def run_workers(
-    init_kwargs: dict[str, Any],
+    config: ExecutorConfig,
     devices: list[torch.device],
     study: optuna.Study,
     optimize_kwargs: dict[str, Any],
-    show_progress_bar: bool,
 ) -> None:
-    """Run ``executor.optimize(study, **optimize_kwargs)`` in one process per device; wait for all.
+    """Run ``optimize(study, **optimize_kwargs)`` with ``config`` in one process per device; wait for all.
 
     Raises:
         ValueError: If the storage cannot be shared or an argument cannot be sent to another process.
@@ -109,7 +115,7 @@ def run_workers(
     """
     spec = storage_spec(study)
     payload = {
-        "init_kwargs": {**init_kwargs, "show_progress_bar": False},
+        "config": config.replace(show_progress_bar=False),
         "spec": spec,
         "study_name": study.study_name,
         "sampler": study.sampler,
@@ -147,7 +153,7 @@ def run_workers(
                 process.start()
             processes.append((index, device, process))
             _logger.info("Worker %d started on %s (pid %d).", index, device, process.pid)
-        _wait(processes, results, study, started, show_progress_bar)
+        _wait(processes, results, study, started, config.show_progress_bar)
 
 
 def _wait(
@@ -190,8 +196,6 @@ _FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, o
 def _worker_main(index: int, job: dict[str, Any], tickets: Tickets | None, results: Any) -> None:
     """Body of a worker process: one executor on one device, taking trials while any are left."""
     try:
-        from optuna_rapidfire._executor import RapidFireExecutor
-
         with open(job["path"], "rb") as handle:
             payload = pickle.load(handle)
         study = optuna.load_study(
@@ -200,11 +204,13 @@ def _worker_main(index: int, job: dict[str, Any], tickets: Tickets | None, resul
             sampler=payload["sampler"],
             pruner=payload["pruner"],
         )
-        executor = RapidFireExecutor(**payload["init_kwargs"], devices=job["device"])
-        executor._worker_label = job["label"]
-        executor._trial_tickets = tickets
-        with executor:
-            executor.optimize(
+        config: ExecutorConfig = payload["config"]
+        services = StudyServices(config)
+        device = DeviceRuntime(config, resolve_devices(job["device"])[0], services, label=job["label"])
+        try:
+            optimize(
+                device,
+                services,
                 study,
                 payload["configure"],
                 n_trials=payload["n_trials"],
@@ -212,8 +218,12 @@ def _worker_main(index: int, job: dict[str, Any], tickets: Tickets | None, resul
                 callbacks=payload["callbacks"],
                 catch=payload["catch"],
                 gc_after_trial=payload["gc_after_trial"],
-                study_trials=payload["study_trials"],
+                target=payload["target"],
+                take_ticket=tickets.take if tickets is not None else None,
             )
+        finally:
+            end_paused(device)
+            device.close()
         results.put((index, None))
     except BaseException:
         results.put((index, traceback.format_exc()))

@@ -18,18 +18,20 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 
-from optuna_rapidfire import _attrs, _commands
+from optuna_rapidfire import _attrs, _commands, _compat, control
 from optuna_rapidfire._checkpoints import CheckpointError
 from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, TrialSpec
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._pruning import prune_decision, resolve_auto_resources
-from optuna_rapidfire._scheduler import Entry, Phase
+from optuna_rapidfire._scheduler import Decision, Entry
 from optuna_rapidfire._trainers._base import ACCELERATE_STATE
 from optuna_rapidfire._worker import Built, Failed, Paused, Released, Saved
 
 if TYPE_CHECKING:
     from optuna_rapidfire._checkpoints import Checkpoints
-    from optuna_rapidfire._executor import Configure, RapidFireExecutor
+    from optuna_rapidfire._config import Configure
+    from optuna_rapidfire._optimize import Run
+    from optuna_rapidfire._pool import Lease
     from optuna_rapidfire._snapshot import TrialSnapshot
 
 _logger = get_logger(__name__)
@@ -45,9 +47,9 @@ class FinishedElsewhere(Exception):
 
 def _fetch_parent(checkpoints: Checkpoints, study: optuna.Study, parent: int) -> TrialSnapshot:
     """The latest checkpoint of trial ``parent`` (for a warm clone of a trial that ran elsewhere)."""
-    storage = study._storage
+    storage = _compat.storage(study)
     try:
-        trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, parent)
+        trial_id = storage.get_trial_id_from_study_id_trial_number(_compat.study_id(study), parent)
     except KeyError:
         trial_id = None
     link = None if trial_id is None else storage.get_trial(trial_id).system_attrs.get(_attrs.CHECKPOINT)
@@ -59,13 +61,15 @@ def _fetch_parent(checkpoints: Checkpoints, study: optuna.Study, parent: int) ->
 class TrialDriver:
     """Runs one trial's Optuna side; :meth:`run` is the body of the executor's objective."""
 
-    def __init__(self, executor: RapidFireExecutor, trial: optuna.Trial, configure: Configure) -> None:
-        self.ex = executor
+    def __init__(self, run: Run, trial: optuna.Trial, configure: Configure) -> None:
+        self.shared = run
+        self.device = run.device
+        self.services = run.services
         self.trial = trial
         self.study = trial.study
         self.configure = configure
         self.entry: Entry | None = None
-        self._holds_slot = False
+        self._lease: Lease | None = None
         self._run_id = 0  # the trial's MLflow run handle, when tracking is on
         self._adapter_path: str | None = None
         self._total_chunks = 0
@@ -73,24 +77,22 @@ class TrialDriver:
     # -- the trial from start to end -------------------------------------------------------------
 
     def run(self) -> float:
-        ex = self.ex
-        if ex._fatal is not None:
-            raise ex._fatal
-        ex._check_study(self.study)
-        ex._claim_slot(self.trial.number)
-        self._holds_slot = True
+        if self.device.fatal is not None:
+            raise self.device.fatal
+        self.services.check_study(self.study)
+        self._lease = self.shared.lease(self.trial.number)
         state, value = "FAIL", None
         try:
             spec = self._spec()
-            ex._register_form(self.study)
-            self.trial.set_user_attr(_attrs.METRIC, ex.metric)
+            self.services.register_form(self.study)
+            self.trial.set_user_attr(_attrs.METRIC, self.services.metric)
             self.trial.set_user_attr(_attrs.STATUS, "running")
-            self.trial.set_user_attr(_attrs.WORKER, f"{socket.gethostname()}:{os.getpid()}:{ex._worker_label}")
-            entry = Entry(number=self.trial.number, trial_id=self.trial._trial_id, spec=spec)
-            ex._scheduler.add(entry)
+            self.trial.set_user_attr(_attrs.WORKER, f"{socket.gethostname()}:{os.getpid()}:{self.device.label}")
+            entry = Entry(number=self.trial.number, trial_id=_compat.trial_id(self.trial), spec=spec)
+            self.device.scheduler.add(entry)
             self.entry = entry
-            if ex._tracker is not None:
-                self._run_id = ex._tracker.trial_started(self.trial, spec.kind.name, ex.metric)
+            if self.services.tracker is not None:
+                self._run_id = self.services.tracker.trial_started(self.trial, spec.kind.name, self.services.metric)
             value = self._follow()
             state = "COMPLETE" if not math.isnan(value) else "FAIL"
             return value
@@ -105,22 +107,22 @@ class TrialDriver:
             self._record_end("failed", (_attrs.FAIL_REASON, f"{type(error).__name__}: {error}"[:2000]))
             raise
         finally:
-            if self.entry is not None and self.entry.phase is not Phase.GONE:
-                self._leave(Phase.RELEASE)
-            if self._holds_slot:
-                ex._slots.release()
+            if self.entry is not None and not self.entry.gone:
+                self._leave(Decision.STOP)
+            if self._lease is not None:
+                self._lease.release()
             if state == "COMPLETE":
                 self._record_end("complete")
             elif state == "FAIL" and value is not None:  # returned NaN: failed on the device, or deleted
                 self._record_end("failed")
-            ex._progress.trial_ended(self.trial.number, state, value)
-            if ex._tracker is not None:
-                ex._tracker.trial_ended(self._run_id, state, value, self._adapter_path)
+            self.shared.progress.trial_ended(self.trial.number, state, value)
+            if self.services.tracker is not None:
+                self.services.tracker.trial_ended(self._run_id, state, value, self._adapter_path)
 
     def _record_end(self, status: str, reason: tuple[str, str] | None = None) -> None:
         """Write the trial's final status (unless a more telling one is set) and why it ended."""
         try:
-            current = self.study._storage.get_trial(self.trial._trial_id)
+            current = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
             if current.state.is_finished():
                 return
             if current.user_attrs.get(_attrs.STATUS) not in ("deleted", "paused-at-end"):
@@ -131,16 +133,15 @@ class TrialDriver:
             _logger.debug("Trial %d: its final status could not be written.", self.trial.number, exc_info=True)
 
     def _spec(self) -> TrialSpec:
-        ex = self.ex
         try:
             with ACCELERATE_STATE:  # making TrainingArguments must not clear a trainer being built
-                peft_config, args, kind = ex._checked_config(self.configure(self.trial), self.study)
+                peft_config, args, kind = self.services.check_config(self.configure(self.trial), self.study)
         except (TypeError, ValueError) as error:
             # A config no trial can use: stop the study rather than fail trial after trial.
-            ex._call_error = ex._call_error or error
+            self.shared.error = self.shared.error or error
             self.study.stop()
             raise
-        root = os.path.join(ex.output_dir, self.study.study_name)
+        root = os.path.join(self.services.config.output_dir, self.study.study_name)
         return TrialSpec(
             number=self.trial.number,
             peft_config=peft_config,
@@ -149,12 +150,12 @@ class TrialDriver:
             adapter_dir=os.path.join(root, f"trial-{self.trial.number}"),
             state_dir=os.path.join(root, "state"),
             clone_of=self._clone_request(),
-            checkpoint=ex._checkpoints(self.study) is not None,
+            checkpoint=self.services.checkpoints(self.study) is not None,
         )
 
     def _clone_request(self) -> CloneOf | None:
-        study, checkpoints = self.study, self.ex._checkpoints(self.study)
-        system_attrs = study._storage.get_trial(self.trial._trial_id).system_attrs
+        study, checkpoints = self.study, self.services.checkpoints(self.study)
+        system_attrs = _compat.storage(study).get_trial(_compat.trial_id(self.trial)).system_attrs
         # Optuna's RetryHeartbeatStaleTrialCallback re-enqueues a stale trial with the dead one's system
         # attrs (our checkpoint link among them) plus "failed_trial" and "retry_history".
         if "failed_trial" in system_attrs and checkpoints is not None:
@@ -185,7 +186,7 @@ class TrialDriver:
                 self._built(event)
                 if event.branch is not None and event.branch.step >= event.total_chunks > 0:
                     # A warm clone of a trial that had trained every chunk: it ends where it starts.
-                    return self._complete(float(event.branch.history[-1][self.ex.metric]))
+                    return self._complete(float(event.branch.history[-1][self.services.metric]))
             elif isinstance(event, Failed):
                 return self._failed(event)
             elif isinstance(event, ChunkResult):
@@ -200,9 +201,11 @@ class TrialDriver:
         resolve_auto_resources(self.study.pruner, event.total_chunks)
         if event.branch is not None:
             self._record_branch(event.branch)
-            if self.ex._tracker is not None:
-                self.ex._tracker.branch(self._run_id, event.branch, self.ex.metric)
-        self.ex._progress.trial_started(trial.number, event.total_chunks, done=event.branch.step if event.branch else 0)
+            if self.services.tracker is not None:
+                self.services.tracker.branch(self._run_id, event.branch, self.services.metric)
+        self.shared.progress.trial_started(
+            trial.number, event.total_chunks, done=event.branch.step if event.branch else 0
+        )
 
     def _record_branch(self, branch: Branch) -> None:
         trial = self.trial
@@ -215,7 +218,7 @@ class TrialDriver:
         if branch.warm:
             # The clone's curve continues its parent's, so pruners compare it at equal progress.
             for step, metrics in enumerate(branch.history):
-                trial.report(metrics[self.ex.metric], step)
+                trial.report(metrics[self.services.metric], step)
             trial.set_user_attr(_attrs.CHUNKS_DONE, branch.step)
             _logger.info(
                 "Trial %d is a warm clone of trial %d after chunk %d.", trial.number, branch.parent, branch.step
@@ -232,10 +235,10 @@ class TrialDriver:
             _logger.warning("Trial %d retries trial %d from scratch: %s.", trial.number, branch.parent, branch.reason)
             return
         # The retry keeps its predecessor's curve (Optuna's retry callback copies no values by default).
-        reported = self.study._storage.get_trial(trial._trial_id).intermediate_values
+        reported = _compat.storage(self.study).get_trial(_compat.trial_id(trial)).intermediate_values
         for step, metrics in enumerate(branch.history):
             if step not in reported:
-                trial.report(metrics[self.ex.metric], step)
+                trial.report(metrics[self.services.metric], step)
         trial.set_user_attr(_attrs.CHUNKS_DONE, branch.step)
         trial.set_user_attr(_attrs.RESUMED_FROM_STEP, branch.step)
         _logger.info(
@@ -247,11 +250,11 @@ class TrialDriver:
 
     def _checkpoint(self, event: ChunkResult, previous: Any) -> None:
         """Save the chunk's state to the artifact store and link it, before the chunk is reported."""
-        checkpoints = self.ex._checkpoints(self.study)
+        checkpoints = self.services.checkpoints(self.study)
         if event.snapshot is None or checkpoints is None:
             return
         try:
-            checkpoints.save(self.study, self.trial._trial_id, event.snapshot, previous)
+            checkpoints.save(self.study, _compat.trial_id(self.trial), event.snapshot, previous)
         except Exception as error:  # the trial goes on; a retry would resume from an older checkpoint
             _logger.warning(
                 "Trial %d: the checkpoint after chunk %d could not be saved (%s: %s).",
@@ -265,13 +268,13 @@ class TrialDriver:
     # -- after each chunk --------------------------------------------------------------------------
 
     def _after_chunk(self, event: ChunkResult) -> float | None:
-        trial, ex = self.trial, self.ex
+        trial = self.trial
         entry = self.entry
         assert entry is not None
-        value = event.metrics[ex.metric]
+        value = event.metrics[self.services.metric]
         step = event.step
         try:
-            stored = self.study._storage.get_trial(trial._trial_id)
+            stored = _compat.storage(self.study).get_trial(_compat.trial_id(trial))
             if stored.state.is_finished():
                 raise UpdateFinishedTrialError("finished outside the executor")
             self._checkpoint(event, stored.system_attrs.get(_attrs.CHECKPOINT))
@@ -282,41 +285,35 @@ class TrialDriver:
                     trial.set_user_attr(attr, event.metrics[key])
         except UpdateFinishedTrialError:
             return self._finished_elsewhere()
-        ex._progress.chunk_done(trial.number, ex.metric, value)
-        if ex._tracker is not None:
-            ex._tracker.chunk(self._run_id, event)
+        self.shared.progress.chunk_done(trial.number, self.services.metric, value)
+        if self.services.tracker is not None:
+            self.services.tracker.chunk(self._run_id, event)
         pruned, snapshot = self._should_prune(step)
         if pruned:
-            self._leave(Phase.RELEASE)
+            self._leave(Decision.STOP)
             raise optuna.TrialPruned(self._pruned_reason(step, value))
         pause = False
         for command in _commands.pending(self.study, snapshot):
-            if command.op == "delete":
-                _commands.mark_done(self.study, trial._trial_id, command, f"deleted after chunk {step + 1}")
+            action = self._apply(command, "last chunk" if event.last else "chunk", step + 1, pausing=pause)
+            if action == "delete":
                 return self._delete(command.reason)
-            if command.op == "stop" and pause:
-                _commands.mark_done(self.study, trial._trial_id, command, "ignored: already paused")
-            elif command.op == "stop" and not event.last:
-                pause = True
-                _commands.mark_done(self.study, trial._trial_id, command, f"paused after chunk {step + 1}")
-            else:
-                self._other_command(command, last=event.last)
+            pause = pause or action == "pause"
         if event.last:
             return self._complete(float(value))
         if pause:
             outcome = self._pause(step)
             if outcome is not None:
                 return outcome
-        ex._scheduler.set_phase(entry, Phase.READY)
+        self.device.scheduler.decide(entry, Decision.CONTINUE)
         return None
 
     def _should_prune(self, step: int) -> tuple[bool, optuna.trial.FrozenTrial]:
         """Decide at the round barrier, twice: once to let pruners record the step, once to decide."""
-        entry, scheduler = self.entry, self.ex._scheduler
+        entry, scheduler = self.entry, self.device.scheduler
         assert entry is not None
         scheduler.mark(entry, reported=step)
         round_peers = scheduler.wait_for_round(entry, step, stage="reported")
-        snapshot = self.study._storage.get_trial(self.trial._trial_id)
+        snapshot = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
         prune_decision(self.study, snapshot, step, round_peers)
         scheduler.mark(entry, screened=step)
         scheduler.wait_for_round(entry, step, stage="screened")
@@ -326,48 +323,70 @@ class TrialDriver:
         """What the log and the trial's user attrs say about a pruning: who, when, on what value, against whom."""
         peers = sum(
             step in t.intermediate_values and t.number != self.trial.number
-            for t in self.study._storage.get_all_trials(self.study._study_id, deepcopy=False)
+            for t in _compat.storage(self.study).get_all_trials(_compat.study_id(self.study), deepcopy=False)
         )
         return (
             f"{type(self.study.pruner).__name__} stopped it after chunk {step + 1}/{self._total_chunks} "
-            f"(step {step}): {self.ex.metric}={value:.6g}, compared with {peers} other trial(s) at that step."
+            f"(step {step}): {self.services.metric}={value:.6g}, compared with {peers} other trial(s) at that step."
         )
 
-    def _other_command(self, command: _commands.Command, *, last: bool) -> None:
-        trial_id = self.trial._trial_id
-        if command.op == "clone":
-            from optuna_rapidfire import control
+    def _apply(self, command: _commands.Command, where: str, chunk: int, *, pausing: bool = False) -> str | None:
+        """Apply one control command (or say why it is ignored) and mark it done; the one place that does.
 
+        Args:
+            command: The command.
+            where: Where the trial is: after a ``"chunk"`` (or its ``"last chunk"``), ``"paused"``, or
+                ``"saved"`` (complete, its adapter written).
+            chunk: Chunks the trial has trained (for the record).
+            pausing: A stop was already applied after this chunk.
+
+        Returns:
+            What the trial must do now: ``"pause"``, ``"resume"`` or ``"delete"``; ``None``: carry on.
+        """
+        op, action = command.op, None
+        if op == "delete" and where != "saved":
+            result, action = ("deleted while paused" if where == "paused" else f"deleted after chunk {chunk}"), op
+        elif op == "stop" and (where == "paused" or pausing):
+            result = "ignored: already paused"
+        elif op == "stop" and where == "chunk":
+            result, action = f"paused after chunk {chunk}", "pause"
+        elif op in ("stop", "delete"):
+            result = "ignored: the trial has trained its last chunk"
+        elif op == "resume" and where == "paused":
+            result, action = "resumed", op
+        elif op == "resume":
+            result = "ignored: the trial is not paused"
+        elif op == "clone":
             try:
                 child = control.clone(self.study, command.trial, command.params, warm_start=command.warm)
             except (TypeError, ValueError) as error:
-                _commands.mark_done(self.study, trial_id, command, f"refused: {error}")
+                result = f"refused: {error}"
             else:
-                _commands.mark_done(self.study, trial_id, command, f"enqueued as trial {child}")
-        elif command.op in ("stop", "delete") and last:
-            _commands.mark_done(self.study, trial_id, command, "ignored: the trial has trained its last chunk")
-        elif command.op == "resume":
-            _commands.mark_done(self.study, trial_id, command, "ignored: the trial is not paused")
+                result = f"enqueued as trial {child}"
         else:
-            _commands.mark_done(self.study, trial_id, command, f"ignored: {command.reason}")
+            result = f"ignored: {command.reason}"
+        _commands.mark_done(self.study, _compat.trial_id(self.trial), command, result)
+        return action
 
     # -- ways to end -------------------------------------------------------------------------------
 
     def _complete(self, value: float) -> float:
-        done = self._leave(Phase.FINISH)
+        done = self._leave(Decision.FINISH)
         if isinstance(done, Failed):
             return self._failed(done)
         assert isinstance(done, Saved)
         self._adapter_path = os.path.abspath(done.path)
         self.trial.set_user_attr(_attrs.ADAPTER_PATH, self._adapter_path)
         # A request that came while the adapter was being saved: the trial is still RUNNING, so it is answered.
-        for command in _commands.pending(self.study, self.study._storage.get_trial(self.trial._trial_id)):
-            self._other_command(command, last=True)
+        for command in _commands.pending(
+            self.study, _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
+        ):
+            self._apply(command, "saved", self._total_chunks)
         return value
 
     def _failed(self, event: Failed) -> float:
         if event.fatal:
-            self.ex._fatal = event.error
+            self.device.fatal = event.error
             self.study.stop()
             raise event.error
         reason = f"{type(event.error).__name__}: {event.error}"
@@ -377,26 +396,26 @@ class TrialDriver:
         return math.nan
 
     def _delete(self, reason: str | None) -> float:
-        self._leave(Phase.RELEASE)
+        self._leave(Decision.STOP)
         self.trial.set_user_attr(_attrs.STATUS, "deleted")
         self.trial.set_user_attr(_attrs.FAIL_REASON, f"deleted: {reason or 'deleted by user'}")
         _logger.info("Trial %d was deleted (%s); its state is freed.", self.trial.number, reason)
         return math.nan
 
     def _finished_elsewhere(self) -> float:
-        self._leave(Phase.RELEASE)
-        self.ex._externally_finished.add(self.trial.number)
+        self._leave(Decision.STOP)
+        self.shared.externally_finished.add(self.trial.number)
         _logger.warning(
             "Trial %d was finished outside the executor (optuna-dashboard's 'Fail Trial'?): its state is released.",
             self.trial.number,
         )
         raise FinishedElsewhere(f"Trial {self.trial.number} was finished outside the executor.")
 
-    def _leave(self, phase: Phase) -> Any:
-        """Ask the worker to finish (``FINISH``) or release (``RELEASE``) the trial; wait until it has."""
+    def _leave(self, decision: Decision) -> Any:
+        """Tell the device the trial is done (``FINISH``: save its adapter; ``STOP``: release it); wait until it is."""
         entry = self.entry
         assert entry is not None
-        self.ex._scheduler.set_phase(entry, phase)
+        self.device.scheduler.decide(entry, decision)
         while True:
             event = entry.events.get()
             if isinstance(event, (Saved, Released, Failed)):
@@ -406,50 +425,45 @@ class TrialDriver:
 
     def _pause(self, step: int) -> float | None:
         """Wait, off the device and without a slot, for a resume; ``None`` once resumed."""
-        ex, trial, entry = self.ex, self.trial, self.entry
+        trial, entry = self.trial, self.entry
         assert entry is not None
-        ex._scheduler.set_phase(entry, Phase.PAUSE)
+        self.device.scheduler.decide(entry, Decision.PAUSE)
         while not isinstance(entry.events.get(), Paused):
             pass
-        ex._slots.release()
-        self._holds_slot = False
+        assert self._lease is not None
+        self._lease.release()
+        self._lease = None
         trial.set_user_attr(_attrs.STATUS, "paused")
-        ex._progress.trial_paused(trial.number)
+        self.shared.progress.trial_paused(trial.number)
         _logger.info("Trial %d paused after chunk %d.", trial.number, step + 1)
-        ex._paused.add(entry)
+        self.device.paused.add(entry)
         try:
             while True:
                 try:
-                    event = entry.events.get(timeout=ex._poll_seconds)
+                    event = entry.events.get(timeout=self.services.config.poll_seconds)
                 except queue.Empty:
                     event = None
                 if isinstance(event, EndPaused):
                     return self._end_paused(step)
-                frozen = self.study._storage.get_trial(trial._trial_id)
+                frozen = _compat.storage(self.study).get_trial(_compat.trial_id(trial))
                 if frozen.state.is_finished():
                     return self._finished_elsewhere()
                 for command in _commands.pending(self.study, frozen):
-                    if command.op == "resume":
-                        _commands.mark_done(self.study, trial._trial_id, command, "resumed")
-                        ex._claim_slot(trial.number, resume=True)
-                        self._holds_slot = True
+                    action = self._apply(command, "paused", step + 1)
+                    if action == "resume":
+                        self._lease = self.shared.lease(trial.number, resume=True)
                         trial.set_user_attr(_attrs.STATUS, "running")
-                        ex._progress.trial_resumed(trial.number)
+                        self.shared.progress.trial_resumed(trial.number)
                         _logger.info("Trial %d resumed after chunk %d.", trial.number, step + 1)
                         return None
-                    if command.op == "delete":
-                        _commands.mark_done(self.study, trial._trial_id, command, "deleted while paused")
+                    if action == "delete":
                         return self._delete(command.reason)
-                    if command.op == "stop":
-                        _commands.mark_done(self.study, trial._trial_id, command, "ignored: already paused")
-                    else:
-                        self._other_command(command, last=False)
         finally:
-            ex._paused.discard(entry)
-            ex._slots.notify()
+            self.device.paused.discard(entry)
+            self.device.slots.notify()
 
     def _end_paused(self, step: int) -> float:
-        self._leave(Phase.RELEASE)
+        self._leave(Decision.STOP)
         self.trial.set_user_attr(_attrs.STATUS, "paused-at-end")
         raise optuna.TrialPruned(
             f"Still paused after chunk {step + 1} when the study ended; its state is kept: clone it to continue."

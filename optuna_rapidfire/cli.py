@@ -338,14 +338,12 @@ def _worker(options: argparse.Namespace) -> int:
     except (ValueError, TypeError, KeyError) as error:
         return _error(error.args[0] if isinstance(error, KeyError) and error.args else error)
     logger.info("Worker %s joined study %r on %s.", os.getpid(), options.study_name, hide_password(options.storage))
+    callbacks = []
+    if options.study_trials is not None:
+        finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        callbacks.append(optuna.study.MaxTrialsCallback(options.study_trials, states=finished))
     with executor:
-        executor.optimize(
-            study,
-            configure,
-            n_trials=options.n_trials,
-            timeout=options.timeout,
-            study_trials=options.study_trials,
-        )
+        executor.optimize(study, configure, n_trials=options.n_trials, timeout=options.timeout, callbacks=callbacks)
     logger.info("Worker %s is done.", os.getpid())
     return 0
 

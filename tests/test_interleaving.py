@@ -115,7 +115,7 @@ def test_every_trial_sees_the_same_chunks_in_the_same_order(make_executor, monke
 
     assert seen[0] == seen[1] == seen[2]
     assert len(seen[0]) == 3
-    assert sorted(p for prompts in seen[0] for p in prompts) == sorted(executor._train["prompt"])
+    assert sorted(p for prompts in seen[0] for p in prompts) == sorted(executor.config.train_dataset["prompt"])
 
 
 def test_study_optimize_with_objective_interleaves_the_same_way(make_executor, chunk_log) -> None:

@@ -66,7 +66,7 @@ def test_a_tracking_server_that_goes_away_never_fails_or_slows_a_trial(make_exec
     with mlflow_server(tmp_path / "mlflow") as url:
         executor = make_executor(num_chunks=2, max_concurrent_trials=2, mlflow_tracking_uri=url)
     # The server is gone; every tracking call now fails (slowly): trials neither fail nor wait for it.
-    tracker = executor._tracker
+    tracker = executor._services.tracker
     monkeypatch.setattr(tracker, "flush", lambda timeout=120.0: None)
     original = tracker._log
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import optuna
 
-from optuna_rapidfire._pool import Slots, TrialPool
+from optuna_rapidfire._pool import Lease, Slots, TrialPool
 
 
 def test_enqueued_trials_each_run_once_on_sqlite(tmp_path: Path) -> None:
@@ -23,11 +23,11 @@ def test_enqueued_trials_each_run_once_on_sqlite(tmp_path: Path) -> None:
 
     def objective(trial: optuna.Trial) -> float:
         pool.asked()
-        pool.local.slot_taken = False
+        lease = pool.take_lease(trial.number)
         with lock:
             runs.append(trial.number)
         time.sleep(0.01)
-        slots.release()
+        lease.release()
         return trial.suggest_float("x", 0, 100)
 
     slots = Slots(8)
@@ -50,3 +50,30 @@ def test_enqueued_trials_each_run_once_on_sqlite(tmp_path: Path) -> None:
     trials = study.get_trials()
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * n
     assert sorted(t.params["x"] for t in trials) == [float(i) for i in range(n)]
+
+
+def test_a_lease_is_given_back_once_and_resumed_trials_go_first() -> None:
+    slots = Slots(2)
+    first, second = slots.acquire(), slots.acquire()
+    assert slots.free() == 0
+    first.release()
+    first.release()  # a second release does nothing: the slot is not given back twice
+    assert slots.free() == 1
+    third = slots.acquire()  # full again
+    taken: list[tuple[str, Lease]] = []
+
+    def take(name: str, resume: bool) -> None:
+        taken.append((name, slots.acquire(resume=resume)))
+
+    waiting_new = threading.Thread(target=take, args=("new", False))
+    waiting_new.start()
+    time.sleep(0.05)
+    waiting_resumed = threading.Thread(target=take, args=("resumed", True))
+    waiting_resumed.start()
+    time.sleep(0.05)
+    second.release()  # one slot frees: the resumed trial takes it although the new one waited longer
+    waiting_resumed.join(5)
+    assert [name for name, _ in taken] == ["resumed"] and waiting_new.is_alive()
+    third.release()
+    waiting_new.join(5)
+    assert [name for name, _ in taken] == ["resumed", "new"]

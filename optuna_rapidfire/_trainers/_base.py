@@ -107,6 +107,8 @@ class TrainerKind(ABC):
     name: str
     #: Metric reported after every chunk unless ``metric=`` says otherwise.
     default_metric: str = "eval_loss"
+    #: Whether trials of this kind need the executor's ``reward_funcs``.
+    needs_rewards: bool = False
 
     @classmethod
     @abstractmethod

@@ -30,6 +30,7 @@ class GRPOKind(TrainerKind):
 
     name = "grpo"
     default_metric = "eval_reward"
+    needs_rewards = True
 
     @classmethod
     def args_type(cls) -> type[TrainingArguments]:

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler=optuna.samplers.TPESampler(seed=0),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=2),
     )
-    device = "cuda" if executor._device.type == "cuda" else "cpu"
+    device = executor.devices[0].type
     print(f"Running {options.n_trials} trials, {options.concurrent} at a time, on {device} ...", flush=True)
     with executor:
         executor.optimize(study, _configure(bf16=device == "cuda" and torch.cuda.is_bf16_supported()), options.n_trials)

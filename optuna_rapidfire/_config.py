@@ -1,0 +1,227 @@
+"""The executor's settings: one frozen, validated object.
+
+``RapidFireExecutor(**kwargs)`` validates its keywords here, before any work, and keeps the result. The
+same object is what a worker process receives (with the device and a few per-process fields replaced)
+and what the ``optuna-rapidfire worker`` command builds its executors from, so every path checks the
+same things once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import optuna
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from peft import PeftConfig
+    from transformers import PreTrainedTokenizerBase, TrainingArguments
+
+    from optuna_rapidfire._compat import ArtifactStore
+    from optuna_rapidfire._model import ModelSource
+
+EngineName = Literal["auto", "fused", "time_sliced"]
+"""``"fused"``: gangs of trials share passes; ``"time_sliced"``: one trial at a time; ``"auto"``: fused on a
+GPU, time-sliced on the CPU."""
+
+Configure = Callable[[optuna.Trial], "tuple[PeftConfig, TrainingArguments]"]
+"""The user's function: suggest hyperparameters on the trial, return ``(peft_config, training_args)``."""
+
+_ENGINES = ("auto", "fused", "time_sliced")
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """How much per-trial state may stay on the device: ``bytes`` exactly, or a ``fraction`` of the device
+    memory left after the base model is loaded; neither means no limit."""
+
+    bytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, setting: int | str | None) -> MemoryBudget | None:
+        """``None`` (no limit), ``"auto"`` (None here: the device decides), bytes as an int, or a string:
+        ``"40%"`` of the free memory, or a size such as ``"8GiB"``/``"512MB"``."""
+        if setting is None:
+            return cls()
+        if isinstance(setting, bool) or not isinstance(setting, (int, str)):
+            raise TypeError(
+                "state_memory_budget must be 'auto', None, a number of bytes (int) or a string such as '40%' or "
+                f"'8GiB', but got {setting!r}. A float is ambiguous (bytes or a fraction?): write '50%' or 8_000_000."
+            )
+        if isinstance(setting, int):
+            if setting < 0:
+                raise ValueError(f"state_memory_budget must not be negative, but got state_memory_budget={setting}.")
+            return cls(bytes=setting)
+        text = setting.strip().lower().replace(" ", "")
+        if text == "auto":
+            return None
+        percent = re.fullmatch(r"(\d+(?:\.\d+)?)%", text)
+        if percent is not None and 0 < float(percent.group(1)) <= 100:
+            return cls(fraction=float(percent.group(1)) / 100)
+        sized = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]i?b|b)", text)
+        if sized is not None:
+            return cls(bytes=int(float(sized.group(1)) * _UNITS[sized.group(2)]))
+        raise ValueError(
+            f"state_memory_budget must be 'auto', None, bytes, a percentage of the free device memory ('40%', "
+            f"at most '100%') or a size ('8GiB', '512MB'), but got {setting!r}."
+        )
+
+    def resolve(self, free_bytes: int) -> int | None:
+        """The budget in bytes on a device with ``free_bytes`` free (``None``: no limit)."""
+        if self.fraction is not None:
+            return int(free_bytes * self.fraction)
+        return self.bytes
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Every setting of a :class:`~optuna_rapidfire.RapidFireExecutor`, validated (see its docstring).
+
+    ``memory_budget`` is ``None`` for ``"auto"`` (half the free GPU memory, no limit on the CPU);
+    ``metric`` is ``None`` until the first trial's trainer type names its default; ``eval_samples`` is
+    resolved (``"auto"`` becomes a number of rows).
+    """
+
+    model: ModelSource
+    train_dataset: Dataset
+    eval_dataset: Dataset
+    tokenizer: PreTrainedTokenizerBase | None = None
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    num_chunks: int = 8
+    max_concurrent_trials: int = 8
+    seed: int = 0
+    metric: str | None = None
+    eval_samples: int | None = None
+    compute_metrics: Callable[..., dict[str, float]] | None = None
+    preprocess_logits_for_metrics: Callable[..., Any] | None = None
+    formatting_func: Callable[[dict[str, Any]], str] | None = None
+    reward_funcs: tuple[Callable[..., list[float]] | str, ...] = ()
+    mlflow_tracking_uri: str | None = None
+    output_dir: str = "rapidfire-output"
+    memory_budget: MemoryBudget | None = None
+    show_progress_bar: bool = True
+    dashboard_controls: bool = True
+    poll_seconds: float = 1.0
+    pause_grace_seconds: float = 120.0
+    artifact_store: ArtifactStore | Literal["auto"] | None = "auto"
+    storage_retry_seconds: float = 60.0
+    engine: EngineName = "auto"
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        model: ModelSource,
+        train_dataset: Dataset,
+        eval_dataset: Dataset,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        num_chunks: int = 8,
+        max_concurrent_trials: int = 8,
+        seed: int = 0,
+        metric: str | None = None,
+        eval_samples: int | Literal["auto"] | None = "auto",
+        compute_metrics: Callable[..., dict[str, float]] | None = None,
+        preprocess_logits_for_metrics: Callable[..., Any] | None = None,
+        formatting_func: Callable[[dict[str, Any]], str] | None = None,
+        reward_funcs: list[Callable[..., list[float]] | str] | None = None,
+        mlflow_tracking_uri: str | None = None,
+        output_dir: str | os.PathLike[str] = "rapidfire-output",
+        state_memory_budget: int | str | None = "auto",
+        show_progress_bar: bool = True,
+        dashboard_controls: bool = True,
+        poll_seconds: float = 1.0,
+        pause_grace_seconds: float = 120.0,
+        artifact_store: ArtifactStore | Literal["auto"] | None = "auto",
+        storage_retry_seconds: float = 60.0,
+        engine: EngineName = "auto",
+    ) -> ExecutorConfig:
+        """Validate the executor's keywords; every error names the bad value."""
+        from datasets import Dataset
+
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if not isinstance(dataset, Dataset):
+                raise TypeError(f"{name} must be a datasets.Dataset, but got {type(dataset).__name__}.")
+            if len(dataset) == 0:
+                raise ValueError(f"{name} is empty.")
+        if not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks must be an integer of at least 1, but got {num_chunks=}.")
+        if not isinstance(max_concurrent_trials, int) or max_concurrent_trials < 1:
+            raise ValueError(
+                f"max_concurrent_trials must be an integer of at least 1, but got {max_concurrent_trials=}."
+            )
+        if eval_samples == "auto":
+            eval_samples = max(32, len(train_dataset) // num_chunks // 4)
+        elif eval_samples is not None and (not isinstance(eval_samples, int) or eval_samples < 1):
+            raise ValueError(f"eval_samples must be 'auto', None or an integer of at least 1, but got {eval_samples=}.")
+        budget = MemoryBudget.parse(state_memory_budget)
+        if metric is not None and not isinstance(metric, str):
+            raise TypeError(f"metric must be a metric name, but got {metric!r}.")
+        for source in reward_funcs or []:
+            if not (callable(source) or isinstance(source, str)):
+                raise TypeError(f"reward_funcs must hold functions or reward model paths, but got {source!r}.")
+        if not poll_seconds > 0:
+            raise ValueError(f"poll_seconds must be positive, but got {poll_seconds=}.")
+        if not pause_grace_seconds >= 0:
+            raise ValueError(f"pause_grace_seconds must not be negative, but got {pause_grace_seconds=}.")
+        if engine not in _ENGINES:
+            raise ValueError(f"engine must be 'auto', 'fused' or 'time_sliced', but got {engine=}.")
+        if not (isinstance(storage_retry_seconds, (int, float)) and storage_retry_seconds >= 0):
+            raise ValueError(f"storage_retry_seconds must be a number of at least 0, but got {storage_retry_seconds=}.")
+        _check_artifact_store(artifact_store)
+        return cls(
+            model=model,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            tokenizer=tokenizer,
+            model_kwargs=dict(model_kwargs or {}),
+            num_chunks=num_chunks,
+            max_concurrent_trials=max_concurrent_trials,
+            seed=seed,
+            metric=None if metric is None else metric_key(metric),
+            eval_samples=eval_samples,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            formatting_func=formatting_func,
+            reward_funcs=tuple(reward_funcs or ()),
+            mlflow_tracking_uri=mlflow_tracking_uri,
+            output_dir=os.fspath(output_dir),
+            memory_budget=budget,
+            show_progress_bar=show_progress_bar,
+            dashboard_controls=dashboard_controls,
+            poll_seconds=poll_seconds,
+            pause_grace_seconds=pause_grace_seconds,
+            artifact_store=artifact_store,
+            storage_retry_seconds=float(storage_retry_seconds),
+            engine=engine,
+        )
+
+    def replace(self, **changes: Any) -> ExecutorConfig:
+        """A copy with ``changes`` (for a worker process: no progress bar of its own)."""
+        return dataclasses.replace(self, **changes)
+
+
+def metric_key(metric: str) -> str:
+    """The metric as evaluation reports it: ``"loss"`` → ``"eval_loss"``."""
+    return metric if metric.startswith("eval_") else f"eval_{metric}"
+
+
+def _check_artifact_store(store: Any) -> None:
+    if isinstance(store, str) and store != "auto":
+        raise ValueError(
+            f"artifact_store must be 'auto', None or an Optuna artifact store, but got artifact_store={store!r}."
+        )
+    if not isinstance(store, str) and store is not None:
+        missing = [m for m in ("write", "open_reader", "remove") if not callable(getattr(store, m, None))]
+        if missing:
+            raise TypeError(
+                f"artifact_store must be an Optuna artifact store (FileSystemArtifactStore, Boto3ArtifactStore, "
+                f"...), but {type(store).__name__} has no {', '.join(missing)}."
+            )

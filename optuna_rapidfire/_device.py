@@ -1,0 +1,141 @@
+"""One device and what lives on it: the base model, the engine, the scheduler, the worker thread, the slots.
+
+Built lazily (the model loads on the first ``start``) and shut down by ``close``. Trial drivers reach the
+device only through the scheduler (tasks and events) and the slots; only the worker thread touches the
+model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from optuna_rapidfire._data import ChunkPlan, PreparedData
+from optuna_rapidfire._engines._fused_engine import FusedEngine
+from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._model import ResidentModel, load_model
+from optuna_rapidfire._pool import Slots
+from optuna_rapidfire._scheduler import Scheduler
+from optuna_rapidfire._worker import DeviceWorker
+
+if TYPE_CHECKING:
+    from optuna_rapidfire._config import ExecutorConfig
+    from optuna_rapidfire._scheduler import Entry
+    from optuna_rapidfire._services import StudyServices
+    from optuna_rapidfire._trainers import TrainerExtras
+
+_logger = get_logger(__name__)
+
+
+def engine_for(config: ExecutorConfig, device: torch.device) -> str:
+    """The engine ``config.engine`` means on ``device``: ``"auto"`` is fused on a GPU, time-sliced elsewhere."""
+    if config.engine != "auto":
+        return config.engine
+    return "fused" if device.type == "cuda" else "time_sliced"
+
+
+class DeviceRuntime:
+    """The per-device half of an executor.
+
+    Args:
+        config: The executor's settings.
+        device: The device (``cuda:0``, ``cpu``...).
+        services: The executor's study services (metric check, trainer extras).
+        label: How the trial attributes name this device (a worker process sees its GPU as ``cuda:0``).
+    """
+
+    def __init__(self, config: ExecutorConfig, device: torch.device, services: StudyServices, label: str) -> None:
+        self.config = config
+        self.device = device
+        self.services = services
+        self.label = label
+        self.plan = ChunkPlan(num_rows=len(config.train_dataset), num_chunks=config.num_chunks, seed=config.seed)
+        self.engine_name = engine_for(config, device)
+        if config.engine == "auto" and self.engine_name == "time_sliced":
+            _logger.info(
+                "engine='auto' on %s: time-sliced (a shared pass pays where one small trial leaves a GPU idle).",
+                device,
+            )
+        self.slots = Slots(config.max_concurrent_trials)
+        self.scheduler = Scheduler()
+        self.scheduler.expect(config.max_concurrent_trials)
+        self.paused: set[Entry] = set()
+        self.fatal: BaseException | None = None
+        self.engine: TimeSlicedEngine | None = None
+        self._worker: DeviceWorker | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Load the model and start the worker thread (once); raise the error that made the device unusable."""
+        with self._lock:
+            if self.fatal is not None:
+                raise self.fatal
+            if self._worker is not None:
+                return
+            config = self.config
+            model, tokenizer = load_model(config.model, tokenizer=config.tokenizer, model_kwargs=config.model_kwargs)
+            resident = ResidentModel(model, tokenizer, self.device)
+            data = PreparedData(config.train_dataset, config.eval_dataset, self.plan, config.eval_samples)
+            engine_class = FusedEngine if self.engine_name == "fused" else TimeSlicedEngine
+            self.engine = engine_class(
+                resident,
+                data,
+                self._with_reward_models(self.services.extras),
+                os.path.join(config.output_dir, ".trainer"),
+                self._state_budget(),
+            )
+            self.scheduler.fuse = self.engine_name == "fused"
+            self._worker = DeviceWorker(
+                self.engine,
+                self.scheduler,
+                adapter_dir=lambda entry: entry.spec.adapter_dir,
+                check_metrics=self.services.check_metrics,
+            )
+            self._worker.start()
+
+    def close(self) -> None:
+        """Stop the worker thread and drop the model (paused trials must have ended first)."""
+        self.scheduler.close()
+        if self._worker is not None:
+            self._worker.join()
+        self._worker = None
+        self.engine = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _with_reward_models(self, extras: TrainerExtras) -> TrainerExtras:
+        """Load reward models given by path once, on this device, for every GRPO trial to share."""
+        if not self.config.reward_funcs:
+            return extras
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        funcs: list[Any] = []
+        processing: list[Any] = []
+        for source in self.config.reward_funcs:
+            if isinstance(source, str):
+                model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1)
+                model.to(self.device).eval().requires_grad_(False)
+                tokenizer = AutoTokenizer.from_pretrained(source)
+                if tokenizer.pad_token is None:
+                    tokenizer.pad_token = tokenizer.eos_token
+                funcs.append(model)
+                processing.append(tokenizer)
+            else:
+                funcs.append(source)
+                processing.append(None)
+        return dataclasses.replace(extras, reward_funcs=tuple(funcs), reward_processing_classes=tuple(processing))
+
+    def _state_budget(self) -> int | None:
+        """Bytes of trial state kept on the device: ``"auto"`` is half the free GPU memory, no limit on the CPU."""
+        budget = self.config.memory_budget
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        if budget is None:
+            return int(free * 0.5) if self.device.type == "cuda" else None
+        if budget.fraction is not None and self.device.type != "cuda":
+            return None  # the CPU's memory is not the budget's concern
+        return budget.resolve(free)

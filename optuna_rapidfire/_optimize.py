@@ -1,0 +1,131 @@
+"""The body of ``executor.optimize`` and of its objective, as free functions over their parts.
+
+A :class:`Run` is what the trial drivers of one ``optimize`` call (or of the objective handed to
+``study.optimize``) share: the device, the study services, the progress display, the pool that starts
+trials, and what happened to them. :func:`optimize` runs trials of a study on one device;
+:func:`make_objective` makes the objective a plain ``study.optimize`` calls. The executor's front only
+builds the parts and calls these.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from optuna_rapidfire._pool import TrialPool
+from optuna_rapidfire._progress import Progress
+from optuna_rapidfire._trial_driver import EndPaused, TrialDriver
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from optuna_rapidfire._device import DeviceRuntime
+    from optuna_rapidfire._pool import Lease
+    from optuna_rapidfire._services import StudyServices
+    from optuna_rapidfire._trial_driver import Configure
+
+
+class Run:
+    """What the trial drivers of one ``optimize`` call share (see the module docstring).
+
+    Attributes:
+        device: The device the trials train on.
+        services: The executor's study services.
+        progress: The progress display (disabled off a terminal).
+        pool: The pool that starts trials (``None`` under a plain ``study.optimize``).
+        externally_finished: Numbers of trials finished from outside (optuna-dashboard's "Fail Trial").
+        error: A config error no trial can get past; ``optimize`` raises it at the end.
+    """
+
+    def __init__(
+        self, device: DeviceRuntime, services: StudyServices, progress: Progress, pool: TrialPool | None = None
+    ) -> None:
+        self.device = device
+        self.services = services
+        self.progress = progress
+        self.pool = pool
+        self.externally_finished: set[int] = set()
+        self.error: BaseException | None = None
+
+    def lease(self, trial_number: int, *, resume: bool = False) -> Lease:
+        """A live-trial slot for ``trial_number``: the one the pool took for this thread, else a new one
+        (``resume``: a resumed trial, before any new trial)."""
+        pool = self.pool
+        if pool is not None:
+            pool.asked()
+            lease = pool.take_lease(trial_number)
+            if lease is not None and not resume:
+                return lease
+        return self.device.slots.acquire(resume=resume)
+
+
+def end_paused(device: DeviceRuntime) -> None:
+    """Tell every paused trial of the device that the study is over (they end as PRUNED)."""
+    for entry in list(device.paused):
+        entry.events.put(EndPaused())
+
+
+def make_objective(run: Run, configure: Configure) -> Callable[[optuna.Trial], float]:
+    """The objective of one trial: its driver follows it on ``run``'s device."""
+
+    def objective(trial: optuna.Trial) -> float:
+        return TrialDriver(run, trial, configure).run()
+
+    return objective
+
+
+def optimize(
+    device: DeviceRuntime,
+    services: StudyServices,
+    study: optuna.Study,
+    configure: Configure,
+    *,
+    n_trials: int | None,
+    timeout: float | None,
+    callbacks: Sequence[Callable[[optuna.Study, optuna.trial.FrozenTrial], None]],
+    catch: tuple[type[Exception], ...],
+    gc_after_trial: bool,
+    target: tuple[int, tuple[TrialState, ...]] | None,
+    take_ticket: Callable[[], bool] | None = None,
+) -> None:
+    """Run trials of ``configure`` on ``study`` on one device, ``max_concurrent_trials`` at a time.
+
+    ``target`` (from a ``MaxTrialsCallback``): run until the study holds ``n`` trials in these states, all
+    workers together. ``take_ticket``: with several worker processes, takes one of the trials they have left
+    to start (``False``: none is left).
+    """
+    config = device.config
+    device.start()
+    budget = n_trials if n_trials is not None else (None if target is None else target[0])
+    first_wave = config.max_concurrent_trials if budget is None else min(budget, config.max_concurrent_trials)
+    device.scheduler.expect(first_wave)
+    run = Run(device, services, Progress(config.show_progress_bar, total_trials=n_trials))
+    run.pool = TrialPool(
+        study,
+        make_objective(run, configure),
+        device.slots,
+        n_trials=n_trials,
+        timeout=timeout,
+        callbacks=callbacks,
+        catch=catch,
+        gc_after_trial=gc_after_trial,
+        paused=lambda: len(device.paused),
+        end_paused=lambda: end_paused(device),
+        pause_grace=config.pause_grace_seconds,
+        externally_finished=lambda number: number in run.externally_finished,
+        take_ticket=take_ticket,
+        target=target,
+        retry_seconds=config.storage_retry_seconds,
+    )
+    try:
+        run.pool.run()
+    finally:
+        if services.tracker is not None:
+            services.tracker.flush()
+        run.progress.close()
+        device.scheduler.expect(config.max_concurrent_trials)
+    error = device.fatal or run.error
+    if error is not None:
+        raise error

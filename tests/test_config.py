@@ -1,0 +1,99 @@
+"""The executor's settings, validated without a model: one frozen object, errors that name the bad value."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from optuna_rapidfire._config import ExecutorConfig, MemoryBudget
+from optuna_rapidfire._executor import study_target
+from optuna_rapidfire.demo import load_gsm8k
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_gsm8k("train", num_rows=40), load_gsm8k("test", num_rows=8)
+
+
+def test_defaults_are_resolved_and_the_config_is_frozen_and_picklable(data) -> None:
+    train, evaluation = data
+    config = ExecutorConfig.create(model="some/model", train_dataset=train, eval_dataset=evaluation, metric="loss")
+    assert config.metric == "eval_loss"
+    assert config.eval_samples == 32  # "auto": a quarter of a chunk's rows, at least 32
+    assert config.memory_budget is None  # "auto": the device decides
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_chunks = 3  # type: ignore[misc]
+    copy = pickle.loads(pickle.dumps(config.replace(show_progress_bar=False)))  # the worker processes' payload
+    assert copy.show_progress_bar is False and copy.num_chunks == config.num_chunks
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        (None, MemoryBudget()),
+        (0, MemoryBudget(bytes=0)),
+        (1, MemoryBudget(bytes=1)),
+        (8_000_000, MemoryBudget(bytes=8_000_000)),
+        ("40%", MemoryBudget(fraction=0.4)),
+        ("100%", MemoryBudget(fraction=1.0)),
+        ("8GiB", MemoryBudget(bytes=8 * 2**30)),
+        ("512 MB", MemoryBudget(bytes=512 * 10**6)),
+    ],
+)
+def test_a_memory_budget_means_the_same_whatever_the_number_type(setting, expected) -> None:
+    assert MemoryBudget.parse(setting) == expected
+    assert MemoryBudget.parse("auto") is None
+    assert MemoryBudget(fraction=0.25).resolve(1000) == 250 and MemoryBudget(bytes=7).resolve(1000) == 7
+
+
+@pytest.mark.parametrize(
+    ("setting", "error", "message"),
+    [
+        (1.0, TypeError, "A float is ambiguous"),
+        (0.5, TypeError, "A float is ambiguous"),
+        (True, TypeError, "state_memory_budget"),
+        (-1, ValueError, "must not be negative"),
+        ("lots", ValueError, "'lots'"),
+        ("150%", ValueError, "'150%'"),
+    ],
+)
+def test_a_bad_memory_budget_is_refused_by_name(setting, error, message) -> None:
+    with pytest.raises(error, match=message):
+        MemoryBudget.parse(setting)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"num_chunks": 0}, ValueError, "num_chunks=0"),
+        ({"max_concurrent_trials": 0}, ValueError, "max_concurrent_trials=0"),
+        ({"eval_samples": 0}, ValueError, "eval_samples=0"),
+        ({"metric": 3}, TypeError, "metric must be a metric name"),
+        ({"reward_funcs": [3]}, TypeError, "reward_funcs"),
+        ({"poll_seconds": 0}, ValueError, "poll_seconds=0"),
+        ({"pause_grace_seconds": -1}, ValueError, "pause_grace_seconds=-1"),
+        ({"engine": "warp"}, ValueError, "engine='warp'"),
+        ({"storage_retry_seconds": -1}, ValueError, "storage_retry_seconds=-1"),
+        ({"artifact_store": "s3"}, ValueError, "artifact_store='s3'"),
+        ({"artifact_store": object()}, TypeError, "has no write, open_reader, remove"),
+    ],
+)
+def test_each_bad_setting_is_refused_by_name(data, kwargs, error, message) -> None:
+    train, evaluation = data
+    with pytest.raises(error, match=message):
+        ExecutorConfig.create(model="m", train_dataset=train, eval_dataset=evaluation, **kwargs)
+
+
+def test_a_max_trials_callback_sets_the_study_wide_target() -> None:
+    finished = (TrialState.COMPLETE, TrialState.PRUNED)
+    assert study_target([]) is None
+    assert study_target([optuna.study.MaxTrialsCallback(8, states=finished)]) == (8, finished)
+    assert study_target([optuna.study.MaxTrialsCallback(8)]) == (8, (TrialState.COMPLETE,))
+    both = [optuna.study.MaxTrialsCallback(8, states=finished), optuna.study.MaxTrialsCallback(5, states=None)]
+    assert study_target(both) == (5, (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL))
+    with pytest.raises(ValueError, match="must count finished trials"):
+        study_target([optuna.study.MaxTrialsCallback(8, states=(TrialState.RUNNING,))])
