@@ -1,16 +1,21 @@
 """Who gets the device next.
 
 The scheduler is a thread-safe table of the live trials of one device. Optuna's worker threads add
-trials and wait on it; the device's worker thread asks it for the next task. It knows nothing about
-models or training: an engine carries out the tasks it hands out.
+trials, tell it their decisions and wait on it; the device's worker thread asks it for the next task.
+It knows nothing about models or training: an engine carries out the tasks it hands out.
+
+What a trial *is* (its :class:`Status`) is kept apart from what was *decided* about it (a
+:class:`Decision` from its driver, which may leave a :class:`Request` for the device) and from *which*
+ready trials train next (a :class:`SchedulePolicy`, one small class per policy).
 
 Rules:
 
-* housekeeping first (saving a finished trial's adapter, releasing a stopped trial's state), then
-  building new trials;
-* the device goes to a READY trial with the least progress, and only if no live trial has less
-  progress, so live trials advance in lock-step rounds: chunk k of every trial before anyone's
-  chunk k+1. A trial that joins later has the least progress and catches up first;
+* housekeeping first (pausing, saving a finished trial's adapter, releasing a stopped trial's state),
+  then building new trials;
+* :class:`Lockstep`: the device goes to a READY trial with the least progress, and only if no live
+  trial has less progress, so live trials advance in lock-step rounds: chunk k of every trial before
+  anyone's chunk k+1. A trial that joins later has the least progress and catches up first. A device
+  that fuses takes every READY trial at the least progress as one group;
 * at the start of a study the scheduler waits briefly for the first wave to register, so that
   wave starts together;
 * round barriers: a trial's pruning decision for step s waits until every other live trial has
@@ -24,22 +29,40 @@ import enum
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
-class Phase(enum.Enum):
-    """Where a live trial is in its cycle."""
+class Status(enum.Enum):
+    """What a trial is doing on the device."""
 
-    BUILD = "build"  # registered, its state not yet created
+    BUILDING = "building"  # registered, its state not created yet
     READY = "ready"  # may train its next chunk
     TRAINING = "training"  # on the device now
-    AWAITING = "awaiting"  # reported a chunk, its pruning decision pending
-    PAUSE = "pause"  # stopped by a person: move its state off the device
-    PAUSED = "paused"  # keeps its state, holds no slot, is not waited for
-    FINISH = "finish"  # complete: save the adapter, then release
-    RELEASE = "release"  # pruned or failed: release the state
-    GONE = "gone"
+    AWAITING = "awaiting"  # reported a chunk; its driver has not decided yet
+    PAUSED = "paused"  # keeps its state off the device, holds no slot, is not waited for
+    GONE = "gone"  # left the device
+
+
+class Decision(enum.Enum):
+    """What a trial's driver decided after a chunk (as Ray Tune's schedulers answer a result)."""
+
+    CONTINUE = "continue"  # train the next chunk
+    PAUSE = "pause"  # a person stopped it: move its state off the device, keep it
+    FINISH = "finish"  # complete: save its adapter, then release it
+    STOP = "stop"  # pruned, failed or deleted: release its state
+
+
+class Request(enum.Enum):
+    """Housekeeping a decision leaves for the device's worker."""
+
+    PAUSE = "pause"
+    FINISH = "finish"
+    RELEASE = "release"
 
 
 class Task(enum.Enum):
@@ -53,17 +76,20 @@ class Task(enum.Enum):
     RELEASE = "release"
 
 
-_LIVE = (Phase.BUILD, Phase.READY, Phase.TRAINING, Phase.AWAITING)
+_REQUESTED = {Decision.PAUSE: Request.PAUSE, Decision.FINISH: Request.FINISH, Decision.STOP: Request.RELEASE}
+_LIVE = (Status.BUILDING, Status.READY, Status.TRAINING, Status.AWAITING)
 
 
 @dataclass(eq=False)
 class Entry:
-    """One live trial as the scheduler sees it.
+    """One trial as the scheduler sees it.
 
     Attributes:
         number: Optuna trial number (unique within the study).
         trial_id: Optuna trial id (unique within the storage).
         spec: What the engine needs to build the trial.
+        status: What the trial is doing.
+        request: Housekeeping asked for and not done yet.
         chunks_done: Chunks trained so far.
         reported: Highest step the trial has reported to Optuna (-1: none).
         screened: Highest step for which the trial's first pruning pass ran (-1: none).
@@ -74,21 +100,62 @@ class Entry:
     number: int
     trial_id: int
     spec: Any
-    phase: Phase = Phase.BUILD
+    status: Status = Status.BUILDING
+    request: Request | None = None
     chunks_done: int = 0
     reported: int = -1
     screened: int = -1
     events: queue.Queue[Any] = field(default_factory=queue.Queue)
     runtime: Any = None
 
+    @property
+    def live(self) -> bool:
+        """Counts in the lock-step rounds: registered, not paused, not leaving."""
+        return self.status in _LIVE and self.request is None
+
+    @property
+    def gone(self) -> bool:
+        return self.status is Status.GONE
+
+
+class SchedulePolicy(ABC):
+    """Which ready trials train next. Pure: it looks at the live trials and changes nothing."""
+
+    @abstractmethod
+    def choose(self, live: Sequence[Entry], *, fuse: bool) -> list[Entry] | None:
+        """The trials to train now, one unless ``fuse`` (a group trained together); ``None``: wait."""
+
+
+class Lockstep(SchedulePolicy):
+    """Least progress first, and nobody ahead of a live trial with less: chunk k of all before chunk k+1."""
+
+    def choose(self, live: Sequence[Entry], *, fuse: bool) -> list[Entry] | None:
+        if not live:
+            return None
+        least = min(e.chunks_done for e in live)
+        behind = [e for e in live if e.chunks_done == least]
+        if fuse:
+            if any(e.status in (Status.AWAITING, Status.BUILDING) for e in behind):
+                return None  # a member of the group is still being decided on or built
+            group = [e for e in behind if e.status is Status.READY]
+            return group or None
+        ready = next((e for e in behind if e.status is Status.READY), None)
+        return None if ready is None else [ready]
+
 
 class Scheduler:
-    """Thread-safe table of the live trials of one device."""
+    """Thread-safe table of the trials of one device.
 
-    def __init__(self, *, gather_seconds: float = 1.0) -> None:
+    Args:
+        gather_seconds: How long the device waits for the first wave of a study to register.
+        policy: Which ready trials train next (:class:`Lockstep` by default).
+    """
+
+    def __init__(self, *, gather_seconds: float = 1.0, policy: SchedulePolicy | None = None) -> None:
         self._cond = threading.Condition()
         self._entries: dict[int, Entry] = {}
         self._gather_seconds = gather_seconds
+        self._policy = policy or Lockstep()
         self._expected = 1
         self._gathering = True
         self._last_arrival = time.monotonic()
@@ -105,7 +172,7 @@ class Scheduler:
                 self._gathering = True
 
     def add(self, entry: Entry) -> None:
-        """Register a new live trial."""
+        """Register a new trial (BUILDING)."""
         with self._cond:
             if entry.number in self._entries:
                 raise RuntimeError(
@@ -134,49 +201,42 @@ class Scheduler:
         """
         with self._cond:
             while True:
-                peers = [e for e in self._entries.values() if e is not entry and e.phase in _LIVE]
+                peers = [e for e in self._entries.values() if e is not entry and e.live]
                 if all(getattr(e, stage) >= step for e in peers):
                     return {e.trial_id for e in peers}
                 self._cond.wait()
 
-    def set_phase(self, entry: Entry, phase: Phase) -> None:
-        """Move a trial to ``phase`` (READY to continue, FINISH or RELEASE to leave)."""
+    def decide(self, entry: Entry, decision: Decision) -> None:
+        """The trial's driver decided: train on, or leave a request for the device."""
         with self._cond:
-            entry.phase = phase
+            if decision is Decision.CONTINUE:
+                entry.status = Status.READY
+            else:
+                entry.request = _REQUESTED[decision]
             self._cond.notify_all()
-
-    def live_numbers(self) -> list[int]:
-        """Trial numbers of the live trials, in order."""
-        with self._cond:
-            return sorted(n for n, e in self._entries.items() if e.phase in _LIVE)
 
     # -- the device's worker thread ------------------------------------------------------------
 
-    def next_task(self) -> tuple[Task, Entry] | None:
+    def next_task(self) -> tuple[Task, Any] | None:
         """Block until there is work for the device; ``None`` once closed."""
         with self._cond:
             while True:
                 if self._closed:
                     return None
-                picked, wait = self._pick()
-                if picked is not None:
-                    return picked
+                task, wait = self._next()
+                if task is not None:
+                    return task
                 self._cond.wait(timeout=wait)
 
-    def _pick(self) -> tuple[tuple[Task, Entry] | None, float | None]:
+    def _next(self) -> tuple[tuple[Task, Any] | None, float | None]:
         entries = sorted(self._entries.values(), key=lambda e: e.number)
         for e in entries:
-            if e.phase == Phase.FINISH:
-                return (Task.FINISH, e), None
-            if e.phase == Phase.RELEASE:
-                return (Task.RELEASE, e), None
-            if e.phase == Phase.PAUSE:
-                e.phase = Phase.PAUSED
-                return (Task.PAUSE, e), None
+            if e.request is not None:
+                return self._housekeeping(e), None
         for e in entries:
-            if e.phase == Phase.BUILD and e.runtime is None:
+            if e.status is Status.BUILDING and e.runtime is None:
                 return (Task.BUILD, e), None
-        live = [e for e in entries if e.phase in _LIVE]
+        live = [e for e in entries if e.live]
         if not live:
             return None, None
         if self._gathering:
@@ -184,22 +244,22 @@ class Scheduler:
             if len(live) < self._expected and quiet < self._gather_seconds:
                 return None, self._gather_seconds - quiet
             self._gathering = False
-        least = min(e.chunks_done for e in live)
-        if self.fuse:
-            at_least = [e for e in live if e.chunks_done == least]
-            if any(e.phase in (Phase.AWAITING, Phase.BUILD) for e in at_least):
-                return None, None  # a peer of the gang is still being decided on or built
-            gang = [e for e in at_least if e.phase == Phase.READY]
-            if gang:
-                for e in gang:
-                    e.phase = Phase.TRAINING
-                return (Task.TRAIN_GANG, gang), None  # type: ignore[return-value]
+        group = self._policy.choose(live, fuse=self.fuse)
+        if group is None:
             return None, None
-        for e in live:
-            if e.phase == Phase.READY and e.chunks_done == least:
-                e.phase = Phase.TRAINING
-                return (Task.TRAIN, e), None
-        return None, None
+        for e in group:
+            e.status = Status.TRAINING
+        return ((Task.TRAIN_GANG, group) if self.fuse else (Task.TRAIN, group[0])), None
+
+    @staticmethod
+    def _housekeeping(entry: Entry) -> tuple[Task, Entry]:
+        request, entry.request = entry.request, None
+        if request is Request.PAUSE:
+            entry.status = Status.PAUSED
+            return Task.PAUSE, entry
+        # The entry stays registered (and not live) until the worker removes it.
+        entry.request = request
+        return (Task.FINISH if request is Request.FINISH else Task.RELEASE), entry
 
     def built(self, entry: Entry, runtime: Any, chunks_done: int = 0, finished: bool = False) -> None:
         """The trial's state exists (a warm clone starts with its parent's progress): it may train.
@@ -211,21 +271,16 @@ class Scheduler:
             entry.runtime = runtime
             entry.chunks_done = chunks_done
             entry.reported = entry.screened = chunks_done - 1
-            if entry.phase in _LIVE:
-                entry.phase = Phase.AWAITING if finished else Phase.READY
+            if entry.status is Status.BUILDING:
+                entry.status = Status.AWAITING if finished else Status.READY
             self._cond.notify_all()
-
-    def find(self, number: int) -> Entry | None:
-        """The registered trial ``number``, if any."""
-        with self._cond:
-            return self._entries.get(number)
 
     def chunk_done(self, entry: Entry) -> None:
         """The trial trained and evaluated a chunk; its decision is pending."""
         with self._cond:
             entry.chunks_done += 1
-            if entry.phase in _LIVE:
-                entry.phase = Phase.AWAITING
+            if entry.status is Status.TRAINING:
+                entry.status = Status.AWAITING
             self._cond.notify_all()
 
     def entries(self) -> list[Entry]:
@@ -236,7 +291,8 @@ class Scheduler:
     def remove(self, entry: Entry) -> None:
         """The trial has left the device."""
         with self._cond:
-            entry.phase = Phase.GONE
+            entry.status = Status.GONE
+            entry.request = None
             entry.runtime = None
             self._entries.pop(entry.number, None)
             if not self._entries:
