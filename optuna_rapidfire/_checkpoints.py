@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.artifacts import FileSystemArtifactStore
 
-from optuna_rapidfire import _attrs
+from optuna_rapidfire import _attrs, _compat
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._snapshot import TrialSnapshot
 from optuna_rapidfire._storages import file_path
@@ -28,7 +28,7 @@ from optuna_rapidfire._storages import file_path
 if TYPE_CHECKING:
     from collections.abc import Collection
 
-    from optuna.artifacts._protocol import ArtifactStore
+    from optuna_rapidfire._compat import ArtifactStore
 
 _logger = get_logger(__name__)
 
@@ -70,7 +70,7 @@ class Checkpoints:
             "sha256": hashlib.sha256(blob).hexdigest(),
             "bytes": len(blob),
         }
-        study._storage.set_trial_system_attr(trial_id, _attrs.CHECKPOINT, link)
+        _compat.storage(study).set_trial_system_attr(trial_id, _attrs.CHECKPOINT, link)
         if isinstance(previous, dict) and not _awaited_by_clone(study, snapshot.trial_number):
             self.remove(previous)
         return link
@@ -118,8 +118,8 @@ class Checkpoints:
 
 def _awaited_by_clone(study: optuna.Study, number: int) -> bool:
     """Whether an enqueued (not yet started) clone of trial ``number`` may still branch from its checkpoint."""
-    for trial in study._storage.get_all_trials(
-        study._study_id, deepcopy=False, states=(optuna.trial.TrialState.WAITING,)
+    for trial in _compat.storage(study).get_all_trials(
+        _compat.study_id(study), deepcopy=False, states=(optuna.trial.TrialState.WAITING,)
     ):
         request = trial.user_attrs.get(_attrs.CLONE_OF) or trial.system_attrs.get(_attrs.CLONE_OF)
         if isinstance(request, dict) and request.get("parent") == number:

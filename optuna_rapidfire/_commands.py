@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from optuna_rapidfire import _attrs
+from optuna_rapidfire import _attrs, _compat
 from optuna_rapidfire._logging import get_logger
 
 if TYPE_CHECKING:
@@ -80,13 +80,13 @@ def issue(study: optuna.Study, op: str, trial: int, **fields: Any) -> str:
         "client": f"{socket.gethostname()}:{os.getpid()}",
     }
     payload.update(fields)
-    study._storage.set_study_system_attr(study._study_id, key, payload)
+    _compat.storage(study).set_study_system_attr(_compat.study_id(study), key, payload)
     return key
 
 
 def pending(study: optuna.Study, trial: FrozenTrial) -> list[Command]:
     """Commands for ``trial`` not applied yet, oldest first (storage commands, then the dashboard form)."""
-    attrs = study._storage.get_study_system_attrs(study._study_id)
+    attrs = _compat.storage(study).get_study_system_attrs(_compat.study_id(study))
     found = []
     for key, payload in attrs.items():
         if not key.startswith(_attrs.COMMAND_PREFIX) or not isinstance(payload, dict):
@@ -119,11 +119,11 @@ def mark_done(study: optuna.Study, trial_id: int, command: Command, result: str)
     if command.from_form:
         # The form can be submitted again with the same values: clearing the action makes the next
         # submission a change the executor notices.
-        study._storage.set_trial_user_attr(trial_id, _attrs.ACTION, "")
-        study._storage.set_trial_user_attr(trial_id, _attrs.ACTION_DONE, f"{command.op}: {result} ({now})")
+        _compat.storage(study).set_trial_user_attr(trial_id, _attrs.ACTION, "")
+        _compat.storage(study).set_trial_user_attr(trial_id, _attrs.ACTION_DONE, f"{command.op}: {result} ({now})")
     else:
         done_key = _attrs.DONE_PREFIX + command.key.removeprefix(_attrs.COMMAND_PREFIX)
-        study._storage.set_study_system_attr(study._study_id, done_key, {"result": result, "at": now})
+        _compat.storage(study).set_study_system_attr(_compat.study_id(study), done_key, {"result": result, "at": now})
     _logger.info("Trial %d: %s command applied (%s).", command.trial, command.op, result)
 
 
@@ -179,7 +179,6 @@ def register_dashboard_form(study: optuna.Study) -> bool:
     """
     try:
         from optuna_dashboard import ChoiceWidget, TextInputWidget, register_user_attr_form_widgets
-        from optuna_dashboard._form_widget import get_form_widgets_json
     except ImportError:
         return False
     # The text comes first: the dashboard writes the widgets' attributes one at a time in this order, so
@@ -200,7 +199,7 @@ def register_dashboard_form(study: optuna.Study) -> bool:
             user_attr_key=_attrs.ACTION,
         ),
     ]
-    current = get_form_widgets_json(study._storage.get_study_system_attrs(study._study_id))
+    current = _compat.dashboard_form_json(_compat.storage(study).get_study_system_attrs(_compat.study_id(study)))
     if current is not None:
         keys = {w.get("user_attr_key") for w in current.get("widgets", [])}
         if current.get("output_type") != "user_attr" or keys != {_attrs.ACTION, _attrs.ACTION_ARGS}:

@@ -27,6 +27,7 @@ import optuna
 from optuna.study import Study, StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
+from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def _snapshot_at(trial: FrozenTrial, step: int) -> FrozenTrial:
         user_attrs=trial.user_attrs,
         system_attrs=trial.system_attrs,
         intermediate_values=curve,
-        trial_id=trial._trial_id,
+        trial_id=_compat.trial_id(trial),
     )
 
 
@@ -69,11 +70,11 @@ class _PeerViewStorage:
         return getattr(self._storage, name)
 
     def _view(self, trial: FrozenTrial) -> FrozenTrial | None:
-        if trial._trial_id == self._current._trial_id:
+        if _compat.trial_id(trial) == _compat.trial_id(self._current):
             return self._current
         reached = self._step in trial.intermediate_values
         # Peers of this round are judged as they were at the barrier, whatever was decided for them since.
-        if reached and (trial.state == TrialState.RUNNING or trial._trial_id in self._round_peers):
+        if reached and (trial.state == TrialState.RUNNING or _compat.trial_id(trial) in self._round_peers):
             return _snapshot_at(trial, self._step)
         return trial
 
@@ -112,8 +113,7 @@ def prune_decision(study: Study, snapshot: FrozenTrial, step: int, round_peers: 
         step: The step just reported.
         round_peers: Trial ids of the executor's trials that reported ``step`` in the same round.
     """
-    view = copy.copy(study)
-    view._storage = _PeerViewStorage(study._storage, snapshot, step, round_peers)  # type: ignore[assignment]
+    view = _compat.with_storage(study, _PeerViewStorage(_compat.storage(study), snapshot, step, round_peers))
     return bool(study.pruner.prune(view, snapshot))
 
 
@@ -123,16 +123,10 @@ def resolve_auto_resources(pruner: BasePruner, max_steps: int) -> None:
     Those pruners infer their resources from the first COMPLETE trial; with lock-step trials that
     would be a peer snapshot, which is shorter than a real run. The executor knows the run length.
     """
-    seen: set[int] = set()
-    stack: list[Any] = [pruner]
-    while stack:
-        current = stack.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, optuna.pruners.HyperbandPruner) and current._max_resource == "auto":
-            current._max_resource = max_steps
+    for current in _compat.pruner_chain(pruner):
+        max_resource, min_resource = _compat.auto_resources(current)
+        if isinstance(current, optuna.pruners.HyperbandPruner) and max_resource == "auto":
+            _compat.set_auto_resources(current, max_resource=max_steps)
             _logger.info("HyperbandPruner(max_resource='auto') set to the run length, %d steps.", max_steps)
-        if isinstance(current, optuna.pruners.SuccessiveHalvingPruner) and current._min_resource is None:
-            current._min_resource = max(max_steps // 100, 1)
-        stack.append(getattr(current, "_wrapped_pruner", None))
+        if isinstance(current, optuna.pruners.SuccessiveHalvingPruner) and min_resource is None:
+            _compat.set_auto_resources(current, min_resource=max(max_steps // 100, 1))

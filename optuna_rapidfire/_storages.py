@@ -15,8 +15,9 @@ from typing import Any
 
 from optuna.exceptions import StorageInternalError
 from optuna.storages import BaseStorage
-from optuna.storages._heartbeat import BaseHeartbeat
 
+from optuna_rapidfire import _compat
+from optuna_rapidfire._compat import BaseHeartbeat
 from optuna_rapidfire._logging import get_logger
 
 _logger = get_logger(__name__)
@@ -45,15 +46,13 @@ def hide_password(url: str) -> str:
 def file_path(study: Any, *, journal: bool = True) -> str | None:
     """The absolute path of the file ``study`` lives in: an SQLite database (or, with ``journal``, a
     journal file); ``None`` for a server database or memory."""
-    storage = getattr(study._storage, "_backend", study._storage)  # RDB storages come wrapped in a cache
+    storage = _compat.backend_storage(study)
     url = getattr(storage, "url", None)
     if isinstance(url, str) and url.startswith("sqlite:///"):
         path = url[len("sqlite:///") :].split("?")[0]
         return None if path in ("", ":memory:") else os.path.abspath(path)
-    backend: Any = getattr(storage, "_backend", None)
-    if journal and hasattr(backend, "_file_path"):
-        return os.path.abspath(str(backend._file_path))
-    return None
+    journal_file = _compat.journal_file(storage) if journal else None
+    return None if journal_file is None else os.path.abspath(journal_file)
 
 
 def is_transient(error: BaseException) -> bool:

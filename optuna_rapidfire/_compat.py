@@ -1,0 +1,121 @@
+"""Every use of another library's private internals, in one place.
+
+Each function says what it reaches into, the versions it was checked against, and the public way to do
+it where one exists. When a library changes one of these, this file is the only one to mend; when a
+public way appears, the function becomes a one-line call to it.
+
+Checked against: optuna 5.0.0, optuna-dashboard 0.21.0.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+# The mixin of storages with heartbeats: a proxy of such a storage subclasses it, so that Optuna runs
+# heartbeats through the proxy. Not exported by Optuna.
+from optuna.storages._heartbeat import BaseHeartbeat as BaseHeartbeat
+
+if TYPE_CHECKING:
+    from collections.abc import Container
+
+    import optuna
+
+    # The Protocol every Optuna artifact store implements; Optuna does not export it (only the stores).
+    from optuna.artifacts._protocol import ArtifactStore as ArtifactStore
+    from optuna.storages import BaseStorage
+    from optuna.trial import TrialState
+
+
+def storage(study: optuna.Study) -> BaseStorage:
+    """``study._storage``: the study's storage object. Optuna has no public accessor (only the URL a study
+    was created with); samplers and pruners in Optuna itself read the attribute the same way."""
+    return study._storage
+
+
+def with_storage(study: optuna.Study, storage: Any) -> optuna.Study:
+    """A shallow copy of ``study`` that reads and writes through ``storage`` (a proxy of its own storage:
+    retrying, or a pruner's view). Sets ``_storage`` on the copy; Optuna has no public way to wrap it."""
+    view = copy.copy(study)
+    view._storage = storage
+    return view
+
+
+def study_id(study: optuna.Study) -> int:
+    """``study._study_id``: the study's id in its storage (public only through the storage's name lookup)."""
+    return study._study_id
+
+
+def trial_id(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
+    """``trial._trial_id``: the trial's id in its storage, which every storage call about a trial takes."""
+    return trial._trial_id
+
+
+def heartbeats_enabled(storage: Any) -> bool:
+    """``optuna.storages._heartbeat.is_heartbeat_enabled``: whether the storage records heartbeats (RDB
+    storages with ``heartbeat_interval``). No public function; ``RDBStorage.heartbeat_interval`` is the
+    public attribute behind it, but the storage may be wrapped (cached, retrying)."""
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    return bool(is_heartbeat_enabled(storage))
+
+
+def stop_requested(study: optuna.Study) -> bool:
+    """``study._stop_flag``: whether ``study.stop()`` was called during this ``optimize``. Public
+    alternative: none (``study.stop()`` only sets it)."""
+    return bool(getattr(study, "_stop_flag", False))
+
+
+def max_trials_callback_target(callback: optuna.study.MaxTrialsCallback) -> tuple[int, Container[TrialState] | None]:
+    """``MaxTrialsCallback._n_trials`` and ``._states``: the count it stops the study at, and the states it
+    counts (``None``: all). No public accessor."""
+    return callback._n_trials, callback._states
+
+
+def dashboard_form_json(study_system_attrs: dict[str, Any]) -> Any:
+    """``optuna_dashboard._form_widget.get_form_widgets_json``: the form widgets a study has registered
+    (``None``: none). optuna-dashboard exports only the registering function."""
+    from optuna_dashboard._form_widget import get_form_widgets_json
+
+    return get_form_widgets_json(study_system_attrs)
+
+
+def backend_storage(study: optuna.Study) -> Any:
+    """The storage behind Optuna's cache: ``optuna.storages._CachedStorage._backend`` for RDB storages (which
+    ``optuna.load_study``/``create_study`` wrap in it), else the storage itself. No public accessor."""
+    wrapped = storage(study)
+    return getattr(wrapped, "_backend", wrapped)
+
+
+def journal_file(storage: Any) -> str | None:
+    """The file of a ``JournalStorage`` on a ``JournalFileBackend``: ``storage._backend._file_path``
+    (``None`` for any other storage). Optuna keeps both private."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    backend = getattr(storage, "_backend", None) if isinstance(storage, JournalStorage) else None
+    return str(backend._file_path) if isinstance(backend, JournalFileBackend) else None
+
+
+def pruner_chain(pruner: Any) -> list[Any]:
+    """``pruner`` and the pruners it wraps (``PatientPruner._wrapped_pruner``), outermost first."""
+    chain, seen = [], set()
+    while pruner is not None and id(pruner) not in seen:
+        seen.add(id(pruner))
+        chain.append(pruner)
+        pruner = getattr(pruner, "_wrapped_pruner", None)
+    return chain
+
+
+def auto_resources(pruner: Any) -> tuple[Any, Any]:
+    """``(HyperbandPruner._max_resource, SuccessiveHalvingPruner._min_resource)`` of ``pruner`` (``None``
+    where it has no such field): Optuna fills ``"auto"``/``None`` in from the first COMPLETE trial."""
+    return getattr(pruner, "_max_resource", None), getattr(pruner, "_min_resource", None)
+
+
+def set_auto_resources(pruner: Any, *, max_resource: int | None = None, min_resource: int | None = None) -> None:
+    """Fill in what :func:`auto_resources` reads (the constructor's arguments, had they been known)."""
+    if max_resource is not None:
+        pruner._max_resource = max_resource
+    if min_resource is not None:
+        pruner._min_resource = min_resource

@@ -1,0 +1,65 @@
+"""The package's structure: modules import each other one way, and other libraries' privates live in _compat."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "optuna_rapidfire"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
+    """Package modules imported at run time (``if TYPE_CHECKING:`` blocks left out), deferred imports too."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module:
+                for alias in child.names:
+                    name = f"{child.module}.{alias.name}"
+                    found.add(name if name in modules else child.module)
+            elif isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            visit(child)
+
+    visit(tree)
+    return found & modules
+
+
+def test_no_import_cycles() -> None:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: _imports(ast.parse(path.read_text()), set(files)) - {name} for name, path in files.items()}
+    cycles = []
+
+    def walk(start: str, node: str, path: list[str], seen: set[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt == start:
+                cycles.append([*path, start])
+            elif nxt not in seen:
+                seen.add(nxt)
+                walk(start, nxt, [*path, nxt], seen)
+
+    for name in graph:
+        walk(name, name, [name], {name})
+    assert cycles == [], "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_other_libraries_private_modules_are_imported_only_in_compat() -> None:
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module):
+                continue
+            parts = node.module.split(".")
+            if parts[0] not in ("optuna_rapidfire", "__future__") and any(p.startswith("_") for p in parts):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} from {node.module}")
+    assert offenders == [], "\n".join(offenders)
