@@ -143,7 +143,7 @@ class RapidFireExecutor:
             clipping (SFT and DPO trials); gangs that cannot share a pass (GRPO trials, fp16, DoRA,
             padding-free packing, non-default losses, differing precision or activation checkpointing)
             train time-sliced, and the log says why once. Per-chunk values equal the time-sliced ones
-            (float32: within 1e-5; bf16: within rounding, see benchmarks/README.md).
+            (float32 and bf16: within rounding, see benchmarks/README.md).
     """
 
     def __init__(

@@ -11,18 +11,18 @@ from pathlib import Path
 import optuna
 from conftest import by_number, lora, sft_args
 
-import optuna_rapidfire._executor as executor_module
+import optuna_rapidfire._device as device_module
 
 
 def test_base_model_is_loaded_once_and_never_copied(make_executor, monkeypatch) -> None:
     loads = []
-    original = executor_module.load_model
+    original = device_module.load_model
 
     def counting_load(*args, **kwargs):
         loads.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(executor_module, "load_model", counting_load)
+    monkeypatch.setattr(device_module, "load_model", counting_load)
     executor = make_executor(num_chunks=3, max_concurrent_trials=3)
     configure = by_number([(lora(r=2 + i), sft_args()) for i in range(5)])
     objective = executor.objective(configure)
