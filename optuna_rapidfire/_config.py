@@ -172,7 +172,7 @@ class ExecutorConfig:
         if not pause_grace_seconds >= 0:
             raise ValueError(f"pause_grace_seconds must not be negative, but got {pause_grace_seconds=}.")
         if engine not in _ENGINES:
-            raise ValueError(f"engine must be 'auto', 'fused' or 'time_sliced', but got {engine=}.")
+            raise ValueError(f"engine must be 'time_sliced', 'fused' or 'auto', but got {engine=}.")
         if not (isinstance(storage_retry_seconds, (int, float)) and storage_retry_seconds >= 0):
             raise ValueError(f"storage_retry_seconds must be a number of at least 0, but got {storage_retry_seconds=}.")
         _check_artifact_store(artifact_store)
