@@ -4,7 +4,7 @@ Everything but training is the time-sliced engine's (building, clones, checkpoin
 A *gang* is the set of live trials the scheduler hands over together: those ready at the least progress.
 Each fused step takes the next micro-batch of every gang member that has one left in the chunk, pads them
 to one length, runs the frozen backbone once with every adapter on its own rows
-(:mod:`optuna_rapidfire._engines._fused`), and computes each trial's loss as TRL does: SFT, the shifted
+(:mod:`optuna_rapidfire._engines._fused_pass`), and computes each trial's loss as TRL does: SFT, the shifted
 labels' negative log-probabilities summed and divided by the tokens of the trial's own accumulated batch;
 DPO, the sigmoid loss of each pair's log-ratio margin against a reference pass of the whole gang with the
 adapters off, with the trial's own beta. After its own ``gradient_accumulation_steps`` micro-batches a trial clips its
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import ChunkResult
-from optuna_rapidfire._engines._fused import (
+from optuna_rapidfire._engines._fused_pass import (
     Gang,
     base_only,
     clip_gang,
