@@ -48,6 +48,8 @@ from optuna_rapidfire._trainers._base import _to_device, accumulation_divisor
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from optuna_rapidfire._trainers._fused_loss import FusedLoss
+
 _logger = get_logger(__name__)
 
 
@@ -68,14 +70,11 @@ class FusedEngine(TimeSlicedEngine):
         first = runtimes[0]
         for runtime in runtimes:
             kind, args = runtime.spec.kind, runtime.args
-            if kind.name not in ("sft", "dpo"):
-                return f"trial {runtime.spec.number} is a {kind.name.upper()} trial (SFT and DPO trials are fused)"
-            if kind.name != first.spec.kind.name:
+            reason = kind.fused_refusal(runtime.trainer, args)
+            if reason is not None:
+                return f"trial {runtime.spec.number} {reason}"
+            if type(kind) is not type(first.spec.kind):
                 return "the trials differ in trainer type"
-            if kind.name == "dpo":
-                reason = _dpo_refusal(runtime.trainer)
-                if reason is not None:
-                    return f"trial {runtime.spec.number} {reason}"
             if bool(getattr(args, "fp16", False)):
                 return f"trial {runtime.spec.number} trains in fp16 (its grad scaler is per trial)"
             if getattr(args, "padding_free", False):
@@ -85,10 +84,6 @@ class FusedEngine(TimeSlicedEngine):
                 first.spec.kind.checkpointing(first.args)[0],
             ):
                 return "the trials differ in precision or activation checkpointing"
-            if kind.name == "sft" and (
-                getattr(args, "loss_type", "nll") != "nll" or getattr(args, "label_smoothing_factor", 0.0)
-            ):
-                return f"trial {runtime.spec.number} uses a loss other than plain NLL"
             if kind.base_dropout_off(args) != first.spec.kind.base_dropout_off(first.args):
                 return "the trials differ in disable_dropout"
         checkpointing = first.spec.kind.checkpointing(first.args)[0]
@@ -184,7 +179,9 @@ class FusedEngine(TimeSlicedEngine):
     def _train_gang(self, runtimes: Sequence[TrialRuntime]) -> list[dict[str, float]]:
         device, resident = self.device, self.resident
         self._stepped = False
-        plans = [self._plan(runtime) for runtime in runtimes]
+        loss = runtimes[0].spec.kind.fused_loss
+        assert loss is not None  # refusal() lets only kinds with a fused loss through
+        plans = [self._plan(runtime, loss) for runtime in runtimes]
         self._on_device(runtimes)  # the whole gang: only trials outside it may be offloaded
         first = runtimes[0]
         enabled, kwargs = first.spec.kind.checkpointing(first.args)
@@ -210,7 +207,7 @@ class FusedEngine(TimeSlicedEngine):
             members = [k for k, plan in enumerate(plans) if index < len(plan.inputs)]
             tokens = [plans[k].inputs[index]["input_ids"].numel() for k in members]
             passes = [
-                self._lay_out(runtimes, plans, generators, group, index, layouts)
+                self._lay_out(runtimes, plans, generators, group, index, layouts, loss)
                 for group in _passes(members, tokens, self.pass_tokens)
             ]
             schedule.append((members, passes))
@@ -254,6 +251,7 @@ class FusedEngine(TimeSlicedEngine):
         group: list[int],
         index: int,
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any],
+        loss: FusedLoss,
     ) -> _Pass:
         """The ``group``'s ``index``-th micro-batches as one pass: inputs, loss token positions, gang."""
         batches = [plans[k].inputs[index] for k in group]
@@ -273,31 +271,18 @@ class FusedEngine(TimeSlicedEngine):
         key = (tuple(names), tuple(rows))
         if key not in layouts:
             layouts[key] = layer_plans(self.resident.module, gang)
-        preference = runtimes[group[0]].spec.kind.name == "dpo"
-        flat, segment, target, offset = [], [], [], 0
-        pairs: list[torch.Tensor] = []  # DPO: each row's pair (chosen row i and rejected row B + i share one)
-        members: list[torch.Tensor] = []  # DPO: each pair's member
-        betas: list[float] = []
+        flat, token_rows, target, offset = [], [], [], 0
         for j, k in enumerate(group):
             row, column, labels = plans[k].targets[index]
             flat.append((row + offset) * length + column)
-            # SFT sums token losses per member; DPO sums token log-probabilities per row.
-            segment.append(row + offset if preference else torch.full_like(row, j))
+            token_rows.append(row)
             target.append(labels)
-            if preference:
-                half = rows[j] // 2
-                pairs.append(len(betas) + torch.arange(rows[j]) % half)
-                members.append(torch.full((half,), j))
-                betas.extend([plans[k].beta] * half)
             offset += rows[j]
-        where = _to_device_async(torch.stack([torch.cat(flat), torch.cat(segment), torch.cat(target)]), self.device)
+        segment, extras = loss.lay_out(rows, token_rows, [runtimes[k].args for k in group])
+        where = _to_device_async(torch.stack([torch.cat(flat), segment, torch.cat(target)]), self.device)
         scales = torch.stack([plans[k].scales[index] for k in group])
-        row_pairs = pair_members = None
-        if preference:
-            signs = torch.cat([torch.cat([torch.ones(r // 2), -torch.ones(r // 2)]) for r in rows])
-            row_pairs = _to_device_async(torch.stack([torch.cat(pairs).float(), signs]), self.device)
-            pair_members = _to_device_async(torch.stack([torch.cat(members).float(), torch.tensor(betas)]), self.device)
-        return _Pass(group, gang, layouts[key], input_ids, attention, where, scales, row_pairs, pair_members)
+        on_device = tuple(_to_device_async(extra, self.device) for extra in extras)
+        return _Pass(group, gang, layouts[key], input_ids, attention, where, scales, loss, on_device)
 
     def _fused_pass(
         self, first: TrialRuntime, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module
@@ -305,19 +290,28 @@ class FusedEngine(TimeSlicedEngine):
         """One forward/backward of a laid-out pass; each member's loss, detached.
 
         The losses need no host synchronisation: the label positions were found on the host when the chunk
-        was collated, and the per-member sums come from one ``index_add_``.
+        was collated, and the per-member sums come from ``index_add_``. The kind's loss says what the pass
+        compares against (DPO: a reference pass of the whole gang with the adapters off) and computes the
+        members' losses.
         """
-        if shared.row_pairs is not None:
-            return self._preference_pass(first, shared, backbone, head)
+        loss, rows = shared.loss, len(shared.input_ids)
+        reference = loss.reference(lambda: self._base_nll(first, shared, backbone, head), shared.where, rows)
         # The gang's layers stay in place through the backward pass too: activation checkpointing
         # recomputes forwards there. Mixed precision covers the forward pass and the losses only.
         with fused_forward(self.resident.module, shared.gang, shared.layers):
             with first.spec.kind.autocast(first.args, self.device):
                 nll = self._token_nll(shared, backbone, head)
-                sums = nll.new_zeros(len(shared.group)).index_add_(0, shared.where[1], nll)
+                sums = loss.losses(nll, reference, shared.where, shared.extras, rows, len(shared.group))
                 member_losses = sums * shared.scales
             member_losses.sum().backward()
         return list(member_losses.detach().unbind())
+
+    def _base_nll(
+        self, first: TrialRuntime, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module
+    ) -> torch.Tensor:
+        """:meth:`_token_nll` with the adapters off and no gradients (a reference model)."""
+        with torch.no_grad(), base_only(shared.layers), first.spec.kind.autocast(first.args, self.device):
+            return self._token_nll(shared, backbone, head)
 
     def _loss_hidden(self, shared: _Pass, backbone: torch.nn.Module) -> torch.Tensor:
         """The backbone's last hidden state at every loss token's position (the one predicting it)."""
@@ -329,34 +323,6 @@ class FusedEngine(TimeSlicedEngine):
         """The negative log-probability of every loss token of the pass (float32)."""
         return F.cross_entropy(head(self._loss_hidden(shared, backbone)).float(), shared.where[2], reduction="none")
 
-    def _preference_pass(
-        self, first: TrialRuntime, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module
-    ) -> list[torch.Tensor]:
-        """DPO (sigmoid loss) for a gang: one reference pass with the adapters off, one fused pass.
-
-        As TRL's ``DPOTrainer`` with a PEFT model: the reference is the base (adapters disabled, no
-        gradients), each row's log-probability is the sum over its completion tokens, and a pair's loss is
-        ``-logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))``, averaged per micro-batch.
-        """
-        assert shared.row_pairs is not None and shared.pair_members is not None
-        pair_of_row, sign = shared.row_pairs[0].long(), shared.row_pairs[1]
-        member_of_pair, beta = shared.pair_members[0].long(), shared.pair_members[1]
-        count = int(shared.input_ids.shape[0])
-        with torch.no_grad(), base_only(shared.layers), first.spec.kind.autocast(first.args, self.device):
-            reference = -self._token_nll(shared, backbone, head)
-            reference_rows = reference.new_zeros(count).index_add_(0, shared.where[1], reference)
-        with fused_forward(self.resident.module, shared.gang, shared.layers):
-            with first.spec.kind.autocast(first.args, self.device):
-                policy = -self._token_nll(shared, backbone, head)
-                policy_rows = policy.new_zeros(count).index_add_(0, shared.where[1], policy)
-                ratios = (policy_rows - reference_rows) * sign
-                delta = ratios.new_zeros(len(beta)).index_add_(0, pair_of_row, ratios)
-                pair_losses = -F.logsigmoid(beta * delta)
-                sums = pair_losses.new_zeros(len(shared.group)).index_add_(0, member_of_pair, pair_losses)
-                member_losses = sums * shared.scales
-            member_losses.sum().backward()
-        return list(member_losses.detach().unbind())
-
     def _dropout_generator(self, runtime: TrialRuntime) -> torch.Generator:
         """The trial's own adapter-dropout generator: seeded from its args' seed, continued from its state."""
         generator = torch.Generator(device=self.device)
@@ -366,19 +332,14 @@ class FusedEngine(TimeSlicedEngine):
             generator.set_state(runtime.state.dropout_rng)
         return generator
 
-    def _plan(self, runtime: TrialRuntime) -> _ChunkPlan:
+    def _plan(self, runtime: TrialRuntime, loss: FusedLoss) -> _ChunkPlan:
         """The trial's micro-batches of its next chunk, collated, with where their loss tokens are."""
-        kind: Any = runtime.spec.kind  # an SFT or DPO kind (see refusal): it collates its own micro-batches
         trainer, args = runtime.trainer, runtime.args
         dataset, micro = self._next_chunk(runtime)
-        collated = [kind.collate(trainer, rows_of(dataset, indices)) for indices in micro]
-        preference = kind.name == "dpo"
+        collated = [loss.collate(trainer, rows_of(dataset, indices)) for indices in micro]
         targets, unmasked = [], []
         for batch in collated:  # where each micro-batch's loss tokens are, found here on the host
-            if preference:  # DPO: the completion tokens of each chosen / rejected row, as TRL's labels
-                shifted = batch["input_ids"][:, 1:].masked_fill(batch["completion_mask"][:, 1:] == 0, -100)
-            else:
-                shifted = batch["labels"][:, 1:]
+            shifted = loss.labels(batch)
             row, column = (shifted != -100).nonzero(as_tuple=True)
             targets.append((row, column, shifted[row, column]))
             unmasked.append("attention_mask" not in batch or bool(batch["attention_mask"].all()))
@@ -390,13 +351,7 @@ class FusedEngine(TimeSlicedEngine):
             count = trainer._get_num_items_in_batch(inputs[group], self.device)
             divisor = accumulation_divisor(trainer, count, len(inputs[group]))
             for batch, target in zip(collated[group], targets[group], strict=True):
-                if preference:  # DPO: the mean of the micro-batch's pairs' losses, over the divisor
-                    scales.append(torch.full((), 1.0 / (len(batch["input_ids"]) // 2 * divisor), device=self.device))
-                    continue
-                # SFT: the summed token NLL over the tokens of the accumulated batch (at least 1, as TRL;
-                # the micro-batch's own tokens when the trainer gives no count) and the divisor.
-                tokens = torch.as_tensor(count if count is not None else len(target[0]), device=self.device)
-                scales.append(1.0 / (tokens.float().clamp(min=1) * divisor))
+                scales.append(loss.scale(batch, len(target[0]), count, divisor, self.device))
         return _ChunkPlan(
             inputs=inputs,
             targets=targets,
@@ -406,7 +361,6 @@ class FusedEngine(TimeSlicedEngine):
             tokens=sum(
                 int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in collated
             ),
-            beta=float(getattr(args, "beta", 0.0)),
         )
 
     def _step(self, runtimes: Sequence[TrialRuntime], ready: list[int], grad_norms: list[torch.Tensor | None]) -> None:
@@ -428,7 +382,7 @@ class FusedEngine(TimeSlicedEngine):
 class _ChunkPlan:
     """One trial's chunk in a gang: its micro-batches (on the device), each one's loss tokens (row,
     column, label; on the host), whether nothing in it is masked, and its loss scale; the trial's
-    accumulation steps, trained tokens and DPO beta."""
+    accumulation steps and trained tokens."""
 
     inputs: list[dict[str, Any]]
     targets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -436,7 +390,6 @@ class _ChunkPlan:
     scales: list[torch.Tensor]
     accumulation: int
     tokens: int
-    beta: float
 
     def steps_at(self, index: int) -> bool:
         """Whether the trial steps its optimizer after its ``index``-th micro-batch."""
@@ -446,7 +399,8 @@ class _ChunkPlan:
 @dataclass
 class _Pass:
     """One shared forward/backward, laid out ahead: members (gang positions), gang, LoRA layer plans,
-    inputs, the loss tokens' flat positions / member / target (``where``, 3 x tokens) and loss scales."""
+    inputs, the loss tokens' flat positions / sum / target (``where``, 3 x tokens), loss scales, and the
+    kind's loss with its own tensors for the pass (:meth:`FusedLoss.lay_out`)."""
 
     group: list[int]
     gang: Gang
@@ -455,24 +409,8 @@ class _Pass:
     attention: torch.Tensor | None
     where: torch.Tensor
     scales: torch.Tensor
-    row_pairs: torch.Tensor | None = None  # DPO: each row's pair and sign (+1 chosen, -1 rejected), 2 x rows
-    pair_members: torch.Tensor | None = None  # DPO: each pair's member and beta, 2 x pairs
-
-
-def _dpo_refusal(trainer: Any) -> str | None:
-    """Why a DPO trial's loss is not the one the fused pass computes (sigmoid, standard KL), or ``None``."""
-    if list(getattr(trainer, "loss_types", ["sigmoid"])) != ["sigmoid"]:
-        return f"uses DPO loss_type {list(trainer.loss_types)} (the fused pass computes 'sigmoid')"
-    weights = getattr(trainer, "loss_weights", None)
-    if weights is not None and list(weights) != [1.0]:
-        return "weights its DPO losses"
-    if str(getattr(trainer, "f_divergence_type", "reverse_kl")) != "reverse_kl":
-        return "uses an f-divergence other than reverse KL"
-    if getattr(trainer, "ld_alpha", None) is not None or getattr(trainer, "use_weighting", False):
-        return "uses ld_alpha or WPO weighting"
-    if getattr(trainer, "aux_loss_enabled", False):
-        return "adds a router auxiliary loss"
-    return None
+    loss: FusedLoss
+    extras: tuple[torch.Tensor, ...]
 
 
 PASS_TOKENS = 16_384

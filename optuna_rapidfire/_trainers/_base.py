@@ -3,7 +3,8 @@
 The executor never calls a TRL trainer's ``train()``: that loop owns the whole run. It builds one
 trainer per trial over the shared ``PeftModel`` and uses its pieces (data preparation, collator, loss,
 optimizer and LR scheduler factories), so a trial trains exactly as TRL would train it, one chunk at a
-time. A :class:`TrainerKind` holds what differs between SFT, DPO and GRPO.
+time. A :class:`TrainerKind` holds what differs between SFT, DPO and GRPO, in every engine: the fused
+engine's shared passes call its :class:`~optuna_rapidfire._trainers._fused_loss.FusedLoss`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
 
     from optuna_rapidfire._model import ResidentModel
+    from optuna_rapidfire._trainers._fused_loss import FusedLoss
 
 
 ACCELERATE_STATE = threading.RLock()
@@ -109,6 +111,8 @@ class TrainerKind(ABC):
     default_metric: str = "eval_loss"
     #: Whether trials of this kind need the executor's ``reward_funcs``.
     needs_rewards: bool = False
+    #: What the kind's trials compute in the fused engine's shared passes (``None``: they train time-sliced).
+    fused_loss: FusedLoss | None = None
 
     @classmethod
     @abstractmethod
@@ -223,6 +227,15 @@ class TrainerKind(ABC):
         if getattr(args, "fp16", False):
             return torch.autocast(device_type=device.type, dtype=torch.float16)
         return contextlib.nullcontext()
+
+    def fused_refusal(self, trainer: Trainer, args: TrainingArguments) -> str | None:
+        """Why the trial cannot train in a shared pass of the fused engine (``None``: it can).
+
+        The text completes "trial N ..." in the log line that says why a gang trains time-sliced.
+        """
+        if self.fused_loss is None:
+            return f"is a {self.name.upper()} trial (SFT and DPO trials are fused)"
+        return self.fused_loss.refusal(trainer, args)
 
     def base_dropout_off(self, args: TrainingArguments) -> bool:
         """Whether the trial trains with the base model's dropout layers off (``disable_dropout``)."""

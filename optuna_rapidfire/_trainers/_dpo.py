@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.nn.functional as F
 
 from optuna_rapidfire._trainers._base import CollatedKind, TrainerExtras, reference_is_the_base
+from optuna_rapidfire._trainers._fused_loss import FusedLoss
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Hashable
+    from collections.abc import Callable, Collection, Hashable
 
     from datasets import Dataset
     from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
@@ -19,6 +23,86 @@ if TYPE_CHECKING:
 _DATA_FIELDS = ("max_length", "truncation_mode", "dataset_num_proc", "remove_unused_columns")
 
 
+class DPOFusedLoss(FusedLoss):
+    """DPO's sigmoid loss in a shared pass, as TRL's ``DPOTrainer`` with a PEFT model computes it.
+
+    The reference is the base (a pass of the whole gang with the adapters off, no gradients); each row's
+    log-probability is the sum over its completion tokens; a pair's loss is
+    ``-logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))`` with the trial's own beta,
+    averaged over the micro-batch's pairs. A micro-batch holds its chosen rows, then its rejected rows.
+    """
+
+    def refusal(self, trainer: Trainer, args: TrainingArguments) -> str | None:
+        loss_types = list(getattr(trainer, "loss_types", ["sigmoid"]))
+        if loss_types != ["sigmoid"]:
+            return f"uses DPO loss_type {loss_types} (the fused pass computes 'sigmoid')"
+        weights = getattr(trainer, "loss_weights", None)
+        if weights is not None and list(weights) != [1.0]:
+            return "weights its DPO losses"
+        if str(getattr(trainer, "f_divergence_type", "reverse_kl")) != "reverse_kl":
+            return "uses an f-divergence other than reverse KL"
+        if getattr(trainer, "ld_alpha", None) is not None or getattr(trainer, "use_weighting", False):
+            return "uses ld_alpha or WPO weighting"
+        if getattr(trainer, "aux_loss_enabled", False):
+            return "adds a router auxiliary loss"
+        return None
+
+    def labels(self, batch: dict[str, Any]) -> torch.Tensor:
+        # The completion tokens of each chosen / rejected row, as TRL's labels.
+        return cast("torch.Tensor", batch["input_ids"][:, 1:].masked_fill(batch["completion_mask"][:, 1:] == 0, -100))
+
+    def scale(self, batch: dict[str, Any], tokens: int, count: Any, divisor: int, device: torch.device) -> torch.Tensor:
+        # The mean of the micro-batch's pairs' losses, over the divisor.
+        return torch.full((), 1.0 / (len(batch["input_ids"]) // 2 * divisor), device=device)
+
+    def lay_out(
+        self, rows: list[int], token_rows: list[torch.Tensor], args: list[TrainingArguments]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """One sum per row (its log-probability); the extras give each row's pair and sign (+1 chosen, -1
+        rejected; 2 x rows) and each pair's member and beta (2 x pairs)."""
+        segments: list[torch.Tensor] = []
+        pairs: list[torch.Tensor] = []
+        members: list[torch.Tensor] = []
+        betas: list[float] = []
+        offset = 0
+        for j, (count, row, trial_args) in enumerate(zip(rows, token_rows, args, strict=True)):
+            segments.append(row + offset)
+            half = count // 2  # chosen row i and rejected row half + i share pair i
+            pairs.append(len(betas) + torch.arange(count) % half)
+            members.append(torch.full((half,), j))
+            betas.extend([float(cast("DPOConfig", trial_args).beta)] * half)
+            offset += count
+        signs = torch.cat([torch.cat([torch.ones(r // 2), -torch.ones(r // 2)]) for r in rows])
+        row_pairs = torch.stack([torch.cat(pairs).float(), signs])
+        pair_members = torch.stack([torch.cat(members).float(), torch.tensor(betas)])
+        return torch.cat(segments), (row_pairs, pair_members)
+
+    def reference(self, base_nll: Callable[[], torch.Tensor], where: torch.Tensor, rows: int) -> torch.Tensor:
+        """Each row's log-probability under the base."""
+        reference = -base_nll()
+        return reference.new_zeros(rows).index_add_(0, where[1], reference)
+
+    def losses(
+        self,
+        nll: torch.Tensor,
+        reference: torch.Tensor | None,
+        where: torch.Tensor,
+        extras: tuple[torch.Tensor, ...],
+        rows: int,
+        members: int,
+    ) -> torch.Tensor:
+        assert reference is not None
+        row_pairs, pair_members = extras
+        pair_of_row, sign = row_pairs[0].long(), row_pairs[1]
+        member_of_pair, beta = pair_members[0].long(), pair_members[1]
+        policy = -nll
+        policy_rows = policy.new_zeros(rows).index_add_(0, where[1], policy)
+        ratios = (policy_rows - reference) * sign
+        delta = ratios.new_zeros(len(beta)).index_add_(0, pair_of_row, ratios)
+        pair_losses = -F.logsigmoid(beta * delta)
+        return pair_losses.new_zeros(members).index_add_(0, member_of_pair, pair_losses)
+
+
 class DPOKind(CollatedKind):
     """``DPOConfig`` → TRL's ``DPOTrainer`` (prompt/chosen/rejected rows; metric ``eval_loss`` by default).
 
@@ -27,6 +111,7 @@ class DPOKind(CollatedKind):
 
     name = "dpo"
     default_metric = "eval_loss"
+    fused_loss = DPOFusedLoss()
 
     @classmethod
     def args_type(cls) -> type[TrainingArguments]:

@@ -31,6 +31,9 @@ class GRPOKind(TrainerKind):
     name = "grpo"
     default_metric = "eval_reward"
     needs_rewards = True
+    # Generation dominates a GRPO step: fusing its training step was not built or measured, so GRPO trials
+    # train time-sliced in either engine (fused_refusal says so).
+    fused_loss = None
 
     @classmethod
     def args_type(cls) -> type[TrainingArguments]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
 
 from optuna_rapidfire._trainers._base import CollatedKind, TrainerExtras
+from optuna_rapidfire._trainers._fused_loss import FusedLoss
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Hashable
@@ -33,11 +36,47 @@ _DATA_FIELDS = (
 )
 
 
+class SFTFusedLoss(FusedLoss):
+    """SFT in a shared pass: the shifted labels' negative log-probabilities, summed per trial and divided by
+    the tokens of the trial's own accumulated batch (at least 1), as TRL's loss under gradient accumulation."""
+
+    def refusal(self, trainer: Trainer, args: TrainingArguments) -> str | None:
+        if getattr(args, "loss_type", "nll") != "nll" or getattr(args, "label_smoothing_factor", 0.0):
+            return "uses a loss other than plain NLL"
+        return None
+
+    def labels(self, batch: dict[str, Any]) -> torch.Tensor:
+        return cast("torch.Tensor", batch["labels"][:, 1:])
+
+    def scale(self, batch: dict[str, Any], tokens: int, count: Any, divisor: int, device: torch.device) -> torch.Tensor:
+        # The micro-batch's own tokens when the trainer gives no count.
+        total = torch.as_tensor(count if count is not None else tokens, device=device)
+        return 1.0 / (total.float().clamp(min=1) * divisor)
+
+    def lay_out(
+        self, rows: list[int], token_rows: list[torch.Tensor], args: list[TrainingArguments]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        # One sum per member: its token losses.
+        return torch.cat([torch.full_like(row, j) for j, row in enumerate(token_rows)]), ()
+
+    def losses(
+        self,
+        nll: torch.Tensor,
+        reference: torch.Tensor | None,
+        where: torch.Tensor,
+        extras: tuple[torch.Tensor, ...],
+        rows: int,
+        members: int,
+    ) -> torch.Tensor:
+        return nll.new_zeros(members).index_add_(0, where[1], nll)
+
+
 class SFTKind(CollatedKind):
     """``SFTConfig`` → TRL's ``SFTTrainer``: loss, collator, data preparation, optimizer and schedule."""
 
     name = "sft"
     default_metric = "eval_loss"
+    fused_loss = SFTFusedLoss()
 
     @classmethod
     def args_type(cls) -> type[TrainingArguments]:

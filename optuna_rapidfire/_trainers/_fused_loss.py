@@ -1,0 +1,95 @@
+"""What a trainer kind computes in the fused engine's shared passes.
+
+The fused engine (:mod:`optuna_rapidfire._engines._fused_engine`) lays out and runs one forward/backward for
+a gang of trials of one kind; everything in it that differs between kinds is a method of the kind's
+:class:`FusedLoss`, which the engine calls and never compares names (as PEFT's LoRA layer calls its
+``LoraVariant``): which trials the pass cannot train, which tokens carry the loss, how a micro-batch's loss
+is scaled, and the loss itself. A kind without one (GRPO) trains time-sliced.
+
+Conventions of a pass, shared with the engine: a pass holds the micro-batches of its members one after
+another (``rows`` each); its loss tokens are listed in ``where`` (3 x tokens, on the device): each token's
+flat position in the padded batch, the sum it goes into (laid out by :meth:`FusedLoss.lay_out`) and its
+label. ``nll`` is every loss token's negative log-probability (float32), in that order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+
+class FusedLoss(ABC):
+    """A trainer kind's loss in a shared pass; stateless (a trial's own settings come from its args)."""
+
+    def refusal(self, trainer: Trainer, args: TrainingArguments) -> str | None:
+        """Why the trial's settings ask for a loss this one does not compute (``None``: they do not).
+
+        The text completes "trial N ..." in the log line that says why a gang trains time-sliced.
+        """
+        return None
+
+    def collate(self, trainer: Trainer, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The trial's micro-batch as its trainer's collator makes it."""
+        return cast("dict[str, Any]", trainer.data_collator(rows))
+
+    @abstractmethod
+    def labels(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Each position's next-token label in a collated micro-batch (rows x length - 1), -100 where no loss."""
+
+    @abstractmethod
+    def scale(self, batch: dict[str, Any], tokens: int, count: Any, divisor: int, device: torch.device) -> torch.Tensor:
+        """What a micro-batch's loss sum is multiplied by, as TRL scales its loss under gradient accumulation.
+
+        Args:
+            batch: The collated micro-batch.
+            tokens: Its loss tokens.
+            count: The trainer's item count of the accumulated batch (``None`` when it gives none).
+            divisor: What TRL divides the loss by under gradient accumulation (1 when already normalized).
+            device: The device of the pass.
+        """
+
+    @abstractmethod
+    def lay_out(
+        self, rows: list[int], token_rows: list[torch.Tensor], args: list[TrainingArguments]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """How a pass's loss tokens are summed, worked out on the host once per chunk.
+
+        Args:
+            rows: Each member's rows in the pass, in order.
+            token_rows: For each member, the row (within its own micro-batch) of each of its loss tokens.
+            args: Each member's training args.
+
+        Returns:
+            The sum each loss token goes into (over all members, in order), and this loss's own tensors
+            for the pass (the engine copies them to the device and hands them to :meth:`losses`).
+        """
+
+    def reference(self, base_nll: Callable[[], torch.Tensor], where: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """What the pass's loss compares against, computed before it (``None``: nothing).
+
+        ``base_nll`` runs the pass with the adapters off and without gradients; only a loss that calls it
+        pays for that pass.
+        """
+        return None
+
+    @abstractmethod
+    def losses(
+        self,
+        nll: torch.Tensor,
+        reference: torch.Tensor | None,
+        where: torch.Tensor,
+        extras: tuple[torch.Tensor, ...],
+        rows: int,
+        members: int,
+    ) -> torch.Tensor:
+        """Each member's loss sum in the pass (``members``), before its scale; differentiable.
+
+        Runs inside the pass's mixed-precision context with the gang's adapters applied, once per pass:
+        device work only, no host synchronisation.
+        """
