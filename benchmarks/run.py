@@ -37,6 +37,7 @@ from trl import SFTConfig, SFTTrainer
 from optuna_rapidfire import RapidFireExecutor
 from optuna_rapidfire._engines._fused_engine import PASS_TOKENS, FusedEngine
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+from optuna_rapidfire._engines._trials import DeviceTrials
 from optuna_rapidfire.demo import build_tiny_model, load_gsm8k
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -189,12 +190,13 @@ class Recorder:
         self.switches: list[float] = []
         self.chunks: list[dict[str, float]] = []  # per chunk: step, tokens, train seconds
         self._originals: dict[str, Any] = {}
+        self._in_gang = False  # a fused engine's run: it records its members' chunks itself
 
     def __enter__(self) -> Recorder:
         recorder = self
-        run_chunk, switch_to = TimeSlicedEngine.run_chunk, TimeSlicedEngine._switch_to
-        run_gang = FusedEngine.run_gang
-        self._originals = {"run_chunk": run_chunk, "_switch_to": switch_to, "run_gang": run_gang}
+        run_chunk, switch_to = TimeSlicedEngine.run_chunk, DeviceTrials.switch_to
+        run_gang = FusedEngine.run
+        self._originals = {"run_chunk": run_chunk, "switch_to": switch_to, "run_gang": run_gang}
 
         def tokens(runtime: Any) -> int:
             return int(getattr(runtime.trainer, "_total_train_tokens", 0))
@@ -212,33 +214,33 @@ class Recorder:
         def timed_run_chunk(engine: TimeSlicedEngine, runtime: Any) -> Any:
             before = tokens(runtime)
             result = run_chunk(engine, runtime)
-            if not getattr(engine, "_in_gang", False):
+            if not recorder._in_gang:
                 record(runtime, before, result)
             return result
 
         def timed_run_gang(engine: FusedEngine, runtimes: Any) -> Any:
             before = [tokens(runtime) for runtime in runtimes]
-            engine._in_gang = True  # type: ignore[attr-defined]
+            recorder._in_gang = True
             try:
                 results = run_gang(engine, runtimes)
             finally:
-                engine._in_gang = False  # type: ignore[attr-defined]
+                recorder._in_gang = False
             for runtime, count, result in zip(runtimes, before, results, strict=True):
                 record(runtime, count, result)
             return results
 
-        def timed_switch(engine: TimeSlicedEngine, runtime: Any) -> None:
-            changes = engine._current is not runtime
+        def timed_switch(trials: DeviceTrials, runtime: Any) -> None:
+            changes = trials.current is not runtime
             _sync()
             start = time.perf_counter()
-            switch_to(engine, runtime)
+            switch_to(trials, runtime)
             _sync()
             if changes:
                 recorder.switches.append(time.perf_counter() - start)
 
         TimeSlicedEngine.run_chunk = timed_run_chunk  # type: ignore[method-assign]
-        TimeSlicedEngine._switch_to = timed_switch  # type: ignore[method-assign]
-        FusedEngine.run_gang = timed_run_gang  # type: ignore[method-assign]
+        DeviceTrials.switch_to = timed_switch  # type: ignore[method-assign]
+        FusedEngine.run = timed_run_gang  # type: ignore[method-assign]
         return self
 
     def steady_tokens_per_second(self) -> float:
@@ -248,8 +250,8 @@ class Recorder:
 
     def __exit__(self, *exc: object) -> None:
         TimeSlicedEngine.run_chunk = self._originals["run_chunk"]  # type: ignore[method-assign]
-        TimeSlicedEngine._switch_to = self._originals["_switch_to"]  # type: ignore[method-assign]
-        FusedEngine.run_gang = self._originals["run_gang"]  # type: ignore[method-assign]
+        DeviceTrials.switch_to = self._originals["switch_to"]  # type: ignore[method-assign]
+        FusedEngine.run = self._originals["run_gang"]  # type: ignore[method-assign]
 
 
 def _sync() -> None:
@@ -481,7 +483,7 @@ class Bench:
                 wall = time.perf_counter() - start
             if self.options.profile and engine == "fused" and batch == 2:
                 self._profile(executor, trials, batch, f"{label}_profile.txt")
-            steps = executor._engine.fused_steps if isinstance(executor._engine, FusedEngine) else None
+            steps = executor.stats().fused_steps if engine == "fused" else None
             result["runs"][label] = {
                 "engine": engine,
                 "trials": trials,

@@ -17,6 +17,7 @@ import torch
 from optuna_rapidfire._data import ChunkPlan, PreparedData
 from optuna_rapidfire._engines._fused_engine import FusedEngine
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+from optuna_rapidfire._engines._trials import DeviceTrials
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._model import ResidentModel, load_model
 from optuna_rapidfire._pool import Slots
@@ -25,6 +26,7 @@ from optuna_rapidfire._worker import DeviceWorker
 
 if TYPE_CHECKING:
     from optuna_rapidfire._config import ExecutorConfig
+    from optuna_rapidfire._engines._base import Engine
     from optuna_rapidfire._scheduler import Entry
     from optuna_rapidfire._services import StudyServices
     from optuna_rapidfire._trainers import TrainerExtras
@@ -66,7 +68,7 @@ class DeviceRuntime:
         self.scheduler.expect(config.max_concurrent_trials)
         self.paused: set[Entry] = set()
         self.fatal: BaseException | None = None
-        self.engine: TimeSlicedEngine | None = None
+        self.engine: Engine | None = None
         self._worker: DeviceWorker | None = None
         self._lock = threading.Lock()
 
@@ -81,15 +83,14 @@ class DeviceRuntime:
             model, tokenizer = load_model(config.model, tokenizer=config.tokenizer, model_kwargs=config.model_kwargs)
             resident = ResidentModel(model, tokenizer, self.device)
             data = PreparedData(config.train_dataset, config.eval_dataset, self.plan, config.eval_samples)
-            engine_class = FusedEngine if self.engine_name == "fused" else TimeSlicedEngine
-            self.engine = engine_class(
-                resident,
-                data,
-                self._with_reward_models(self.services.extras),
-                os.path.join(config.output_dir, ".trainer"),
-                self._state_budget(),
+            trials = DeviceTrials(
+                resident=resident,
+                data=data,
+                extras=self._with_reward_models(self.services.extras),
+                output_dir=os.path.join(config.output_dir, ".trainer"),
+                state_budget=self._state_budget(),
             )
-            self.scheduler.fuse = self.engine_name == "fused"
+            self.engine = FusedEngine(trials) if self.engine_name == "fused" else TimeSlicedEngine(trials)
             self._worker = DeviceWorker(
                 self.engine,
                 self.scheduler,

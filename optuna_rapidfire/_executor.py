@@ -16,6 +16,7 @@ from optuna.trial import TrialState
 from optuna_rapidfire import _attrs, _compat
 from optuna_rapidfire._config import Configure, ExecutorConfig
 from optuna_rapidfire._device import DeviceRuntime
+from optuna_rapidfire._engines._base import EngineStats
 from optuna_rapidfire._logging import get_logger, quiet_library_noise
 from optuna_rapidfire._model import resolve_devices
 from optuna_rapidfire._optimize import Run, end_paused, make_objective, optimize
@@ -335,9 +336,15 @@ class RapidFireExecutor:
         """The devices trials train on (one worker process each when there are several)."""
         return list(self._devices)
 
-    @property
-    def _engine(self) -> Any:
-        return self._device.engine
+    def stats(self) -> EngineStats:
+        """Counters of the (first) device's engine, for benchmarks and tests.
+
+        Returns:
+            Switches, offloads, fused steps, live trials and the like; all zeros before the model is loaded
+            (by the first ``optimize`` or ``objective``) and after :meth:`close`.
+        """
+        engine = self._device.engine
+        return EngineStats() if engine is None else engine.stats()
 
 
 def study_target(

@@ -66,11 +66,10 @@ class Request(enum.Enum):
 
 
 class Task(enum.Enum):
-    """What the worker is asked to do for an entry."""
+    """What the worker is asked to do for an entry (TRAIN: for a list of entries)."""
 
     BUILD = "build"
-    TRAIN = "train"
-    TRAIN_GANG = "train_gang"  # the fused engine: every ready trial at the least progress, together
+    TRAIN = "train"  # one trial, or a group for an engine that fuses: every ready trial at the least progress
     PAUSE = "pause"
     FINISH = "finish"
     RELEASE = "release"
@@ -160,7 +159,6 @@ class Scheduler:
         self._gathering = True
         self._last_arrival = time.monotonic()
         self._closed = False
-        self.fuse = False  # hand ready trials of equal progress to the worker together (fused engine)
 
     # -- Optuna's threads ---------------------------------------------------------------------
 
@@ -217,18 +215,22 @@ class Scheduler:
 
     # -- the device's worker thread ------------------------------------------------------------
 
-    def next_task(self) -> tuple[Task, Any] | None:
-        """Block until there is work for the device; ``None`` once closed."""
+    def next_task(self, *, fuse: bool = False) -> tuple[Task, Any] | None:
+        """Block until there is work for the device; ``None`` once closed.
+
+        Args:
+            fuse: The engine trains the ready trials at the least progress together (one TRAIN task).
+        """
         with self._cond:
             while True:
                 if self._closed:
                     return None
-                task, wait = self._next()
+                task, wait = self._next(fuse)
                 if task is not None:
                     return task
                 self._cond.wait(timeout=wait)
 
-    def _next(self) -> tuple[tuple[Task, Any] | None, float | None]:
+    def _next(self, fuse: bool) -> tuple[tuple[Task, Any] | None, float | None]:
         entries = sorted(self._entries.values(), key=lambda e: e.number)
         for e in entries:
             if e.request is not None:
@@ -244,12 +246,12 @@ class Scheduler:
             if len(live) < self._expected and quiet < self._gather_seconds:
                 return None, self._gather_seconds - quiet
             self._gathering = False
-        group = self._policy.choose(live, fuse=self.fuse)
+        group = self._policy.choose(live, fuse=fuse)
         if group is None:
             return None, None
         for e in group:
             e.status = Status.TRAINING
-        return ((Task.TRAIN_GANG, group) if self.fuse else (Task.TRAIN, group[0])), None
+        return (Task.TRAIN, group), None
 
     @staticmethod
     def _housekeeping(entry: Entry) -> tuple[Task, Entry]:

@@ -93,20 +93,29 @@ class DeviceWorker(threading.Thread):
         self._checked = False
 
     def run(self) -> None:
-        device = getattr(self.engine, "device", None)
-        if isinstance(device, torch.device) and device.type == "cuda":
-            torch.cuda.set_device(device)
-        while (task := self.scheduler.next_task()) is not None:
-            kind, entry = task
+        if self.engine.device.type == "cuda":
+            torch.cuda.set_device(self.engine.device)
+        while (task := self.scheduler.next_task(fuse=self.engine.fuses)) is not None:
+            kind, held = task
+            entries: list[Entry] = held if kind is Task.TRAIN else [held]
             try:
-                self._run(kind, entry)
+                self._run(kind, entries)
             except BaseException as error:  # one trial's failure must not stop the device
                 # A shared pass that failed after its members stepped fails every trial of the gang: their
                 # states were updated together (the engine retries them one by one when none stepped).
-                for victim in entry if isinstance(entry, list) else [entry]:
+                for victim in entries:
                     self._fail(victim, error)
 
-    def _run(self, task: Task, entry: Entry) -> None:
+    def _run(self, task: Task, entries: list[Entry]) -> None:
+        if task is Task.TRAIN:  # one trial, or a gang
+            results = self.engine.run([e.runtime for e in entries])
+            for member, result in zip(entries, results, strict=True):
+                if isinstance(result, BaseException):  # this member failed alone
+                    self._fail(member, result)
+                else:
+                    self._deliver(member, result)
+            return
+        [entry] = entries
         if task is Task.BUILD:
             runtime = self.engine.build(entry.spec)
             entry.runtime = runtime
@@ -117,16 +126,6 @@ class DeviceWorker(threading.Thread):
             done, total = (branch.step if branch is not None else 0), self.engine.total_chunks(runtime)
             self.scheduler.built(entry, runtime, chunks_done=done, finished=done >= total)
             entry.events.put(Built(total, branch))
-        elif task is Task.TRAIN:
-            self._deliver(entry, self.engine.run_chunk(entry.runtime))
-        elif task is Task.TRAIN_GANG:
-            gang: list[Entry] = entry  # type: ignore[assignment]
-            results = self.engine.run_gang([e.runtime for e in gang])  # type: ignore[attr-defined]
-            for member, result in zip(gang, results, strict=True):
-                if isinstance(result, BaseException):  # this member failed alone
-                    self._fail(member, result)
-                else:
-                    self._deliver(member, result)
         elif task is Task.PAUSE:
             self.engine.pause(entry.runtime)
             entry.events.put(Paused())

@@ -10,11 +10,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 import torch
 from conftest import lora, sft_args
 from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig
 
 from optuna_rapidfire import RapidFireExecutor
@@ -36,8 +38,15 @@ def main() -> None:
         folder / "model", hidden_size=768, num_hidden_layers=6, num_attention_heads=12, vocab_size=2048
     )
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    loaded: list[torch.nn.Module] = []
+
+    def load() -> tuple[Any, Any]:  # as the executor loads a path, keeping the model to read its weights
+        base = AutoModelForCausalLM.from_pretrained(str(model), dtype="auto")
+        loaded.append(base)
+        return base, AutoTokenizer.from_pretrained(str(model))
+
     executor = RapidFireExecutor(
-        model=str(model),
+        model=load,
         train_dataset=load_gsm8k("train", num_rows=16, format="text"),
         eval_dataset=load_gsm8k("test", num_rows=2, format="text"),
         num_chunks=8,
@@ -60,13 +69,12 @@ def main() -> None:
         return lora(r=8, lora_alpha=8), args
 
     objective = executor.objective(configure)  # loads the base model
-    engine = executor._engine
-    assert engine is not None
-    base_bytes = engine.resident.base_nbytes()
+    [base] = loaded
+    base_bytes = executor.stats().base_bytes
     # from_pretrained may map the weights file lazily: read every weight once so the baseline
     # counts the whole base model.
     with torch.no_grad():
-        for param in engine.resident.base.parameters():
+        for param in base.parameters():
             param.sum()
     before = rss_bytes()
     peak = before
@@ -78,8 +86,12 @@ def main() -> None:
         nonlocal peak
         while not stop.is_set():
             peak = max(peak, rss_bytes())
-            states.extend(r.state.nbytes() for r in list(engine._runtimes)[:1])
-            live.append(len(engine._runtimes))
+            try:
+                stats = executor.stats()
+            except RuntimeError:  # a trial's optimizer state grew while it was counted: count again
+                continue
+            states.extend(stats.state_bytes[:1])
+            live.append(stats.live_trials)
             time.sleep(0.01)
 
     watcher = threading.Thread(target=watch, daemon=True)

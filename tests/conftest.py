@@ -178,7 +178,7 @@ def slow_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
         from optuna_rapidfire._engines._fused_engine import FusedEngine
         from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 
-        original, original_gang = TimeSlicedEngine.run_chunk, FusedEngine.run_gang
+        original, original_gang = TimeSlicedEngine.run_chunk, FusedEngine.run
 
         def slow(self: TimeSlicedEngine, runtime: Any) -> Any:
             time.sleep(seconds)
@@ -189,6 +189,6 @@ def slow_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
             return original_gang(self, runtimes)
 
         monkeypatch.setattr(TimeSlicedEngine, "run_chunk", slow)
-        monkeypatch.setattr(FusedEngine, "run_gang", slow_gang)
+        monkeypatch.setattr(FusedEngine, "run", slow_gang)
 
     return apply

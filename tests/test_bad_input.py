@@ -118,7 +118,7 @@ def test_a_bad_config_fails_alone(make_executor, bad, reason) -> None:
 
     assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
     assert reason in study.trials[1].user_attrs[FAIL_REASON]
-    assert executor._engine.resident.peft.peft_config == {}
+    assert executor.stats().adapters == ()
 
 
 def test_out_of_memory_fails_that_trial_only_and_keeps_its_reports(make_executor, monkeypatch) -> None:
@@ -141,4 +141,4 @@ def test_out_of_memory_fails_that_trial_only_and_keeps_its_reports(make_executor
     failed = study.trials[1]
     assert list(failed.intermediate_values) == [0, 1]  # what it reported before failing is kept
     assert "OutOfMemoryError" in failed.user_attrs[FAIL_REASON]
-    assert executor._engine._runtimes == []
+    assert executor.stats().live_trials == 0

@@ -110,7 +110,7 @@ def test_delete_ends_the_trial_as_fail_and_frees_its_state(make_executor, engine
     assert deleted.user_attrs[_attrs.STATUS] == "deleted"
     assert len(deleted.intermediate_values) < 4
     assert [study.trials[i].state for i in (0, 2)] == [TrialState.COMPLETE] * 2
-    assert executor._engine.resident.peft.peft_config == {}
+    assert executor.stats().adapters == ()
 
 
 @pytest.mark.parametrize("engine", ["time_sliced", "fused"])
@@ -216,4 +216,4 @@ def test_fail_trial_from_outside_ends_it_cleanly_and_the_study_goes_on(
     run.join()
     assert study.trials[1].state == TrialState.FAIL
     assert [study.trials[i].state for i in (0, 2, 3)] == [TrialState.COMPLETE] * 3
-    assert executor._engine._runtimes == []
+    assert executor.stats().live_trials == 0

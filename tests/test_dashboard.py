@@ -157,7 +157,7 @@ def test_fail_trial_button_ends_the_trial_cleanly_and_the_study_goes_on(
         run.join()
     assert study.trials[2].state == TrialState.FAIL
     assert [study.trials[n].state for n in (0, 1)] == [TrialState.COMPLETE] * 2
-    assert executor._engine._runtimes == []
+    assert executor.stats().live_trials == 0
 
 
 def _by_learning_rate(trial: optuna.Trial):

@@ -24,7 +24,7 @@ def _values(make_executor, configs, position: int, **executor_kwargs) -> list[fl
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     executor.optimize(study, by_number(configs), n_trials=len(configs))
     if "state_memory_budget" in executor_kwargs:
-        assert executor._engine.offloads > 0
+        assert executor.stats().offloads > 0
     trial = study.trials[position]
     assert trial.state == optuna.trial.TrialState.COMPLETE
     values = [trial.intermediate_values[s] for s in sorted(trial.intermediate_values)]

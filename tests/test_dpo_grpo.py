@@ -68,7 +68,7 @@ def test_dpo_trials_interleave_report_and_expose_reward_metrics(make_executor, p
 
     assert [step for _, step in chunk_log] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert all(t.state == TrialState.COMPLETE and list(t.intermediate_values) == [0, 1, 2] for t in study.trials)
-    assert "ref" not in executor._engine.resident.peft.peft_config
+    assert "ref" not in executor.stats().adapters
     assert executor.metric == "eval_loss"
 
     accuracy = make_executor(
@@ -222,7 +222,7 @@ def test_grpo_with_kl_and_a_reward_model_by_path(make_executor, prompts, tiny_mo
     executor.optimize(study, by_number(configs), n_trials=2)
     assert all(t.state == TrialState.COMPLETE for t in study.trials)
     assert len(loads) == 1  # loaded once, shared by both trials
-    assert "ref" not in executor._engine.resident.peft.peft_config
+    assert "ref" not in executor.stats().adapters
 
 
 def test_grpo_checks(make_executor, prompts, preference) -> None:

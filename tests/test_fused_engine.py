@@ -51,9 +51,9 @@ def _values(make_executor, engine: str, concurrent: int = 3, **kwargs) -> list[d
     executor.optimize(study, configure, n_trials=len(CONFIGS))
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * len(CONFIGS)
     if engine == "fused":
-        assert executor._engine.fused_steps > 0  # the gang really shared passes
+        assert executor.stats().fused_steps > 0  # the gang really shared passes
     if kwargs.get("state_memory_budget") == 1:
-        assert executor._engine.offloads > 0
+        assert executor.stats().offloads > 0
     return [dict(t.intermediate_values) for t in study.trials]
 
 
@@ -98,7 +98,7 @@ def test_with_adapter_dropout_a_trial_reports_the_same_alone_or_in_a_gang(make_e
         for i in configs:
             study.enqueue_trial({"config": i})
         executor.optimize(study, _with_dropout, n_trials=len(configs))
-        assert executor._engine.fused_steps > 0
+        assert executor.stats().fused_steps > 0
         return [dict(t.intermediate_values) for t in study.trials]
 
     together = run([0, 1, 2])
@@ -174,7 +174,7 @@ def test_with_activation_checkpointing_a_fused_study_reports_the_time_sliced_val
             study.enqueue_trial({"config": i})
         executor.optimize(study, checkpointed, n_trials=len(CONFIGS))
         if engine == "fused":
-            assert executor._engine.fused_steps > 0
+            assert executor.stats().fused_steps > 0
         return [dict(t.intermediate_values) for t in study.trials]
 
     for a, b in zip(run("time_sliced"), run("fused"), strict=True):
@@ -208,7 +208,7 @@ def _engines_agree(make_executor, objective, params: list[dict], terms: int, **e
         executor.optimize(study, objective, n_trials=len(params))
         assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * len(params)
         values[engine] = [dict(t.intermediate_values) for t in study.trials]
-    assert executor._engine.fused_steps > 0  # the gang really shared passes
+    assert executor.stats().fused_steps > 0  # the gang really shared passes
     for a, b in zip(values["time_sliced"], values["fused"], strict=True):
         assert_within_rounding(b, a, terms=terms)
 
@@ -300,7 +300,7 @@ def test_a_failed_shared_pass_fails_only_the_trial_that_fails_alone(
     states = [t.state for t in study.trials]
     assert states == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.COMPLETE]
     assert "A shared pass of trials [0, 1, 2] failed (OutOfMemoryError" in caplog.text
-    assert executor._engine.pass_tokens < 16_384
+    assert executor.stats().pass_tokens < 16_384
     for position in (0, 2):
         got = dict(study.trials[position].intermediate_values)
         assert_within_rounding(got, sliced[position], terms=_terms(tiny_model))

@@ -102,8 +102,9 @@ def test_every_trial_sees_the_same_chunks_in_the_same_order(make_executor, monke
     original = TimeSlicedEngine._train_chunk
 
     def train_chunk(self: TimeSlicedEngine, runtime):
-        _, index = runtime.state.position.chunk(self.data.plan.num_chunks)
-        rows = self.data.train.select(self.data.plan.rows(index).tolist())
+        data = self.trials.data
+        _, index = runtime.state.position.chunk(data.plan.num_chunks)
+        rows = data.train.select(data.plan.rows(index).tolist())
         seen.setdefault(runtime.spec.number, []).append(rows["prompt"])
         return original(self, runtime)
 

@@ -129,8 +129,8 @@ def test_pruned_trial_stops_at_once_and_frees_its_slot_and_state(make_executor, 
     assert list(pruned.intermediate_values) == [0, 1]
     assert (1, 2) not in chunk_log  # no chunk after the pruning decision
     assert study.trials[2].state == TrialState.COMPLETE  # the freed slot went to the next trial
-    assert executor._engine.resident.peft.peft_config == {}  # every adapter was released
-    assert executor._engine._runtimes == []
+    assert executor.stats().adapters == ()  # every adapter was released
+    assert executor.stats().live_trials == 0
 
 
 def test_reports_every_chunk_on_an_eval_subsample(make_executor, eval_ds) -> None:
@@ -143,4 +143,4 @@ def test_reports_every_chunk_on_an_eval_subsample(make_executor, eval_ds) -> Non
         values.append(study.trials[0].intermediate_values)
     assert list(values[0]) == list(values[1]) == [0, 1]
     assert values[0] != values[1]
-    assert len(sub._engine.data.eval) == 3 and len(full._engine.data.eval) == len(eval_ds)
+    assert sub.stats().eval_rows == 3 and full.stats().eval_rows == len(eval_ds)

@@ -9,9 +9,8 @@ import pytest
 from optuna_rapidfire._scheduler import Decision, Entry, Lockstep, Scheduler, Status, Task
 
 
-def _scheduler(*numbers: int, fuse: bool = False) -> tuple[Scheduler, list[Entry]]:
+def _scheduler(*numbers: int) -> tuple[Scheduler, list[Entry]]:
     scheduler = Scheduler(gather_seconds=0.0)
-    scheduler.fuse = fuse
     entries = [Entry(number=n, trial_id=100 + n, spec=None) for n in numbers]
     for entry in entries:
         scheduler.add(entry)
@@ -25,11 +24,12 @@ def _build_all(scheduler: Scheduler, count: int) -> None:
         scheduler.built(entry, runtime=object())
 
 
-def _train(scheduler: Scheduler) -> list[int]:
-    """Take the next training task, 'train' it, and return the trial numbers it held."""
-    task, held = scheduler.next_task()
-    group = held if task is Task.TRAIN_GANG else [held]
-    assert task in (Task.TRAIN, Task.TRAIN_GANG)
+def _train(scheduler: Scheduler, fuse: bool = False) -> list[int]:
+    """Take the next training task (for an engine that fuses or not), 'train' it, and return the trial
+    numbers it held."""
+    task, group = scheduler.next_task(fuse=fuse)
+    assert task is Task.TRAIN
+    assert fuse or len(group) == 1
     for entry in group:
         scheduler.chunk_done(entry)
     return [e.number for e in group]
@@ -62,9 +62,9 @@ def test_nobody_runs_ahead_of_a_live_trial_still_being_decided() -> None:
 
 
 def test_a_fusing_device_takes_every_ready_trial_at_the_least_progress_as_one_group() -> None:
-    scheduler, entries = _scheduler(0, 1, 2, fuse=True)
+    scheduler, entries = _scheduler(0, 1, 2)
     _build_all(scheduler, 3)
-    assert _train(scheduler) == [0, 1, 2]
+    assert _train(scheduler, fuse=True) == [0, 1, 2]
     scheduler.decide(entries[0], Decision.CONTINUE)
     scheduler.decide(entries[1], Decision.CONTINUE)
     assert Lockstep().choose(entries, fuse=True) is None  # trial 2 is still being decided on
@@ -72,7 +72,7 @@ def test_a_fusing_device_takes_every_ready_trial_at_the_least_progress_as_one_gr
     task, entry = scheduler.next_task()  # housekeeping goes first
     assert (task, entry) == (Task.RELEASE, entries[2])
     scheduler.remove(entry)
-    assert _train(scheduler) == [0, 1]
+    assert _train(scheduler, fuse=True) == [0, 1]
 
 
 def test_housekeeping_goes_before_builds_and_builds_before_training() -> None:

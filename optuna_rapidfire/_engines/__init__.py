@@ -1,1 +1,7 @@
-"""Training engines: how live trials share a device (time-sliced now; fused later)."""
+"""Training engines: how live trials share a device.
+
+``_base`` is the contract the device's worker calls; ``_trials`` the services every engine composes
+(building, clones, snapshots, memory budget, routing, evaluation, export, finishing a chunk);
+``_time_sliced`` trains one trial at a time; ``_fused_engine`` trains gangs in shared passes, which
+``_fused_pass`` computes.
+"""

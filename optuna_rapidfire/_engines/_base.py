@@ -1,17 +1,25 @@
-"""The contract between the device's worker thread and a training engine."""
+"""The contract between the device's worker thread and a training engine, and what flows through it.
+
+The worker hands an :class:`Engine` a :class:`TrialSpec` to build and gets back the engine's runtime object,
+then asks it to :meth:`~Engine.run` groups of runtimes (one trial, or a gang when the engine fuses) and gets a
+:class:`ChunkResult` per trial. :class:`EngineStats` are the engine's counters, read from any thread.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
+    import torch
     from peft import PeftConfig
     from transformers import TrainingArguments
 
+    from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
+    from optuna_rapidfire._snapshot import TrialSnapshot
     from optuna_rapidfire._trainers._base import TrainerKind
 
 
@@ -102,49 +110,108 @@ class ChunkResult:
     snapshot: Any = None
 
 
-class Engine(ABC):
-    """Trains trials on one device, one call per chunk.
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters of a device's engine at one moment, for benchmarks and tests.
 
-    All methods run on the device's worker thread. An engine owns the per-trial runtime objects it
-    returns from :meth:`build`; the scheduler only passes them back.
+    Attributes:
+        switches: How many times the device switched from training one trial to training another alone.
+        switch_seconds: Host time of each of those switches.
+        offloads: How many times an idle trial's state was moved to CPU memory.
+        fused_steps: Steps of shared passes (the fused engine's gangs).
+        pass_tokens: The most tokens one shared pass takes now (lowered after a pass ran out of memory);
+            ``None`` for an engine without shared passes.
+        live_trials: Trials built and not yet released.
+        resident_trials: Live trials whose state is on the device.
+        state_bytes: Each live trial's state (adapter weights and optimizer moments), in the order built.
+        adapters: The adapters in the resident model (one per live trial, none once every trial left).
+        base_bytes: The base model's weights and buffers.
+        eval_rows: Rows of the evaluation set (after ``eval_samples``).
     """
 
+    switches: int = 0
+    switch_seconds: tuple[float, ...] = ()
+    offloads: int = 0
+    fused_steps: int = 0
+    pass_tokens: int | None = None
+    live_trials: int = 0
+    resident_trials: int = 0
+    state_bytes: tuple[int, ...] = ()
+    adapters: tuple[str, ...] = ()
+    base_bytes: int = 0
+    eval_rows: int = 0
+
+
+class Engine(ABC):
+    """Trains trials on one device: the contract the device's worker calls.
+
+    An engine decides only how chunks train (:meth:`run`); everything else about a trial (building,
+    clones, snapshots, the memory budget, evaluation, export, release) is the device's
+    :class:`~optuna_rapidfire._engines._trials.DeviceTrials`, which every engine composes. All methods run
+    on the device's worker thread, except :meth:`stats`. The runtimes :meth:`build` returns are the
+    engine's; the scheduler only passes them back.
+
+    Args:
+        trials: The device's trials.
+    """
+
+    #: Whether the engine trains the ready trials at the least progress together (the scheduler then hands
+    #: :meth:`run` those gangs); else it gets one trial at a time.
+    fuses: ClassVar[bool]
+
+    def __init__(self, trials: DeviceTrials) -> None:
+        self.trials = trials
+
+    @property
+    def device(self) -> torch.device:
+        """The device the engine trains on."""
+        return self.trials.device
+
     @abstractmethod
-    def build(self, spec: TrialSpec) -> Any:
+    def run(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
+        """Train each trial's next chunk, then evaluate it.
+
+        Returns:
+            Each trial's chunk result, in order, or the error that failed that trial alone. An error that
+            fails them all is raised.
+        """
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """The engine's counters now (safe to call from any thread)."""
+
+    def build(self, spec: TrialSpec) -> TrialRuntime:
         """Create the trial's state (adapter, optimizer, schedule, RNG); raise if the config is unusable."""
+        return self.trials.build(spec)
 
-    @abstractmethod
-    def total_chunks(self, runtime: Any) -> int:
+    def total_chunks(self, runtime: TrialRuntime) -> int:
         """How many chunks the trial trains if nothing stops it."""
+        return runtime.total_chunks
 
-    @abstractmethod
-    def branch(self, runtime: Any) -> Branch | None:
+    def branch(self, runtime: TrialRuntime) -> Branch | None:
         """How a clone started (``None`` for a trial that is not a clone)."""
+        return runtime.branch
 
-    @abstractmethod
-    def pause(self, runtime: Any) -> None:
+    def pause(self, runtime: TrialRuntime) -> None:
         """Move an idle trial's state off the device until it trains again."""
+        self.trials.pause(runtime)
 
-    @abstractmethod
-    def snapshot(self, runtime: Any) -> Any:
+    def snapshot(self, runtime: TrialRuntime) -> TrialSnapshot:
         """The trial's state at its latest chunk boundary, as CPU copies (a per-chunk checkpoint)."""
+        return self.trials.snapshot(runtime)
 
-    @abstractmethod
-    def save_snapshot(self, runtime: Any) -> None:
+    def save_snapshot(self, runtime: TrialRuntime) -> None:
         """Write the trial's state to its snapshot folder (what clones of it start from)."""
+        self.trials.save_snapshot(runtime)
 
-    @abstractmethod
-    def run_chunk(self, runtime: Any) -> ChunkResult:
-        """Train the trial's next chunk, then evaluate it."""
-
-    @abstractmethod
-    def evaluate(self, runtime: Any, max_batches: int | None = None) -> dict[str, float]:
+    def evaluate(self, runtime: TrialRuntime, max_batches: int | None = None) -> dict[str, float]:
         """Evaluate the trial's adapter now (on the first ``max_batches`` eval batches only, if given)."""
+        return self.trials.evaluate(runtime, max_batches)
 
-    @abstractmethod
-    def save_adapter(self, runtime: Any, directory: str) -> None:
+    def save_adapter(self, runtime: TrialRuntime, directory: str) -> None:
         """Write the trial's adapter in PEFT's format."""
+        self.trials.save_adapter(runtime, directory)
 
-    @abstractmethod
-    def release(self, runtime: Any) -> None:
+    def release(self, runtime: TrialRuntime) -> None:
         """Free the trial's state; safe to call on a half-built or already released trial."""
+        self.trials.release(runtime)

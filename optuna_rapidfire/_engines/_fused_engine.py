@@ -1,13 +1,15 @@
 """The fused engine: live trials at the same progress train their chunk together, in shared passes.
 
-Everything but training is the time-sliced engine's (building, clones, checkpoints, evaluation, export).
-A *gang* is the set of live trials the scheduler hands over together: those ready at the least progress.
-Each fused step takes the next micro-batch of every gang member that has one left in the chunk, pads them
-to one length, runs the frozen backbone once with every adapter on its own rows
-(:mod:`optuna_rapidfire._engines._fused_pass`), and computes each trial's loss as TRL does: SFT, the shifted
-labels' negative log-probabilities summed and divided by the tokens of the trial's own accumulated batch;
-DPO, the sigmoid loss of each pair's log-ratio margin against a reference pass of the whole gang with the
-adapters off, with the trial's own beta. After its own ``gradient_accumulation_steps`` micro-batches a trial clips its
+Everything but training is the device's (:mod:`optuna_rapidfire._engines._trials`: building, clones,
+checkpoints, evaluation, export, finishing a chunk), as for the time-sliced engine, which this engine uses
+for the gangs it cannot fuse. A *gang* is the set of live trials the scheduler hands over together: those
+ready at the least progress. Each fused step takes the next micro-batch of every gang member that has one
+left in the chunk, pads them to one length, runs the frozen backbone once with every adapter on its own
+rows (:mod:`optuna_rapidfire._engines._fused_pass`), and computes each trial's loss as TRL does, through
+its kind's :class:`~optuna_rapidfire._trainers._fused_loss.FusedLoss`: SFT, the shifted labels' negative
+log-probabilities summed and divided by the tokens of the trial's own accumulated batch; DPO, the sigmoid
+loss of each pair's log-ratio margin against a reference pass of the whole gang with the adapters off,
+with the trial's own beta. After its own ``gradient_accumulation_steps`` micro-batches a trial clips its
 gradients to its own ``max_grad_norm`` and steps its own optimizer and LR schedule. Trials whose chunk
 holds fewer micro-batches leave the later steps.
 
@@ -22,6 +24,7 @@ why once. A shared pass that fails before any member stepped is retried one memb
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from optuna_rapidfire._data import rows_of
-from optuna_rapidfire._engines._base import ChunkResult
+from optuna_rapidfire._engines._base import ChunkResult, Engine, EngineStats
 from optuna_rapidfire._engines._fused_pass import (
     Gang,
     base_only,
@@ -40,7 +43,8 @@ from optuna_rapidfire._engines._fused_pass import (
     lora_layers,
     unsupported,
 )
-from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine, TrialRuntime
+from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+from optuna_rapidfire._engines._trials import clips, train_metrics
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._state import RngState
 from optuna_rapidfire._trainers._base import _to_device, accumulation_divisor
@@ -48,20 +52,27 @@ from optuna_rapidfire._trainers._base import _to_device, accumulation_divisor
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
     from optuna_rapidfire._trainers._fused_loss import FusedLoss
 
 _logger = get_logger(__name__)
 
 
-class FusedEngine(TimeSlicedEngine):
+class FusedEngine(Engine):
     """Trains gangs of trials in shared forward/backward passes; falls back to time slicing."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    fuses = True
+
+    def __init__(self, trials: DeviceTrials) -> None:
+        super().__init__(trials)
+        self._alone = TimeSlicedEngine(trials)  # gangs that cannot share a pass, and retries one by one
         self.fused_steps = 0
         self.pass_tokens = PASS_TOKENS
         self._stepped = False
         self._said: set[str] = set()
+
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self.trials.stats(), fused_steps=self.fused_steps, pass_tokens=self.pass_tokens)
 
     # -- which gangs can be fused ----------------------------------------------------------------
 
@@ -87,7 +98,7 @@ class FusedEngine(TimeSlicedEngine):
             if kind.base_dropout_off(args) != first.spec.kind.base_dropout_off(first.args):
                 return "the trials differ in disable_dropout"
         checkpointing = first.spec.kind.checkpointing(first.args)[0]
-        for layer in lora_layers(self.resident.module):
+        for layer in lora_layers(self.trials.resident.module):
             for runtime in runtimes:
                 name = runtime.state.adapter_name
                 reason = unsupported(layer, name)
@@ -97,11 +108,14 @@ class FusedEngine(TimeSlicedEngine):
                 if checkpointing and dropout is not None and float(getattr(dropout, "p", 0.0)) > 0:
                     # Recomputing a checkpointed block would draw other masks from the trial's generator.
                     return "activation checkpointing with lora_dropout > 0"
-        if self.extras.compute_metrics is not None or getattr(first.trainer, "compute_loss_func", None) is not None:
+        if (
+            self.trials.extras.compute_metrics is not None
+            or getattr(first.trainer, "compute_loss_func", None) is not None
+        ):
             return "a custom loss or metrics function is set"
         return None
 
-    def run_gang(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
+    def run(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
         """Train every trial's next chunk, in shared passes when they can share them; then evaluate each.
 
         Returns:
@@ -111,50 +125,34 @@ class FusedEngine(TimeSlicedEngine):
         """
         reason = self.refusal(runtimes)
         if reason is not None and len(runtimes) == 1:
-            return [self.run_chunk(runtimes[0])]
+            return [self._alone.run_chunk(runtimes[0])]
         if reason is not None:
             if reason not in self._said:
                 self._said.add(reason)
                 _logger.info("Training time-sliced, not fused: %s.", reason)
-            return [self.run_chunk(runtime) for runtime in runtimes]
+            return self._alone.run(runtimes)
         start = time.perf_counter()
-        steps = [runtime.state.position.chunks_done for runtime in runtimes]
         try:
-            train_metrics = self._train_gang(runtimes)
+            metrics = self._train_gang(runtimes)
         except Exception as error:
             if self._stepped:  # the members' states moved on together: the gang fails as one
                 raise
             return self._one_by_one(runtimes, error)
-        trained = time.perf_counter()
+        train_seconds = (time.perf_counter() - start) / len(runtimes)
         results: list[ChunkResult | BaseException] = []
-        for runtime, step, metrics in zip(runtimes, steps, train_metrics, strict=True):
-            evaluated = time.perf_counter()
+        for runtime, chunk_metrics in zip(runtimes, metrics, strict=True):
             try:
-                full = self.evaluate(runtime)
+                results.append(self.trials.finish(runtime, chunk_metrics, train_seconds))
             except Exception as error:  # this member's evaluation only
                 results.append(error)
-                continue
-            full.update(metrics)
-            runtime.history.append(dict(full))
-            results.append(
-                ChunkResult(
-                    step=step,
-                    metrics=full,
-                    last=runtime.state.position.chunks_done >= runtime.total_chunks,
-                    train_seconds=(trained - start) / len(runtimes),
-                    eval_seconds=time.perf_counter() - evaluated,
-                )
-            )
         return results
 
     def _one_by_one(self, runtimes: Sequence[TrialRuntime], error: Exception) -> list[ChunkResult | BaseException]:
         """After a shared pass failed before any member stepped: train each member alone, so that only a
         trial that fails on its own fails. Out of memory also halves the size of later shared passes."""
-        names = [runtime.state.adapter_name for runtime in runtimes]
         for runtime in runtimes:
             runtime.state.optimizer.zero_grad(set_to_none=True)
-        self.resident.set_trainable(names, False)
-        self._current = None
+        self.trials.leave_gang(runtimes)
         if isinstance(error, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
             self.pass_tokens = max(self.pass_tokens // 2, 1)
@@ -169,7 +167,7 @@ class FusedEngine(TimeSlicedEngine):
         results: list[ChunkResult | BaseException] = []
         for runtime in runtimes:
             try:
-                results.append(self.run_chunk(runtime))
+                results.append(self._alone.run_chunk(runtime))
             except Exception as own:
                 results.append(own)
         return results
@@ -177,20 +175,13 @@ class FusedEngine(TimeSlicedEngine):
     # -- training a gang's chunk -----------------------------------------------------------------
 
     def _train_gang(self, runtimes: Sequence[TrialRuntime]) -> list[dict[str, float]]:
-        device, resident = self.device, self.resident
+        device, resident = self.device, self.trials.resident
         self._stepped = False
-        loss = runtimes[0].spec.kind.fused_loss
+        first = runtimes[0]
+        loss = first.spec.kind.fused_loss
         assert loss is not None  # refusal() lets only kinds with a fused loss through
         plans = [self._plan(runtime, loss) for runtime in runtimes]
-        self._on_device(runtimes)  # the whole gang: only trials outside it may be offloaded
-        first = runtimes[0]
-        enabled, kwargs = first.spec.kind.checkpointing(first.args)
-        resident.set_checkpointing(enabled, kwargs)
-        resident.use_forward(None)
-        resident.set_base_dropout(first.spec.kind.base_dropout_off(first.args))
-        names = [runtime.state.adapter_name for runtime in runtimes]
-        resident.set_trainable(names, True)
-        self._current = None
+        self.trials.enter_gang(runtimes)
         model = resident.module
         model.train()
         backbone = resident.base.get_decoder() if hasattr(resident.base, "get_decoder") else resident.base.model
@@ -232,15 +223,8 @@ class FusedEngine(TimeSlicedEngine):
             ]
             trainer: Any = runtime.trainer
             trainer._total_train_tokens = getattr(trainer, "_total_train_tokens", 0) + plan.tokens
-            values = {
-                "train_loss": torch.stack(per_step).mean().item(),
-                "train_learning_rate": float(state.lr_scheduler.get_last_lr()[0]),
-            }
-            norm = grad_norms[k]
-            if norm is not None:
-                values["train_grad_norm"] = float(norm)
-            metrics.append(values)
-        resident.set_trainable(names, False)
+            metrics.append(train_metrics(runtime, per_step, grad_norms[k]))
+        self.trials.leave_gang(runtimes)
         return metrics
 
     def _lay_out(
@@ -270,7 +254,7 @@ class FusedEngine(TimeSlicedEngine):
         gang = Gang(names, rows, [generators[k] for k in group], [b["input_ids"].shape[1] for b in batches])
         key = (tuple(names), tuple(rows))
         if key not in layouts:
-            layouts[key] = layer_plans(self.resident.module, gang)
+            layouts[key] = layer_plans(self.trials.resident.module, gang)
         flat, token_rows, target, offset = [], [], [], 0
         for j, k in enumerate(group):
             row, column, labels = plans[k].targets[index]
@@ -298,7 +282,7 @@ class FusedEngine(TimeSlicedEngine):
         reference = loss.reference(lambda: self._base_nll(first, shared, backbone, head), shared.where, rows)
         # The gang's layers stay in place through the backward pass too: activation checkpointing
         # recomputes forwards there. Mixed precision covers the forward pass and the losses only.
-        with fused_forward(self.resident.module, shared.gang, shared.layers):
+        with fused_forward(self.trials.resident.module, shared.gang, shared.layers):
             with first.spec.kind.autocast(first.args, self.device):
                 nll = self._token_nll(shared, backbone, head)
                 sums = loss.losses(nll, reference, shared.where, shared.extras, rows, len(shared.group))
@@ -335,7 +319,7 @@ class FusedEngine(TimeSlicedEngine):
     def _plan(self, runtime: TrialRuntime, loss: FusedLoss) -> _ChunkPlan:
         """The trial's micro-batches of its next chunk, collated, with where their loss tokens are."""
         trainer, args = runtime.trainer, runtime.args
-        dataset, micro = self._next_chunk(runtime)
+        dataset, micro = self.trials.next_chunk(runtime)
         collated = [loss.collate(trainer, rows_of(dataset, indices)) for indices in micro]
         targets, unmasked = [], []
         for batch in collated:  # where each micro-batch's loss tokens are, found here on the host
@@ -372,10 +356,10 @@ class FusedEngine(TimeSlicedEngine):
         norms = clip_gang(grads, [runtimes[k].args.max_grad_norm for k in ready])
         for k, norm in zip(ready, norms, strict=True):
             runtime = runtimes[k]
-            if runtime.args.max_grad_norm is not None and runtime.args.max_grad_norm > 0:
+            if clips(runtime.args):
                 grad_norms[k] = norm
             runtime.state.optimizer.step()
-            self._after_optimizer_step(runtime)
+            self.trials.after_optimizer_step(runtime)
 
 
 @dataclass

@@ -2,367 +2,54 @@
 
 A switch activates the trial's adapter in the shared ``PeftModel`` and restores its RNG; the base
 weights never move. Each trial trains with its own TRL trainer's loss, optimizer and LR schedule, so
-a chunk here is the same computation TRL's own loop would run on those batches.
+a chunk here is the same computation TRL's own loop would run on those batches. Building, clones,
+snapshots, the memory budget, evaluation and export are the device's
+(:mod:`optuna_rapidfire._engines._trials`); so is finishing a chunk.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from optuna_rapidfire._data import rows_of
-from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, Engine, TrialSpec
-from optuna_rapidfire._snapshot import TrialSnapshot
-from optuna_rapidfire._state import Position, RngState, TrialState
-from optuna_rapidfire._trainers._base import ACCELERATE_STATE
+from optuna_rapidfire._engines._base import ChunkResult, Engine, EngineStats
+from optuna_rapidfire._engines._trials import clips, train_metrics
+from optuna_rapidfire._state import RngState
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable, Sequence
+    from collections.abc import Sequence
 
-    from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
-
-    from optuna_rapidfire._data import PreparedData
-    from optuna_rapidfire._model import ResidentModel
-    from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind
-
-
-@dataclass(eq=False)
-class TrialRuntime:
-    """A built trial: its spec, TRL trainer, swappable state and chunk plan."""
-
-    spec: TrialSpec
-    args: TrainingArguments
-    forward: Any
-    trainer: Trainer
-    state: TrialState
-    data_key: Hashable
-    steps_per_chunk: list[int]
-    total_chunks: int
-    history: list[dict[str, float]] = field(default_factory=list)
-    branch: Branch | None = None
-    last_used: float = field(default_factory=time.monotonic)
-    released: bool = False
-
-    def prepare(self, dataset: Dataset, split: str) -> Dataset:
-        return self.spec.kind.prepare(self.trainer, dataset, split)
+    from optuna_rapidfire._engines._trials import TrialRuntime
 
 
 class TimeSlicedEngine(Engine):
-    """Trains one trial at a time on ``resident``'s device.
+    """Trains one trial at a time on the device of ``trials``."""
 
-    Args:
-        resident: The base model with the live trials' adapters.
-        data: Chunks and eval set, prepared per data key.
-        extras: Executor-wide arguments for the TRL trainers.
-        output_dir: Folder under which each trial's trainer gets its ``output_dir``.
-        state_budget: Bytes of trial state (adapters + optimizer moments) kept on the device; idle
-            trials beyond it are moved to pinned CPU memory. ``None``: no limit.
-    """
+    fuses = False
 
-    def __init__(
-        self,
-        resident: ResidentModel,
-        data: PreparedData,
-        extras: TrainerExtras,
-        output_dir: str,
-        state_budget: int | None = None,
-    ) -> None:
-        self.resident = resident
-        self.data = data
-        self.extras = extras
-        self.output_dir = output_dir
-        self.state_budget = state_budget
-        self._runtimes: list[TrialRuntime] = []
-        self.switches = 0
-        self.switch_seconds: list[float] = []  # host time of each switch between trials
-        self.offloads = 0
-        self._current: TrialRuntime | None = None
+    def run(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
+        """Train the trials' next chunks one after another (the scheduler hands this engine one trial)."""
+        return [self.run_chunk(runtime) for runtime in runtimes]
 
-    @property
-    def device(self) -> torch.device:
-        return self.resident.device
-
-    # -- building and releasing ------------------------------------------------------------------
-
-    def build(self, spec: TrialSpec) -> TrialRuntime:
-        # A live parent is at a chunk boundary now: this thread is the only one that trains.
-        parent = "" if spec.clone_of is None else self._parent_snapshot(spec)
-        kind = spec.kind
-        name = f"trial_{spec.number}"
-        with ACCELERATE_STATE:
-            args = kind.effective_args(spec.args, os.path.join(self.output_dir, name), self.device)
-        params = self.resident.add_adapter(name, spec.peft_config, seed=args.seed)
-        try:
-            if not params:
-                raise ValueError(f"The adapter config of trial {spec.number} creates no trainable parameters.")
-            sample = self.data.train.select(self.data.plan.rows(0)[:1].tolist())
-            # No other thread may make TrainingArguments (clearing accelerate's shared state) until the
-            # trainer has its own copy of that state.
-            with ACCELERATE_STATE, self.resident.building(name) as trainer_forward:
-                trainer = kind.build_trainer(self.resident, args, sample, self.extras)
-                kind.isolate(trainer)
-            key = kind.data_key(args)
-            sizes = self.data.chunk_sizes(key, lambda ds, split: kind.prepare(trainer, ds, split))
-            steps_per_chunk = self._steps_per_chunk(spec.number, args, kind, sizes)
-            total_chunks = kind.total_chunks(args, self.data.plan.num_chunks)
-            total_steps = sum(steps_per_chunk[c % len(sizes)] for c in range(total_chunks))
-            optimizer = trainer.create_optimizer()
-            scheduler = trainer.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
-            state = TrialState(
-                adapter_name=name,
-                params=params,
-                optimizer=optimizer,
-                lr_scheduler=scheduler,
-                scaler=getattr(trainer.accelerator, "scaler", None),
-                rng=RngState.seeded(args.seed, self.device),
-            )
-        except BaseException:
-            self.resident.delete_adapter(name)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.join(self.output_dir, name))
-            raise
-        runtime = TrialRuntime(
-            spec=spec,
-            args=args,
-            forward=trainer_forward(),
-            trainer=trainer,
-            state=state,
-            data_key=key,
-            steps_per_chunk=steps_per_chunk,
-            total_chunks=total_chunks,
-        )
-        if spec.clone_of is not None:
-            runtime.branch = self._branch_from(runtime, spec.clone_of, parent)
-        self._runtimes.append(runtime)
-        self._fit_budget(keep=[runtime])
-        return runtime
-
-    # -- clones and snapshots --------------------------------------------------------------------
-
-    def _live(self, number: int) -> TrialRuntime | None:
-        return next((r for r in self._runtimes if r.spec.number == number), None)
-
-    def _parent_snapshot(self, spec: TrialSpec) -> TrialSnapshot | str:
-        """The parent's state now (a live parent) or as saved when it ended; else why there is none."""
-        clone_of = spec.clone_of
-        assert clone_of is not None
-        number = clone_of.parent
-        if not clone_of.resume:
-            live = self._live(number)
-            if live is not None:
-                return self.snapshot(live)
-            directory = os.path.join(spec.state_dir, f"trial-{number}")
-            if TrialSnapshot.exists(directory):
-                return TrialSnapshot.load(directory)
-        if clone_of.fetch is not None:
-            try:
-                fetched = clone_of.fetch()
-            except Exception as error:  # missing, corrupted or foreign: start from scratch, say why
-                return str(error)
-            assert isinstance(fetched, TrialSnapshot)
-            return fetched
-        return f"no state of trial {number} is available here"
-
-    def snapshot(self, runtime: TrialRuntime) -> TrialSnapshot:
-        """The trial's state at its latest chunk boundary, copied to the CPU."""
-        if not runtime.state.resident and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # its offload copies to host memory may still be in flight
-        name = runtime.state.adapter_name
-        weights = self.resident.adapter_weights(name)
-        return TrialSnapshot.capture(
-            runtime.spec.number, runtime.spec.kind.name, runtime.state, weights, runtime.history
-        )
-
-    def save_snapshot(self, runtime: TrialRuntime) -> None:
-        if runtime.state.position.chunks_done > 0:
-            self.snapshot(runtime).save(os.path.join(runtime.spec.state_dir, f"trial-{runtime.spec.number}"))
-
-    def branch(self, runtime: TrialRuntime) -> Branch | None:
-        return runtime.branch
-
-    def _branch_from(self, runtime: TrialRuntime, clone_of: CloneOf, parent: TrialSnapshot | str) -> Branch:
-        """Make ``runtime`` continue from ``parent`` if it can; say why not otherwise."""
-        reason: str | None
-        if not clone_of.warm:
-            reason = "a cold clone was asked for"
-        elif isinstance(parent, str):
-            reason = parent
-        else:
-            shapes = {k: v.shape for k, v in self.resident.adapter_weights(runtime.state.adapter_name).items()}
-            reason = parent.compatible_with(runtime.spec.kind.name, shapes)
-        if reason is not None:
-            return Branch(parent=clone_of.parent, step=0, warm=False, reason=reason, resume=clone_of.resume)
-        assert isinstance(parent, TrialSnapshot)
-        self._restore(runtime, parent)
-        return Branch(
-            parent=clone_of.parent,
-            step=parent.position.chunks_done,
-            warm=True,
-            history=[dict(h) for h in parent.history],
-            resume=clone_of.resume,
-        )
-
-    def _restore(self, runtime: TrialRuntime, parent: TrialSnapshot) -> None:
-        """Load the parent's weights, moments, schedule position, RNG and data position.
-
-        The clone's own hyperparameters win: its optimizer keeps its param-group settings (learning
-        rate, weight decay, betas) and its LR schedule (its own warmup and length) is only moved to the
-        parent's position, so a changed learning rate takes effect at once.
-        """
-        state = runtime.state
-        self.resident.load_adapter_weights(state.adapter_name, parent.weights)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in state.optimizer.param_groups]
-        state.optimizer.load_state_dict(parent.optimizer)
-        for group, settings in zip(state.optimizer.param_groups, groups, strict=True):
-            group.update(settings)
-        _seek(state.lr_scheduler, parent.scheduler_steps)
-        if state.scaler is not None and parent.scaler is not None:
-            state.scaler.load_state_dict(parent.scaler)
-        state.rng = RngState(
-            cpu=parent.rng.cpu.clone(),
-            device=None if parent.rng.device is None else parent.rng.device.clone(),
-            python=parent.rng.python,
-            numpy=parent.rng.numpy,
-        )
-        state.dropout_rng = None if parent.dropout_rng is None else parent.dropout_rng.clone()
-        state.position = Position(parent.position.chunks_done, parent.position.optimizer_steps)
-        runtime.trainer.state.global_step = parent.position.optimizer_steps
-        runtime.history = [dict(h) for h in parent.history]
-
-    def pause(self, runtime: TrialRuntime) -> None:
-        if runtime.state.resident:
-            runtime.state.offload(self.device)
-            self.offloads += 1
-        if self._current is runtime:
-            self._current = None
-
-    def _steps_per_chunk(self, number: int, args: TrainingArguments, kind: TrainerKind, sizes: list[int]) -> list[int]:
-        steps = []
-        for chunk, size in enumerate(sizes):
-            micro = len(kind.micro_batches(args, np.arange(size)))
-            if micro < 1:
-                rows = len(self.data.plan.rows(chunk))
-                if getattr(args, "packing", False):
-                    why = f"packing joined its {rows} rows into {size} examples"
-                elif size < rows:
-                    why = (
-                        f"preparation dropped {rows - size} of its {rows} rows (TRL drops rows whose tokens are "
-                        "all masked, e.g. a prompt that fills max_length, and rows it cannot use)"
-                    )
-                else:
-                    why = f"it has only {rows} rows"
-                raise ValueError(
-                    f"Chunk {chunk + 1} of {len(sizes)} holds {size} examples after preparation, fewer than one "
-                    f"batch of per_device_train_batch_size={args.per_device_train_batch_size} (trial {number}): "
-                    f"{why}. Lower num_chunks or the batch size, or check the rows and max_length."
-                )
-            steps.append(math.ceil(micro / args.gradient_accumulation_steps))
-        return steps
-
-    def total_chunks(self, runtime: TrialRuntime) -> int:
-        return runtime.total_chunks
-
-    def release(self, runtime: TrialRuntime) -> None:
-        if runtime.released:
-            return
-        runtime.released = True
-        self.resident.delete_adapter(runtime.state.adapter_name)
-        runtime.state.optimizer.state.clear()
-        runtime.state.params.clear()
-        if runtime in self._runtimes:
-            self._runtimes.remove(runtime)
-        if self._current is runtime:
-            self._current = None
-        # TRL's trainer makes its output_dir and writes nothing there (the executor saves adapters itself).
-        for folder in (os.path.join(self.output_dir, runtime.state.adapter_name), self.output_dir):
-            with contextlib.suppress(OSError):  # not empty: another trial's, or something of the user's
-                os.rmdir(folder)
-
-    def save_adapter(self, runtime: TrialRuntime, directory: str) -> None:
-        self.resident.save_adapter(runtime.state.adapter_name, directory)
-
-    # -- memory ----------------------------------------------------------------------------------
-
-    def _fit_budget(self, keep: Sequence[TrialRuntime]) -> None:
-        """Offload least recently used idle trials (never those in ``keep``) until the state fits the budget."""
-        if self.state_budget is None:
-            return
-        resident = [r for r in self._runtimes if r.state.resident]
-        used = sum(r.state.nbytes() for r in resident)
-        for victim in sorted(resident, key=lambda r: r.last_used):
-            if used <= self.state_budget:
-                break
-            if any(victim is k for k in keep):
-                continue
-            used -= victim.state.nbytes()
-            victim.state.offload(self.device)
-            self.offloads += 1
-
-    def resident_trials(self) -> int:
-        """Number of trials whose state is on the device."""
-        return sum(r.state.resident for r in self._runtimes)
-
-    # -- training --------------------------------------------------------------------------------
-
-    def _switch_to(self, runtime: TrialRuntime) -> None:
-        start = time.perf_counter()
-        state = runtime.state
-        self._on_device([runtime])
-        self._use(runtime)
-        enabled, kwargs = runtime.spec.kind.checkpointing(runtime.args)
-        self.resident.set_checkpointing(enabled, kwargs)
-        state.rng.restore(self.device)
-        if self._current is not runtime:
-            self.switches += 1
-            self._current = runtime
-            self.switch_seconds.append(time.perf_counter() - start)
-
-    def _on_device(self, runtimes: Sequence[TrialRuntime]) -> None:
-        """Bring the trials' states onto the device (marked just used) and offload others to fit the budget."""
-        for runtime in runtimes:
-            if not runtime.state.resident:
-                runtime.state.onload(self.device)
-            runtime.last_used = time.monotonic()
-        self._fit_budget(keep=runtimes)
-
-    def _use(self, runtime: TrialRuntime) -> None:
-        """Route the model's forward passes through the trial: its adapter, its TRL head, its dropout."""
-        self.resident.activate(runtime.state.adapter_name)
-        self.resident.use_forward(runtime.forward)
-        self.resident.set_base_dropout(runtime.spec.kind.base_dropout_off(runtime.args))
+    def stats(self) -> EngineStats:
+        return self.trials.stats()
 
     def run_chunk(self, runtime: TrialRuntime) -> ChunkResult:
-        self._switch_to(runtime)
-        step = runtime.state.position.chunks_done
+        """Train the trial's next chunk alone, then evaluate it."""
+        self.trials.switch_to(runtime)
         start = time.perf_counter()
-        train_metrics = self._train_chunk(runtime)
+        metrics = self._train_chunk(runtime)
         runtime.state.rng = RngState.capture(self.device)
-        trained = time.perf_counter()
-        metrics = self.evaluate(runtime)
-        metrics.update(train_metrics)
-        runtime.history.append(dict(metrics))
-        done = time.perf_counter()
-        return ChunkResult(
-            step=step,
-            metrics=metrics,
-            last=runtime.state.position.chunks_done >= runtime.total_chunks,
-            train_seconds=trained - start,
-            eval_seconds=done - trained,
-        )
+        return self.trials.finish(runtime, metrics, train_seconds=time.perf_counter() - start)
 
     def _train_chunk(self, runtime: TrialRuntime) -> dict[str, float]:
         kind, trainer, args, state = runtime.spec.kind, runtime.trainer, runtime.args, runtime.state
-        dataset, micro = self._next_chunk(runtime)
+        dataset, micro = self.trials.next_chunk(runtime)
         accumulation = args.gradient_accumulation_steps
-        model = self.resident.module
+        model = self.trials.resident.module
         model.train()
         scaler = state.scaler
         step_losses: list[torch.Tensor] = []
@@ -372,7 +59,7 @@ class TimeSlicedEngine(Engine):
             step_losses.append(kind.accumulate(trainer, model, batches, self.device, scaler))
             if scaler is not None:
                 scaler.unscale_(state.optimizer)
-            if args.max_grad_norm is not None and args.max_grad_norm > 0:
+            if clips(args):
                 grad_norm = torch.nn.utils.clip_grad_norm_(state.params, args.max_grad_norm)
             stepped = True
             if scaler is not None:
@@ -382,92 +69,6 @@ class TimeSlicedEngine(Engine):
                 stepped = scaler.get_scale() >= scale
             else:
                 state.optimizer.step()
-            self._after_optimizer_step(runtime, stepped)
+            self.trials.after_optimizer_step(runtime, stepped)
         state.position.chunks_done += 1
-        metrics = {f"train_{k}": v for k, v in kind.drain_metrics(trainer, "train").items()}
-        metrics["train_loss"] = torch.stack(step_losses).mean().item()
-        metrics["train_learning_rate"] = float(state.lr_scheduler.get_last_lr()[0])
-        if grad_norm is not None:
-            metrics["train_grad_norm"] = float(grad_norm)
-        return metrics
-
-    def _next_chunk(self, runtime: TrialRuntime) -> tuple[Dataset, list[list[int]]]:
-        """The trial's next chunk (prepared) and the row indices of its micro-batches, in visit order."""
-        plan = self.data.plan
-        epoch, chunk = runtime.state.position.chunk(plan.num_chunks)
-        dataset = self.data.chunk(runtime.data_key, chunk, runtime.prepare)
-        return dataset, runtime.spec.kind.micro_batches(runtime.args, plan.visit_order(len(dataset), epoch, chunk))
-
-    @staticmethod
-    def _after_optimizer_step(runtime: TrialRuntime, stepped: bool = True) -> None:
-        """Advance the LR schedule (unless the fp16 scaler skipped the step), clear gradients, count the step."""
-        state = runtime.state
-        if stepped:
-            state.lr_scheduler.step()
-        state.optimizer.zero_grad(set_to_none=True)
-        state.position.optimizer_steps += 1
-        runtime.trainer.state.global_step = state.position.optimizer_steps
-
-    @torch.no_grad()
-    def evaluate(self, runtime: TrialRuntime, max_batches: int | None = None) -> dict[str, float]:
-        """Evaluate the trial's adapter on the (prepared) eval set, as TRL's ``evaluate`` would."""
-        from transformers import EvalPrediction
-        from transformers.trainer_pt_utils import nested_concat, nested_numpify
-
-        kind, trainer, args = runtime.spec.kind, runtime.trainer, runtime.args
-        self._use(runtime)
-        dataset = self.data.eval_set(runtime.data_key, runtime.prepare)
-        model = self.resident.module
-        was_training = model.training
-        model.eval()
-        compute_metrics = self.extras.compute_metrics
-        preprocess = self.extras.preprocess_logits_for_metrics
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
-        count = 0
-        predictions: Any = None
-        labels: Any = None
-        batches = kind.eval_batches(args, len(dataset))
-        if max_batches is not None:
-            batches = batches[:max_batches]
-        try:
-            for indices in batches:
-                loss, size, logits, batch_labels = kind.eval_batch(
-                    trainer, model, rows_of(dataset, indices), self.device, compute_metrics is not None
-                )
-                total += loss.detach().double() * size
-                count += size
-                if compute_metrics is not None and logits is not None:
-                    if preprocess is not None:
-                        logits = preprocess(logits, batch_labels)
-                    logits, batch_labels = _cpu(logits), _cpu(batch_labels)
-                    predictions = logits if predictions is None else nested_concat(predictions, logits, -100)
-                    labels = batch_labels if labels is None else nested_concat(labels, batch_labels, -100)
-        finally:
-            if was_training:
-                model.train()
-        metrics = {"eval_loss": (total / max(count, 1)).item()}
-        metrics.update({f"eval_{k}": v for k, v in kind.drain_metrics(trainer, "eval").items()})
-        if compute_metrics is not None:
-            user = compute_metrics(
-                EvalPrediction(predictions=nested_numpify(predictions), label_ids=nested_numpify(labels))
-            )
-            for key, value in user.items():
-                metrics[key if key.startswith("eval_") else f"eval_{key}"] = float(value)
-        return metrics
-
-
-def _seek(scheduler: Any, steps: int) -> None:
-    """Move an LR schedule to ``steps`` optimizer steps, setting the learning rates it gives there."""
-    scheduler.last_epoch = steps
-    rates = scheduler.get_lr() if hasattr(scheduler, "lr_lambdas") else scheduler._get_closed_form_lr()
-    for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
-        group["lr"] = rate
-    scheduler._last_lr = list(rates)
-
-
-def _cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cpu(v) for v in value)
-    return value
+        return train_metrics(runtime, step_losses, grad_norm)
