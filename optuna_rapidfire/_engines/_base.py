@@ -178,7 +178,7 @@ class Engine(ABC):
 
     @abstractmethod
     def stats(self) -> EngineStats:
-        """The engine's counters now (safe to call from any thread)."""
+        """The engine's counters now; read from any thread, while the worker may be changing them."""
 
     def build(self, spec: TrialSpec) -> TrialRuntime:
         """Create the trial's state (adapter, optimizer, schedule, RNG); raise if the config is unusable."""

@@ -124,10 +124,8 @@ class FusedEngine(Engine):
             stepped is raised: it fails the whole gang.
         """
         reason = self.refusal(runtimes)
-        if reason is not None and len(runtimes) == 1:
-            return [self._alone.run_chunk(runtimes[0])]
         if reason is not None:
-            if reason not in self._said:
+            if len(runtimes) > 1 and reason not in self._said:
                 self._said.add(reason)
                 _logger.info("Training time-sliced, not fused: %s.", reason)
             return self._alone.run(runtimes)

@@ -124,7 +124,11 @@ class DeviceTrials:
         return self._current
 
     def stats(self) -> EngineStats:
-        """The counters kept here (an engine adds its own)."""
+        """The counters kept here (an engine adds its own).
+
+        Called from another thread, this counts the trials as they are at that moment; counting a state
+        whose optimizer moments are being created at the same time raises ``RuntimeError`` (ask again).
+        """
         runtimes = list(self._runtimes)
         peft = self.resident.peft
         return EngineStats(
