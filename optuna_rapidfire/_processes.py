@@ -64,8 +64,8 @@ def storage_spec(study: optuna.Study) -> tuple[str, str, dict[str, Any]]:
 
 
 def open_storage(spec: tuple[str, str, dict[str, Any]]) -> Any:
-    kind, where, settings = spec
-    if kind == "rdb":
+    backend, where, settings = spec
+    if backend == "rdb":
         return RDBStorage(where, **settings)
     return JournalStorage(JournalFileBackend(where))
 

@@ -22,7 +22,7 @@ from safetensors.torch import load, save
 from optuna_rapidfire._state import Position, RngState
 
 if TYPE_CHECKING:
-    from optuna_rapidfire._state import TrialState
+    from optuna_rapidfire._state import SwapState
 
 _FORMAT = 2
 _FILE = "snapshot.safetensors"
@@ -60,7 +60,7 @@ class TrialSnapshot:
         cls,
         trial_number: int,
         kind: str,
-        state: TrialState,
+        state: SwapState,
         weights: dict[str, torch.Tensor],
         history: list[dict[str, float]],
     ) -> TrialSnapshot:

@@ -3,7 +3,7 @@
 The base model is never part of it. A trial's state is its LoRA weights (held in the shared
 ``PeftModel`` under the trial's adapter name), its optimizer and LR scheduler, its grad scaler, its
 random number generators and its position in the data. While a memory budget allows, the tensors stay
-on the device; past it, idle trials' tensors move to pinned CPU memory and back (:meth:`TrialState.offload`).
+on the device; past it, idle trials' tensors move to pinned CPU memory and back (:meth:`SwapState.offload`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Position:
 
 
 @dataclass
-class TrialState:
+class SwapState:
     """The swappable state of one trial on one device.
 
     Attributes:

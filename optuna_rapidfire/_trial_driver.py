@@ -288,12 +288,12 @@ class TrialDriver:
         self.shared.progress.chunk_done(trial.number, self.services.metric, value)
         if self.services.tracker is not None:
             self.services.tracker.chunk(self._run_id, event)
-        pruned, snapshot = self._should_prune(step)
+        pruned, frozen = self._should_prune(step)
         if pruned:
             self._leave(Decision.STOP)
             raise optuna.TrialPruned(self._pruned_reason(step, value))
         pause = False
-        for command in _commands.pending(self.study, snapshot):
+        for command in _commands.pending(self.study, frozen):
             action = self._apply(command, "last chunk" if event.last else "chunk", step + 1, pausing=pause)
             if action == "delete":
                 return self._delete(command.reason)
@@ -313,11 +313,11 @@ class TrialDriver:
         assert entry is not None
         scheduler.mark(entry, reported=step)
         round_peers = scheduler.wait_for_round(entry, step, stage="reported")
-        snapshot = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
-        prune_decision(self.study, snapshot, step, round_peers)
+        frozen = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
+        prune_decision(self.study, frozen, step, round_peers)
         scheduler.mark(entry, screened=step)
         scheduler.wait_for_round(entry, step, stage="screened")
-        return prune_decision(self.study, snapshot, step, round_peers), snapshot
+        return prune_decision(self.study, frozen, step, round_peers), frozen
 
     def _pruned_reason(self, step: int, value: float) -> str:
         """What the log and the trial's user attrs say about a pruning: who, when, on what value, against whom."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import optuna
 import torch
-from conftest import lora, sft_args
+from helpers import lora, sft_args
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig

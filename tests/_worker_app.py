@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 import optuna
-from conftest import lora, sft_args
+from helpers import lora, sft_args
 from optuna.artifacts import FileSystemArtifactStore
 from peft import LoraConfig
 from trl import SFTConfig

@@ -1,4 +1,6 @@
-"""Shared fixtures: a tiny local model, small data slices, and executors that are always closed."""
+"""Shared fixtures: a tiny local model, small data slices, and executors that are always closed.
+
+Plain helpers (configs, a configure by trial number, waiting) are in helpers.py."""
 
 from __future__ import annotations
 
@@ -16,8 +18,6 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 from datasets import Dataset
-from peft import LoraConfig
-from trl import SFTConfig
 
 from optuna_rapidfire import RapidFireExecutor
 from optuna_rapidfire.demo import build_tiny_model, load_gsm8k
@@ -39,27 +39,6 @@ def train_ds() -> Dataset:
 @pytest.fixture(scope="session")
 def eval_ds() -> Dataset:
     return load_gsm8k("test", num_rows=8)
-
-
-def sft_args(**overrides: Any) -> SFTConfig:
-    """SFTConfig for fast CPU float32 runs; ``overrides`` wins."""
-    settings: dict[str, Any] = {
-        "per_device_train_batch_size": 4,
-        "num_train_epochs": 1,
-        "bf16": False,
-        "max_length": 128,
-        "gradient_checkpointing": False,
-        "learning_rate": 1e-2,
-        "lr_scheduler_type": "constant",
-    }
-    settings.update(overrides)
-    return SFTConfig(**settings)
-
-
-def lora(**overrides: Any) -> LoraConfig:
-    settings: dict[str, Any] = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
-    settings.update(overrides)
-    return LoraConfig(**settings)
 
 
 @pytest.fixture
@@ -102,16 +81,6 @@ def rapidfire_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptu
         root.propagate = False
 
 
-def by_number(configs: list[tuple[LoraConfig, SFTConfig]]) -> Callable[[optuna.Trial], tuple[LoraConfig, SFTConfig]]:
-    """A configure() that returns ``configs[trial.number]`` (and records a dummy param for samplers)."""
-
-    def configure(trial: optuna.Trial) -> tuple[LoraConfig, SFTConfig]:
-        trial.suggest_int("index", 0, len(configs) - 1)
-        return configs[trial.number]
-
-    return configure
-
-
 @pytest.fixture
 def chunk_log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Record ``(trial number, step)`` of every chunk the device trains, in order."""
@@ -126,46 +95,6 @@ def chunk_log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 
     monkeypatch.setattr(TimeSlicedEngine, "run_chunk", run_chunk)
     return log
-
-
-class Background:
-    """Runs ``executor.optimize`` in a thread; ``join()`` re-raises what it raised."""
-
-    def __init__(self, target: Callable[[], None]) -> None:
-        import threading
-
-        self.error: BaseException | None = None
-
-        def body() -> None:
-            try:
-                target()
-            except BaseException as error:
-                self.error = error
-
-        self.thread = threading.Thread(target=body, daemon=True)
-        self.thread.start()
-
-    def join(self, timeout: float = 300) -> None:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the study did not finish"
-        if self.error is not None:
-            raise self.error
-
-
-def wait_until(condition: Callable[[], Any], timeout: float = 120, what: str = "condition") -> Any:
-    """Poll ``condition`` until it returns something truthy."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = condition()
-        except (IndexError, KeyError):  # what it looks at does not exist yet
-            result = None
-        if result:
-            return result
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import math
 
 import optuna
 import pytest
-from conftest import lora, sft_args, wait_until
+from helpers import lora, sft_args, wait_until
 from optuna.trial import TrialState
 
 from optuna_rapidfire import _attrs, control

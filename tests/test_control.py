@@ -11,7 +11,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import Background, by_number, lora, sft_args, wait_until
+from helpers import Background, by_number, lora, sft_args, wait_until
 from optuna.trial import TrialState
 
 from optuna_rapidfire import _attrs, control

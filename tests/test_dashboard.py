@@ -10,7 +10,7 @@ from pathlib import Path
 import optuna
 import pytest
 from _servers import dashboard_server
-from conftest import Background, by_number, lora, sft_args, wait_until
+from helpers import Background, by_number, lora, sft_args, wait_until
 from optuna.trial import TrialState
 from optuna_dashboard import ChoiceWidget, TextInputWidget, register_user_attr_form_widgets
 from optuna_dashboard._form_widget import get_form_widgets_json

@@ -6,7 +6,7 @@ import math
 
 import optuna
 import pytest
-from conftest import by_number, lora, sft_args
+from helpers import by_number, lora, sft_args
 
 TARGET = (
     lora(r=8, lora_dropout=0.2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),

@@ -8,7 +8,7 @@ import threading
 import optuna
 import pytest
 import torch
-from conftest import by_number, lora, wait_until
+from helpers import by_number, lora, wait_until
 from optuna.trial import TrialState
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import optuna
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(args: list[str], cwd: Path) -> str:
-    result = subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""},
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stdout
+    return run_python(args, cwd).stdout
 
 
 def test_demo_prints_the_table_the_best_adapter_and_the_dashboard_command(tmp_path: Path) -> None:

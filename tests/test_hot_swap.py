@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import optuna
-from conftest import by_number, lora, sft_args
+from helpers import by_number, lora, sft_args
 
 import optuna_rapidfire._device as device_module
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import optuna
 import pytest
-from conftest import by_number, lora, sft_args
+from helpers import by_number, lora, sft_args
 
 from optuna_rapidfire._data import ChunkPlan
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import optuna
 import pytest
 from _servers import mlflow_server
-from conftest import by_number, lora, sft_args
+from helpers import by_number, lora, sft_args
 from mlflow.tracking import MlflowClient
 
 from optuna_rapidfire import control

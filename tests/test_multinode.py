@@ -17,7 +17,7 @@ import optuna
 import psutil
 import pytest
 from _servers import postgres, postgres_server
-from conftest import Background, wait_until
+from helpers import Background, wait_until
 from optuna.artifacts import FileSystemArtifactStore
 from optuna.trial import TrialState
 

@@ -6,8 +6,8 @@ import os
 
 import optuna
 import pytest
-from conftest import by_number, lora, sft_args
 from datasets import Dataset
+from helpers import by_number, lora, sft_args
 from optuna.trial import TrialState
 from trl import DPOConfig, GRPOConfig
 

@@ -7,7 +7,7 @@ import itertools
 import optuna
 import pytest
 from _numerics import assert_apart, gradient_terms
-from conftest import lora, sft_args
+from helpers import lora, sft_args
 from optuna.trial import TrialState
 from transformers import AutoConfig
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import lora, sft_args
+from helpers import lora, sft_args
 from optuna.trial import TrialState
 
 from optuna_rapidfire import RapidFireExecutor, _attrs

@@ -6,7 +6,7 @@ import io
 import sys
 
 import optuna
-from conftest import by_number, lora, sft_args
+from helpers import by_number, lora, sft_args
 
 from optuna_rapidfire._progress import Progress
 

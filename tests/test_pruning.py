@@ -5,7 +5,7 @@ from __future__ import annotations
 import optuna
 import pytest
 from _numerics import assert_apart, gradient_terms
-from conftest import by_number, lora, sft_args
+from helpers import by_number, lora, sft_args
 from optuna.trial import TrialState
 from transformers import AutoConfig
 

@@ -7,13 +7,11 @@ temporary folder. Everything else, the configs included, is the README's text.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import optuna
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,15 +46,7 @@ def test_the_quick_start_runs_as_written(tmp_path: Path, tiny_model: str) -> Non
             ("sqlite:///rf.db", f"sqlite:///{tmp_path / 'rf.db'}"),
         ],
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""},
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = run_python(["-c", script], tmp_path, timeout=600)
     study = optuna.load_study(study_name="demo", storage=f"sqlite:///{tmp_path / 'rf.db'}")
     finished = [t for t in study.trials if t.state.is_finished()]
     assert len(finished) == 4  # two from executor.optimize, two from study.optimize

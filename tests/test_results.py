@@ -7,7 +7,7 @@ import os
 import optuna
 import pytest
 from _numerics import assert_within_rounding, loss_terms
-from conftest import by_number, lora, sft_args
+from helpers import by_number, lora, sft_args
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTTrainer

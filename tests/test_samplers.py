@@ -6,7 +6,7 @@ from typing import Any
 
 import optuna
 import pytest
-from conftest import lora, sft_args
+from helpers import lora, sft_args
 from optuna.trial import TrialState
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import optuna
 import pytest
 from _servers import dashboard_server, postgres_server
-from conftest import by_number, lora, sft_args
+from helpers import by_number, lora, sft_args
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optuna
 import torch
-from conftest import by_number, lora
+from helpers import by_number, lora
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 from torch.utils.data import SequentialSampler

@@ -106,7 +106,6 @@ class ChunkResult:
     last: bool
     train_seconds: float = 0.0
     eval_seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
     snapshot: Any = None
 
 

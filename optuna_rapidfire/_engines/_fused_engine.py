@@ -228,7 +228,7 @@ class FusedEngine(Engine):
     def _lay_out(
         self,
         runtimes: Sequence[TrialRuntime],
-        plans: list[_ChunkPlan],
+        plans: list[_MemberChunk],
         generators: list[torch.Generator],
         group: list[int],
         index: int,
@@ -314,7 +314,7 @@ class FusedEngine(Engine):
             generator.set_state(runtime.state.dropout_rng)
         return generator
 
-    def _plan(self, runtime: TrialRuntime, loss: FusedLoss) -> _ChunkPlan:
+    def _plan(self, runtime: TrialRuntime, loss: FusedLoss) -> _MemberChunk:
         """The trial's micro-batches of its next chunk, collated, with where their loss tokens are."""
         trainer, args = runtime.trainer, runtime.args
         dataset, micro = self.trials.next_chunk(runtime)
@@ -334,7 +334,7 @@ class FusedEngine(Engine):
             divisor = accumulation_divisor(trainer, count, len(inputs[group]))
             for batch, target in zip(collated[group], targets[group], strict=True):
                 scales.append(loss.scale(batch, len(target[0]), count, divisor, self.device))
-        return _ChunkPlan(
+        return _MemberChunk(
             inputs=inputs,
             targets=targets,
             unmasked=unmasked,
@@ -361,7 +361,7 @@ class FusedEngine(Engine):
 
 
 @dataclass
-class _ChunkPlan:
+class _MemberChunk:
     """One trial's chunk in a gang: its micro-batches (on the device), each one's loss tokens (row,
     column, label; on the host), whether nothing in it is masked, and its loss scale; the trial's
     accumulation steps and trained tokens."""

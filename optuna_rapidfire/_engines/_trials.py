@@ -26,7 +26,7 @@ import torch
 from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, EngineStats, TrialSpec
 from optuna_rapidfire._snapshot import TrialSnapshot
-from optuna_rapidfire._state import Position, RngState, TrialState
+from optuna_rapidfire._state import Position, RngState, SwapState
 from optuna_rapidfire._trainers._base import ACCELERATE_STATE
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class TrialRuntime:
     args: TrainingArguments
     forward: Any
     trainer: Trainer
-    state: TrialState
+    state: SwapState
     data_key: Hashable
     steps_per_chunk: list[int]
     total_chunks: int
@@ -170,7 +170,7 @@ class DeviceTrials:
             total_steps = sum(steps_per_chunk[c % len(sizes)] for c in range(total_chunks))
             optimizer = trainer.create_optimizer()
             scheduler = trainer.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
-            state = TrialState(
+            state = SwapState(
                 adapter_name=name,
                 params=params,
                 optimizer=optimizer,
