@@ -143,7 +143,7 @@ def _pruned_study(make_executor, engine: str) -> list[tuple[str, dict[int, float
         study.enqueue_trial({"config": config, "lr": lr})
     executor.optimize(study, _configure_rate, n_trials=len(FAST_AND_SLOW))
     if engine == "fused":
-        assert executor._engine.fused_steps > 0
+        assert executor.stats().fused_steps > 0
     return [(t.state.name, dict(t.intermediate_values)) for t in study.trials]
 
 
