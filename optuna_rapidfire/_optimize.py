@@ -60,6 +60,18 @@ class Run:
                 return lease
         return self.device.slots.acquire(resume=resume)
 
+    def stop_study(self, study: optuna.Study, error: BaseException | None = None) -> None:
+        """Stop the study at once for a mistake no trial can get past (``error`` is raised at the end).
+
+        ``study.stop()`` alone takes effect when the failing trial is told; by then its slot is free and
+        the pool could have started another trial that would fail the same way.
+        """
+        if error is not None and self.error is None:
+            self.error = error
+        if self.pool is not None:
+            self.pool.stop()
+        study.stop()
+
 
 def end_paused(device: DeviceRuntime) -> None:
     """Tell every paused trial of the device that the study is over (they end as PRUNED)."""

@@ -351,6 +351,11 @@ class TrialPool:
                 self._unasked -= 1
             self.slots.notify()
 
+    def stop(self) -> None:
+        """Start no further trial (a mistake every trial would hit; those running end as they do)."""
+        self._stop = True
+        self.slots.notify()
+
     def _watch_stop(self, study: optuna.Study, trial: Any) -> None:
         if _compat.stop_requested(study):
             self._stop = True

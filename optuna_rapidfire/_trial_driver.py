@@ -138,8 +138,7 @@ class TrialDriver:
                 peft_config, args, kind = self.services.check_config(self.configure(self.trial), self.study)
         except (TypeError, ValueError) as error:
             # A config no trial can use: stop the study rather than fail trial after trial.
-            self.shared.error = self.shared.error or error
-            self.study.stop()
+            self.shared.stop_study(self.study, error)
             raise
         root = os.path.join(self.services.config.output_dir, self.study.study_name)
         return TrialSpec(
@@ -387,7 +386,7 @@ class TrialDriver:
     def _failed(self, event: Failed) -> float:
         if event.fatal:
             self.device.fatal = event.error
-            self.study.stop()
+            self.shared.stop_study(self.study)
             raise event.error
         reason = f"{type(event.error).__name__}: {event.error}"
         self.trial.set_user_attr(_attrs.FAIL_REASON, reason[:2000])
