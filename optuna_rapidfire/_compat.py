@@ -4,7 +4,8 @@ Each function says what it reaches into, the versions it was checked against, an
 it where one exists. When a library changes one of these, this file is the only one to mend; when a
 public way appears, the function becomes a one-line call to it.
 
-Checked against: optuna 5.0.0, optuna-dashboard 0.21.0.
+Checked against: optuna 5.0.0, optuna-dashboard 0.21.0, trl 1.16.0, transformers 5.24.0, peft 0.21.2,
+accelerate 1.15.0, torch 2.13.
 """
 
 from __future__ import annotations
@@ -119,3 +120,86 @@ def set_auto_resources(pruner: Any, *, max_resource: int | None = None, min_reso
         pruner._max_resource = max_resource
     if min_resource is not None:
         pruner._min_resource = min_resource
+
+
+# -- TRL and transformers' Trainer ---------------------------------------------------------------------
+
+
+def sft_prepare(trainer: Any, dataset: Any, processing: Any, args: Any, packing: bool, split: str) -> Any:
+    """``SFTTrainer._prepare_dataset``: turn raw rows into the trainer's examples, exactly as its ``train()``
+    does (tokenize, add EOS, pack, truncate, drop fully masked rows). TRL has no public entry point for
+    preparing data apart from building a trainer with the whole data set."""
+    return trainer._prepare_dataset(dataset, processing, args, packing, trainer._formatting_func, split)
+
+
+def dpo_prepare(trainer: Any, dataset: Any, processing: Any, args: Any, split: str) -> Any:
+    """``DPOTrainer._prepare_dataset``: as :func:`sft_prepare`, for preference pairs."""
+    return trainer._prepare_dataset(dataset, processing, args, split)
+
+
+def signature_columns(trainer: Any) -> list[str]:
+    """``Trainer._set_signature_columns_if_needed`` / ``._signature_columns``: the columns the trainer's
+    collator keeps (``remove_unused_columns``)."""
+    trainer._set_signature_columns_if_needed()
+    return list(trainer._signature_columns or [])
+
+
+def trainer_metrics(trainer: Any, split: str) -> dict[str, list[float]]:
+    """``trainer._metrics[split]``: what TRL's trainers accumulate for ``log()`` (token accuracy, rewards,
+    ...); the caller averages and clears it. Public alternative: only through ``log()`` callbacks."""
+    metrics: dict[str, list[float]] = trainer._metrics[split]
+    return metrics
+
+
+def num_items_in_batch(trainer: Any, batches: list[Any], device: Any) -> Any:
+    """``Trainer._get_num_items_in_batch``: the tokens (or rows) a loss is normalised over across the
+    accumulated micro-batches, as ``Trainer.training_step`` counts them."""
+    return trainer._get_num_items_in_batch(batches, device)
+
+
+def count_train_tokens(trainer: Any, tokens: int) -> None:
+    """``Trainer._total_train_tokens``: the token count TRL's trainers report as ``num_tokens``."""
+    trainer._total_train_tokens = getattr(trainer, "_total_train_tokens", 0) + tokens
+
+
+def pin_device(args: Any, device: Any) -> None:
+    """``TrainingArguments._setup_devices`` (a cached property) and ``._n_gpu``: make ``args.device`` the
+    executor's device and keep the trainer from wrapping the model in DataParallel. Public alternative:
+    ``use_cpu`` / ``CUDA_VISIBLE_DEVICES``, which would move every trial of the process."""
+    args.__dict__["_setup_devices"] = device
+    args._n_gpu = 1
+
+
+def private_accelerate_state(trainer: Any) -> None:
+    """Give ``trainer.accelerator.state`` (and ``args.distributed_state``) a private copy of accelerate's
+    process-wide state (``AcceleratorState._shared_state``, a class-level dict that every new
+    ``TrainingArguments`` clears)."""
+    state = trainer.accelerator.state
+    state.__dict__ = dict(state.__dict__)
+    distributed = getattr(trainer.args, "distributed_state", None)
+    if distributed is not None:
+        distributed.__dict__ = dict(distributed.__dict__)
+
+
+# -- PEFT and torch ------------------------------------------------------------------------------------
+
+
+def point_peft_at(peft: Any, layers: list[Any], name: str) -> None:
+    """Set the active adapter of every LoRA layer (``BaseTunerLayer._active_adapter``) and of the models
+    (``active_adapter``) without PEFT's ``set_adapter``, which walks every module and parameter of every
+    adapter and changes ``requires_grad``: the hot swap's microseconds depend on it."""
+    for layer in layers:
+        layer.__dict__["_active_adapter"] = [name]
+    peft.base_model.__dict__["active_adapter"] = name
+    peft.__dict__["active_adapter"] = name
+
+
+def seek_lr_scheduler(scheduler: Any, steps: int) -> None:
+    """Move an LR schedule to ``steps`` optimizer steps and set the rates it gives there: ``last_epoch``,
+    the closed form (``_get_closed_form_lr``) where the schedule has one, and ``_last_lr``. Public
+    alternative: calling ``step()`` ``steps`` times, which is slow and warns."""
+    scheduler.last_epoch = steps
+    rates = scheduler.get_lr() if hasattr(scheduler, "lr_lambdas") else scheduler._get_closed_form_lr()
+    for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = list(rates)

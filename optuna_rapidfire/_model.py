@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Union, cast
 
 import torch
 
+from optuna_rapidfire import _compat
+
 if TYPE_CHECKING:
     import contextlib
 
@@ -215,11 +217,7 @@ class ResidentModel:
         assert self.peft is not None
         if self._layers is None:
             self._layers = [m for m in self.peft.modules() if isinstance(m, BaseTunerLayer)]
-        for layer in self._layers:
-            layer.__dict__["_active_adapter"] = [name]
-        # PeftModel and its tuner each keep the name (PEFT's set_adapter sets both).
-        self.peft.base_model.__dict__["active_adapter"] = name
-        self.peft.__dict__["active_adapter"] = name
+        _compat.point_peft_at(self.peft, self._layers, name)
 
     def set_trainable(self, names: list[str], trainable: bool) -> None:
         """Make several adapters trainable at once (a fused gang), or none of them again.

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from optuna_rapidfire import _compat
 from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import ChunkResult, Engine, EngineStats
 from optuna_rapidfire._engines._fused_pass import (
@@ -220,7 +221,7 @@ class FusedEngine(Engine):
                 for i in range(0, len(losses[k]), plan.accumulation)
             ]
             trainer: Any = runtime.trainer
-            trainer._total_train_tokens = getattr(trainer, "_total_train_tokens", 0) + plan.tokens
+            _compat.count_train_tokens(trainer, plan.tokens)
             metrics.append(train_metrics(runtime, per_step, grad_norms[k]))
         self.trials.leave_gang(runtimes)
         return metrics
@@ -330,7 +331,7 @@ class FusedEngine(Engine):
         scales: list[torch.Tensor] = []
         for first in range(0, len(inputs), accumulation):
             group = slice(first, first + accumulation)
-            count = trainer._get_num_items_in_batch(inputs[group], self.device)
+            count = _compat.num_items_in_batch(trainer, inputs[group], self.device)
             divisor = accumulation_divisor(trainer, count, len(inputs[group]))
             for batch, target in zip(collated[group], targets[group], strict=True):
                 scales.append(loss.scale(batch, len(target[0]), count, divisor, self.device))

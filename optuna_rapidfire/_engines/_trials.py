@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from optuna_rapidfire import _compat
 from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, EngineStats, TrialSpec
 from optuna_rapidfire._snapshot import TrialSnapshot
@@ -319,7 +320,7 @@ class DeviceTrials:
         state.optimizer.load_state_dict(parent.optimizer)
         for group, settings in zip(state.optimizer.param_groups, groups, strict=True):
             group.update(settings)
-        _seek(state.lr_scheduler, parent.scheduler_steps)
+        _compat.seek_lr_scheduler(state.lr_scheduler, parent.scheduler_steps)
         if state.scaler is not None and parent.scaler is not None:
             state.scaler.load_state_dict(parent.scaler)
         state.rng = RngState(
@@ -489,15 +490,6 @@ class DeviceTrials:
             for key, value in user.items():
                 metrics[key if key.startswith("eval_") else f"eval_{key}"] = float(value)
         return metrics
-
-
-def _seek(scheduler: Any, steps: int) -> None:
-    """Move an LR schedule to ``steps`` optimizer steps, setting the learning rates it gives there."""
-    scheduler.last_epoch = steps
-    rates = scheduler.get_lr() if hasattr(scheduler, "lr_lambdas") else scheduler._get_closed_form_lr()
-    for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
-        group["lr"] = rate
-    scheduler._last_lr = list(rates)
 
 
 def _cpu(value: Any) -> Any:

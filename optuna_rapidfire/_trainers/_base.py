@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from optuna_rapidfire import _compat
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Hashable, Iterator
 
@@ -189,8 +191,7 @@ class TrainerKind(ABC):
                 setattr(effective, name, value)
         # The trainer places tensors (and, at construction, the model) on ``args.device``: make that
         # the executor's device, and keep the trainer from wrapping the model in DataParallel.
-        effective.__dict__["_setup_devices"] = device
-        effective._n_gpu = 1
+        _compat.pin_device(effective, device)
         return effective
 
     def checkpointing(self, args: TrainingArguments) -> tuple[bool, dict[str, Any] | None]:
@@ -210,11 +211,7 @@ class TrainerKind(ABC):
         ``TrainingArguments`` clears them, for instance when another thread runs ``configure(trial)``
         while this trial trains. A private copy keeps this trainer's accelerator whole.
         """
-        state = trainer.accelerator.state
-        state.__dict__ = dict(state.__dict__)
-        distributed = getattr(trainer.args, "distributed_state", None)
-        if distributed is not None:
-            distributed.__dict__ = dict(distributed.__dict__)
+        _compat.private_accelerate_state(trainer)
 
     def autocast(self, args: TrainingArguments, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         """Mixed-precision context of the trial (``bf16``/``fp16``), as accelerate's autocast would set it.
@@ -303,7 +300,7 @@ class TrainerKind(ABC):
 
     def drain_metrics(self, trainer: Trainer, split: str) -> dict[str, float]:
         """Metrics the trainer accumulated since the last call (token accuracy, rewards...), then forget them."""
-        collected = trainer._metrics[split]  # type: ignore[attr-defined]
+        collected = _compat.trainer_metrics(trainer, split)
         metrics = {key: sum(values) / len(values) for key, values in collected.items() if values}
         collected.clear()
         return metrics
@@ -324,7 +321,7 @@ class CollatedKind(TrainerKind):
         scaler: torch.amp.GradScaler | None,
     ) -> torch.Tensor:
         collated = [self.collate(trainer, rows) for rows in batches]
-        num_items = trainer._get_num_items_in_batch(collated, device)
+        num_items = _compat.num_items_in_batch(trainer, collated, device)
         trainer.current_gradient_accumulation_steps = len(collated)
         total = torch.zeros((), device=device)
         for inputs in collated:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 
+from optuna_rapidfire import _compat
 from optuna_rapidfire._trainers._base import CollatedKind, TrainerExtras, reference_is_the_base
 from optuna_rapidfire._trainers._fused_loss import FusedLoss
 
@@ -161,9 +162,8 @@ class DPOKind(CollatedKind):
         dpo = cast("DPOTrainer", trainer)
         args = cast("DPOConfig", dpo.args)
         processing = cast("PreTrainedTokenizerBase", dpo.processing_class)
-        prepared = dpo._prepare_dataset(dataset, processing, args, split)
+        prepared = _compat.dpo_prepare(dpo, dataset, processing, args, split)
         if args.remove_unused_columns:
-            dpo._set_signature_columns_if_needed()
-            signature: list[str] = dpo._signature_columns or []
+            signature = _compat.signature_columns(dpo)
             prepared = prepared.select_columns([c for c in prepared.column_names if c in signature])
         return cast("Dataset", prepared)

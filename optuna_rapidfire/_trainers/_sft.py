@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from optuna_rapidfire import _compat
 from optuna_rapidfire._trainers._base import CollatedKind, TrainerExtras
 from optuna_rapidfire._trainers._fused_loss import FusedLoss
 
@@ -139,9 +140,8 @@ class SFTKind(CollatedKind):
         if split == "eval" and args.eval_packing is not None:
             packing = args.eval_packing
         processing = cast("PreTrainedTokenizerBase", sft.processing_class)
-        prepared = sft._prepare_dataset(dataset, processing, args, packing, sft._formatting_func, split)
+        prepared = _compat.sft_prepare(sft, dataset, processing, args, packing, split)
         if args.remove_unused_columns:
-            sft._set_signature_columns_if_needed()
-            signature: list[str] = sft._signature_columns or []
+            signature = _compat.signature_columns(sft)
             prepared = prepared.select_columns([c for c in prepared.column_names if c in signature])
         return cast("Dataset", prepared)
