@@ -53,10 +53,10 @@ class Run:
         """A live-trial slot for ``trial_number``: the one the pool took for this thread, else a new one
         (``resume``: a resumed trial, before any new trial)."""
         pool = self.pool
-        if pool is not None:
+        if pool is not None and not resume:
             pool.asked()
             lease = pool.take_lease(trial_number)
-            if lease is not None and not resume:
+            if lease is not None:
                 return lease
         return self.device.slots.acquire(resume=resume)
 

@@ -255,13 +255,11 @@ class Scheduler:
 
     @staticmethod
     def _housekeeping(entry: Entry) -> tuple[Task, Entry]:
-        request, entry.request = entry.request, None
-        if request is Request.PAUSE:
-            entry.status = Status.PAUSED
+        if entry.request is Request.PAUSE:
+            entry.request, entry.status = None, Status.PAUSED
             return Task.PAUSE, entry
-        # The entry stays registered (and not live) until the worker removes it.
-        entry.request = request
-        return (Task.FINISH if request is Request.FINISH else Task.RELEASE), entry
+        # A finish or release request stays (the entry is not live) until the worker removes the entry.
+        return (Task.FINISH if entry.request is Request.FINISH else Task.RELEASE), entry
 
     def built(self, entry: Entry, runtime: Any, chunks_done: int = 0, finished: bool = False) -> None:
         """The trial's state exists (a warm clone starts with its parent's progress): it may train.

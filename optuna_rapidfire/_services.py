@@ -56,10 +56,6 @@ class StudyServices:
             raise RuntimeError("The metric is known once the first trial's training args are known.")
         return self._metric
 
-    @property
-    def metric_known(self) -> bool:
-        return self._metric is not None
-
     def note_once(self, message: str) -> None:
         """Log ``message`` as a warning, once per executor."""
         with self._lock:
