@@ -7,7 +7,7 @@ from pathlib import Path
 import optuna
 from helpers import run_python
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(args: list[str], cwd: Path) -> str:

@@ -23,7 +23,7 @@ from optuna.trial import TrialState
 
 from optuna_rapidfire import StorageUnavailableError, _attrs
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # where _worker_app.py is
 PASSWORD = "s3cret-pw-7731"  # in the storage URL: must never show in logs or attributes
 
 

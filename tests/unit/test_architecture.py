@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "optuna_rapidfire"
+PACKAGE = Path(__file__).resolve().parents[2] / "optuna_rapidfire"
 
 
 def _module_name(path: Path) -> str:

@@ -12,11 +12,9 @@ import pytest
 from _servers import dashboard_server
 from helpers import Background, by_number, lora, sft_args, wait_until
 from optuna.trial import TrialState
-from optuna_dashboard import ChoiceWidget, TextInputWidget, register_user_attr_form_widgets
-from optuna_dashboard._form_widget import get_form_widgets_json
 from playwright.sync_api import Page, expect, sync_playwright
 
-from optuna_rapidfire import _attrs, _commands
+from optuna_rapidfire import _attrs
 
 CONFIGS = [(lora(r=4), sft_args(learning_rate=1e-2 * (i + 1))) for i in range(3)]
 CHROMIUM_FLAGS = [
@@ -54,61 +52,6 @@ def _submit(page: Page, action: str, text: str = "") -> None:
         page.wait_for_timeout(800)  # the dashboard takes the text 500 ms after the last keystroke
     page.get_by_label(action).check()
     page.get_by_role("button", name="Submit").click()
-
-
-def _form_trial(number: int, action: float, text: str = "") -> optuna.trial.FrozenTrial:
-    trial = optuna.trial.create_trial(
-        state=TrialState.RUNNING, user_attrs={_attrs.ACTION: action, _attrs.ACTION_ARGS: text}
-    )
-    trial.number = number
-    return trial
-
-
-def test_the_form_preselects_no_action_and_a_bare_submit_is_no_command() -> None:
-    study = optuna.create_study()
-    assert _commands.register_dashboard_form(study)
-    form = get_form_widgets_json(study._storage.get_study_system_attrs(study._study_id))
-    assert form is not None
-    choice = next(w for w in form["widgets"] if w["type"] == "choice")
-    # The dashboard pre-selects the first choice and submits every widget.
-    assert (choice["choices"][0], choice["values"][0]) == ("no action", 0.0)
-    assert _commands._form_command(_form_trial(3, choice["values"][0])) is None
-    stop = choice["values"][choice["choices"].index("stop (pause)")]
-    command = _commands._form_command(_form_trial(3, stop))
-    assert command is not None and command.op == "stop"
-
-
-def test_an_older_rapidfire_form_is_replaced_but_a_users_own_form_is_kept() -> None:
-    study = optuna.create_study()
-    old = [  # what this package registered before "no action" existed
-        ChoiceWidget(choices=["stop (pause)", "resume"], values=[1.0, 2.0], user_attr_key=_attrs.ACTION),
-        TextInputWidget(user_attr_key=_attrs.ACTION_ARGS, optional=True),
-    ]
-    register_user_attr_form_widgets(study, old)
-    assert _commands.register_dashboard_form(study)
-    form = get_form_widgets_json(study._storage.get_study_system_attrs(study._study_id))
-    assert form is not None and [w["type"] for w in form["widgets"]] == ["text", "choice"]
-
-    mine = ChoiceWidget(choices=["good", "bad"], values=[1.0, 0.0], user_attr_key="rating")
-    register_user_attr_form_widgets(study, [mine])
-    assert not _commands.register_dashboard_form(study)
-    assert get_form_widgets_json(study._storage.get_study_system_attrs(study._study_id)) == {
-        "output_type": "user_attr",
-        "widgets": [mine.to_dict()],
-    }
-
-
-def test_a_form_clone_may_name_another_trial_and_other_actions_may_not() -> None:
-    clone = _commands._form_command(_form_trial(3, 4.0, "trial=0, learning_rate=1e-4, cold"))
-    assert clone is not None
-    assert (clone.op, clone.trial, clone.params, clone.warm) == ("clone", 0, {"learning_rate": 1e-4}, False)
-    own = _commands._form_command(_form_trial(3, 4.0, "learning_rate=1e-4"))
-    assert own is not None and (own.op, own.trial) == ("clone", 3)
-    for action, text in ((1.0, "trial=0"), (3.0, "trial=0"), (4.0, "trial=best")):
-        command = _commands._form_command(_form_trial(3, action, text))
-        assert command is not None and (command.op, command.trial) == ("invalid", 3), (action, text)
-    stop_self = _commands._form_command(_form_trial(3, 1.0, "trial=3"))
-    assert stop_self is not None and (stop_self.op, stop_self.trial) == ("stop", 3)
 
 
 def test_stop_from_the_dashboard_form_pauses_while_the_others_continue(

@@ -13,7 +13,7 @@ from pathlib import Path
 import optuna
 from helpers import run_python
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _python_blocks(section: str) -> list[str]:

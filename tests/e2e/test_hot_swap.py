@@ -47,7 +47,7 @@ def test_base_model_is_loaded_once_and_never_copied(make_executor, monkeypatch) 
 
 
 def _probe(folder: Path, trials: int) -> dict:
-    script = Path(__file__).with_name("_memory_probe.py")
+    script = Path(__file__).resolve().parents[1] / "_memory_probe.py"
     result = subprocess.run(
         [sys.executable, str(script), str(folder), str(trials)],
         capture_output=True,
