@@ -66,7 +66,7 @@ class Request(enum.Enum):
 
 
 class Task(enum.Enum):
-    """What the worker is asked to do for an entry (TRAIN: for a list of entries)."""
+    """What the worker is asked to do, for the list of entries the task carries (one, except a fused TRAIN)."""
 
     BUILD = "build"
     TRAIN = "train"  # one trial, or a group for an engine that fuses: every ready trial at the least progress
@@ -215,7 +215,7 @@ class Scheduler:
 
     # -- the device's worker thread ------------------------------------------------------------
 
-    def next_task(self, *, fuse: bool = False) -> tuple[Task, Any] | None:
+    def next_task(self, *, fuse: bool = False) -> tuple[Task, list[Entry]] | None:
         """Block until there is work for the device; ``None`` once closed.
 
         Args:
@@ -230,14 +230,14 @@ class Scheduler:
                     return task
                 self._cond.wait(timeout=wait)
 
-    def _next(self, fuse: bool) -> tuple[tuple[Task, Any] | None, float | None]:
+    def _next(self, fuse: bool) -> tuple[tuple[Task, list[Entry]] | None, float | None]:
         entries = sorted(self._entries.values(), key=lambda e: e.number)
         for e in entries:
             if e.request is not None:
                 return self._housekeeping(e), None
         for e in entries:
             if e.status is Status.BUILDING and e.runtime is None:
-                return (Task.BUILD, e), None
+                return (Task.BUILD, [e]), None
         live = [e for e in entries if e.live]
         if not live:
             return None, None
@@ -254,12 +254,12 @@ class Scheduler:
         return (Task.TRAIN, group), None
 
     @staticmethod
-    def _housekeeping(entry: Entry) -> tuple[Task, Entry]:
+    def _housekeeping(entry: Entry) -> tuple[Task, list[Entry]]:
         if entry.request is Request.PAUSE:
             entry.request, entry.status = None, Status.PAUSED
-            return Task.PAUSE, entry
+            return Task.PAUSE, [entry]
         # A finish or release request stays (the entry is not live) until the worker removes the entry.
-        return (Task.FINISH if entry.request is Request.FINISH else Task.RELEASE), entry
+        return (Task.FINISH if entry.request is Request.FINISH else Task.RELEASE), [entry]
 
     def built(self, entry: Entry, runtime: Any, chunks_done: int = 0, finished: bool = False) -> None:
         """The trial's state exists (a warm clone starts with its parent's progress): it may train.

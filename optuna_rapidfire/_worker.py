@@ -96,8 +96,7 @@ class DeviceWorker(threading.Thread):
         if self.engine.device.type == "cuda":
             torch.cuda.set_device(self.engine.device)
         while (task := self.scheduler.next_task(fuse=self.engine.fuses)) is not None:
-            kind, held = task
-            entries: list[Entry] = held if kind is Task.TRAIN else [held]
+            kind, entries = task
             try:
                 self._run(kind, entries)
             except BaseException as error:  # one trial's failure must not stop the device

@@ -19,7 +19,7 @@ def _scheduler(*numbers: int) -> tuple[Scheduler, list[Entry]]:
 
 def _build_all(scheduler: Scheduler, count: int) -> None:
     for _ in range(count):
-        task, entry = scheduler.next_task()
+        task, (entry,) = scheduler.next_task()
         assert task is Task.BUILD
         scheduler.built(entry, runtime=object())
 
@@ -69,7 +69,7 @@ def test_a_fusing_device_takes_every_ready_trial_at_the_least_progress_as_one_gr
     scheduler.decide(entries[1], Decision.CONTINUE)
     assert Lockstep().choose(entries, fuse=True) is None  # trial 2 is still being decided on
     scheduler.decide(entries[2], Decision.STOP)
-    task, entry = scheduler.next_task()  # housekeeping goes first
+    task, (entry,) = scheduler.next_task()  # housekeeping goes first
     assert (task, entry) == (Task.RELEASE, entries[2])
     scheduler.remove(entry)
     assert _train(scheduler, fuse=True) == [0, 1]
@@ -82,9 +82,9 @@ def test_housekeeping_goes_before_builds_and_builds_before_training() -> None:
     late = Entry(number=2, trial_id=102, spec=None)
     scheduler.add(late)
     scheduler.decide(first, Decision.FINISH)
-    assert scheduler.next_task() == (Task.FINISH, first)
+    assert scheduler.next_task() == (Task.FINISH, [first])
     scheduler.remove(first)
-    assert scheduler.next_task() == (Task.BUILD, late)
+    assert scheduler.next_task() == (Task.BUILD, [late])
     scheduler.built(late, runtime=object())
     assert _train(scheduler) == [1]
     assert _train(scheduler) == [2]  # the late trial at the least progress is not left behind
@@ -96,7 +96,7 @@ def test_a_paused_trial_is_not_waited_for_and_is_not_live() -> None:
     assert _train(scheduler) == [0]
     scheduler.mark(first, reported=0)
     scheduler.decide(first, Decision.PAUSE)
-    assert scheduler.next_task() == (Task.PAUSE, first)
+    assert scheduler.next_task() == (Task.PAUSE, [first])
     assert first.status is Status.PAUSED and not first.live
     # Trial 1 reports step 0: its round holds no one else, so it does not wait for the paused trial.
     assert _train(scheduler) == [1]
@@ -133,7 +133,7 @@ def test_the_first_wave_is_gathered_before_training_starts() -> None:
     second = Entry(number=1, trial_id=101, spec=None)
     scheduler.add(second)
     taker.join(5)
-    assert task_of == [(Task.BUILD, second)]
+    assert task_of == [(Task.BUILD, [second])]
 
 
 def test_a_trial_handed_out_twice_is_refused_and_close_ends_the_worker() -> None:
