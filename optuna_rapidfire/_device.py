@@ -64,7 +64,7 @@ class DeviceRuntime:
                 device,
             )
         self.slots = Slots(config.max_concurrent_trials)
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(schedule=config.schedule)
         self.scheduler.expect(config.max_concurrent_trials)
         self.paused: set[Entry] = set()
         self.fatal: BaseException | None = None

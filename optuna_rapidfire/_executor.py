@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from optuna_rapidfire._compat import ArtifactStore
     from optuna_rapidfire._config import EngineName
     from optuna_rapidfire._model import ModelSource
+    from optuna_rapidfire._scheduler import BaseSchedule
 
 _logger = get_logger(__name__)
 
@@ -145,6 +146,16 @@ class RapidFireExecutor:
             padding-free packing, non-default losses, differing precision or activation checkpointing)
             train time-sliced, and the log says why once. Per-chunk values equal the time-sliced ones
             (float32 and bf16: within rounding, see benchmarks/README.md).
+        schedule: Which live trials train next, by name or as an instance of
+            :mod:`optuna_rapidfire.schedules` (like a pruner). ``"promote"``: asynchronous, in the spirit
+            of ASHA: the trials that have passed the most pruning checkpoints train first and complete
+            early, freed slots are filled with new trials at once, and a trial is judged at step s as
+            soon as it reports it, against every trial that has reported step s; a fused gang takes
+            every ready trial, whatever its progress. ``"lockstep"``: chunk k of every live trial
+            before anyone's chunk k+1, pruning decisions at round barriers: every config compared
+            with the others on the same data at the same time, all completing at the end of their
+            wave. ``"default"`` is ``"promote"``, which reaches the best config sooner
+            (benchmarks/README.md, search part). Per-chunk values do not depend on the schedule.
     """
 
     def __init__(
@@ -175,6 +186,7 @@ class RapidFireExecutor:
         artifact_store: ArtifactStore | Literal["auto"] | None = "auto",
         storage_retry_seconds: float = 60.0,
         engine: EngineName = "auto",
+        schedule: str | BaseSchedule = "default",
     ) -> None:
         quiet_library_noise()
         self.config = ExecutorConfig.create(
@@ -202,6 +214,7 @@ class RapidFireExecutor:
             artifact_store=artifact_store,
             storage_retry_seconds=storage_retry_seconds,
             engine=engine,
+            schedule=schedule,
         )
         self._devices = resolve_devices(devices)
         self._several_explicit = len(self._devices) > 1 and not (isinstance(devices, str) and devices == "auto")
@@ -219,6 +232,11 @@ class RapidFireExecutor:
     def num_chunks(self) -> int:
         """Chunks per pass over the train set."""
         return self.config.num_chunks
+
+    @property
+    def schedule(self) -> BaseSchedule:
+        """Which live trials train next (see the ``schedule`` argument)."""
+        return self.config.schedule
 
     @property
     def engine(self) -> str:

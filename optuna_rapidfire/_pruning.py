@@ -12,10 +12,14 @@ the study, a storage proxy in which, for a decision about trial T at step s:
 * T itself appears as it was when it reported step s;
 * everything else (finished, pruned, failed trials, system attributes) is the real storage.
 
-Decisions are taken at round barriers: T's pruner is asked only once every co-live trial of the
+When decisions are taken depends on the schedule (:mod:`optuna_rapidfire._scheduler`). Under
+``"lockstep"`` they wait for round barriers: T's pruner is asked only once every co-live trial of the
 executor has reported step s, so the first trial to report is judged against the same peers as the
-last. The pruner is asked twice per step: a first pass lets stateful pruners record the step (the
-rung values of SuccessiveHalving and Hyperband), a second pass, after every peer's first pass, decides.
+last; the pruner is asked twice per step, a first pass letting stateful pruners record the step (the
+rung values of SuccessiveHalving and Hyperband), a second pass, after every peer's first pass,
+deciding. Under ``"promote"`` T is judged once, as soon as it reports step s, against every trial that
+has reported step s: running, paused and pruned peers are snapshots at s, as ASHA's rungs hold every
+trial that reached them.
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ def prune_decision(study: Study, snapshot: FrozenTrial, step: int, round_peers: 
         study: The study (its pruner decides).
         snapshot: The trial as read from the storage right after it reported ``step``.
         step: The step just reported.
-        round_peers: Trial ids of the executor's trials that reported ``step`` in the same round.
+        round_peers: Trial ids of the peers shown as snapshots at ``step`` even though they have
+            finished since (the trials of the round; under "promote", the pruned ones that reached it).
     """
     view = _compat.with_storage(study, _PeerViewStorage(_compat.storage(study), snapshot, step, round_peers))
     return bool(study.pruner.prune(view, snapshot))

@@ -6,20 +6,28 @@ It knows nothing about models or training: an engine carries out the tasks it ha
 
 What a trial *is* (its :class:`Status`) is kept apart from what was *decided* about it (a
 :class:`Decision` from its driver, which may leave a :class:`Request` for the device) and from *which*
-ready trials train next (a :class:`SchedulePolicy`, one small class per policy).
+ready trials train next (a :class:`BaseSchedule`, one small class per policy, like Optuna's pruners).
 
 Rules:
 
 * housekeeping first (pausing, saving a finished trial's adapter, releasing a stopped trial's state),
   then building new trials;
-* :class:`Lockstep`: the device goes to a READY trial with the least progress, and only if no live
-  trial has less progress, so live trials advance in lock-step rounds: chunk k of every trial before
-  anyone's chunk k+1. A trial that joins later has the least progress and catches up first. A device
-  that fuses takes every READY trial at the least progress as one group;
 * at the start of a study the scheduler waits briefly for the first wave to register, so that
   wave starts together;
-* round barriers: a trial's pruning decision for step s waits until every other live trial has
-  reported step s (:meth:`Scheduler.wait_for_round`);
+* then the schedule picks who trains:
+
+  - :class:`LockstepSchedule`: the device goes to a READY trial with the least progress, and only if
+    no live trial has less progress, so live trials advance in lock-step rounds: chunk k of every
+    trial before anyone's chunk k+1. A trial that joins later has the least progress and catches up
+    first. A device that fuses takes every READY trial at the least progress as one group. Pruning
+    decisions wait for round barriers: a trial's decision for step s waits until every other live
+    trial has reported step s (:meth:`Scheduler.wait_for_round`);
+  - :class:`PromoteSchedule`: asynchronous, in the spirit of ASHA: no barriers; the device goes first
+    to the READY trial that has trained the most chunks (passed the most pruning checkpoints), so
+    leaders run ahead and complete early; a device that fuses takes every READY trial, whatever its
+    progress, each training its own next chunk. A trial's pruning decision at step s is taken at once,
+    against every trial that has reported step s (running, paused or finished);
+
 * a paused trial is not live: nobody waits for it, and its state leaves the device.
 """
 
@@ -34,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Collection, Sequence
 
 
 class Status(enum.Enum):
@@ -69,7 +77,7 @@ class Task(enum.Enum):
     """What the worker is asked to do, for the list of entries the task carries (one, except a fused TRAIN)."""
 
     BUILD = "build"
-    TRAIN = "train"  # one trial, or a group for an engine that fuses: every ready trial at the least progress
+    TRAIN = "train"  # one trial, or a group for an engine that fuses (which trials: the schedule's choice)
     PAUSE = "pause"
     FINISH = "finish"
     RELEASE = "release"
@@ -92,6 +100,9 @@ class Entry:
         chunks_done: Chunks trained so far.
         reported: Highest step the trial has reported to Optuna (-1: none).
         screened: Highest step for which the trial's first pruning pass ran (-1: none).
+        awaiting_since: When the trial last became AWAITING (``time.monotonic()``).
+        mates: Numbers of the trials that trained the same step in the same pass (a fused gang's
+            members at equal progress): under a schedule without barriers they decide together.
         events: What the worker tells the trial's Optuna thread, in order.
         runtime: The engine's per-trial object, owned by the worker thread.
     """
@@ -104,6 +115,8 @@ class Entry:
     chunks_done: int = 0
     reported: int = -1
     screened: int = -1
+    awaiting_since: float = 0.0
+    mates: frozenset[int] = frozenset()
     events: queue.Queue[Any] = field(default_factory=queue.Queue)
     runtime: Any = None
 
@@ -117,18 +130,47 @@ class Entry:
         return self.status is Status.GONE
 
 
-class SchedulePolicy(ABC):
-    """Which ready trials train next. Pure: it looks at the live trials and changes nothing."""
+class BaseSchedule(ABC):
+    """Which ready trials train next. Pure: it looks at the live trials and changes nothing.
+
+    Attributes:
+        name: The name ``RapidFireExecutor(schedule=...)`` accepts for it.
+        barriers: Pruning decisions wait for round barriers (every live trial has reported the step)
+            rather than being taken as soon as a trial reports.
+    """
+
+    name: str = ""
+    barriers: bool = False
 
     @abstractmethod
-    def choose(self, live: Sequence[Entry], *, fuse: bool) -> list[Entry] | None:
-        """The trials to train now, one unless ``fuse`` (a group trained together); ``None``: wait."""
+    def choose(self, live: Sequence[Entry], *, fuse: bool, now: float) -> list[Entry] | float | None:
+        """What the device does now.
+
+        Args:
+            live: The live trials, in number order.
+            fuse: The engine trains a group of trials together (else one trial).
+            now: ``time.monotonic()``.
+
+        Returns:
+            The trials to train now (one unless ``fuse``); or a number of seconds after which to ask
+            again if nothing changes; or ``None``: wait for a change.
+        """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
 
-class Lockstep(SchedulePolicy):
-    """Least progress first, and nobody ahead of a live trial with less: chunk k of all before chunk k+1."""
+class LockstepSchedule(BaseSchedule):
+    """Least progress first, and nobody ahead of a live trial with less: chunk k of all before chunk k+1.
 
-    def choose(self, live: Sequence[Entry], *, fuse: bool) -> list[Entry] | None:
+    Every config is compared with every other on the same data at the same time; pruning decisions
+    wait for round barriers. Trials all complete at the end of their wave.
+    """
+
+    name = "lockstep"
+    barriers = True
+
+    def choose(self, live: Sequence[Entry], *, fuse: bool, now: float) -> list[Entry] | float | None:
         if not live:
             return None
         least = min(e.chunks_done for e in live)
@@ -142,19 +184,75 @@ class Lockstep(SchedulePolicy):
         return None if ready is None else [ready]
 
 
+class PromoteSchedule(BaseSchedule):
+    """Leaders first, no barriers: the READY trial with the most chunks trained goes next.
+
+    In the spirit of ASHA (Li et al., MLSys 2020): the device never waits for a round to close, a
+    trial that has passed more pruning checkpoints trains before one that has passed fewer (so good
+    trials complete early and the sampler learns from them), and a slot freed by a pruned or
+    completed trial is filled at once. The study's pruner still makes every stop, judging a trial
+    at step s against every trial that has reported step s (running, paused or finished). Ties go
+    to the older trial.
+
+    Args:
+        gang_wait_seconds: On an engine that fuses, how long a gang waits for members whose decision
+            about their last chunk is in flight (reporting and pruning take milliseconds; a member that
+            misses a pass trains alone in the next, which splits the gang in two for the rest of the
+            study). Never waits for a trial that is paused or being built.
+    """
+
+    name = "promote"
+    barriers = False
+
+    def __init__(self, gang_wait_seconds: float = 2.0) -> None:
+        if not (isinstance(gang_wait_seconds, (int, float)) and gang_wait_seconds >= 0):
+            raise ValueError(f"gang_wait_seconds must be a number of at least 0, but got {gang_wait_seconds=}.")
+        self.gang_wait_seconds = float(gang_wait_seconds)
+
+    def choose(self, live: Sequence[Entry], *, fuse: bool, now: float) -> list[Entry] | float | None:
+        ready = sorted((e for e in live if e.status is Status.READY), key=lambda e: (-e.chunks_done, e.number))
+        if not fuse:
+            return ready[:1] or None
+        deciding = [now - e.awaiting_since for e in live if e.status is Status.AWAITING]
+        if deciding and ready:
+            waited = max(deciding)
+            if waited < self.gang_wait_seconds:
+                return self.gang_wait_seconds - waited
+        return ready or None
+
+    def __repr__(self) -> str:
+        return f"PromoteSchedule(gang_wait_seconds={self.gang_wait_seconds})"
+
+
+SCHEDULES: dict[str, type[BaseSchedule]] = {"lockstep": LockstepSchedule, "promote": PromoteSchedule}
+"""The schedules ``RapidFireExecutor(schedule=...)`` knows by name."""
+
+
+def schedule_from(setting: str | BaseSchedule) -> BaseSchedule:
+    """A schedule from its name or itself; the error names the bad value and the choices."""
+    if isinstance(setting, BaseSchedule):
+        return setting
+    if isinstance(setting, str) and setting in SCHEDULES:
+        return SCHEDULES[setting]()
+    raise ValueError(
+        f"schedule must be one of {', '.join(repr(n) for n in SCHEDULES)} or a BaseSchedule instance "
+        f"(e.g. PromoteSchedule()), but got schedule={setting!r}."
+    )
+
+
 class Scheduler:
     """Thread-safe table of the trials of one device.
 
     Args:
         gather_seconds: How long the device waits for the first wave of a study to register.
-        policy: Which ready trials train next (:class:`Lockstep` by default).
+        schedule: Which ready trials train next (:class:`LockstepSchedule` by default).
     """
 
-    def __init__(self, *, gather_seconds: float = 1.0, policy: SchedulePolicy | None = None) -> None:
+    def __init__(self, *, gather_seconds: float = 1.0, schedule: BaseSchedule | None = None) -> None:
         self._cond = threading.Condition()
         self._entries: dict[int, Entry] = {}
         self._gather_seconds = gather_seconds
-        self._policy = policy or Lockstep()
+        self.schedule = schedule or LockstepSchedule()
         self._expected = 1
         self._gathering = True
         self._last_arrival = time.monotonic()
@@ -191,15 +289,22 @@ class Scheduler:
                 entry.screened = screened
             self._cond.notify_all()
 
-    def wait_for_round(self, entry: Entry, step: int, *, stage: str) -> set[int]:
+    def wait_for_round(self, entry: Entry, step: int, *, stage: str, among: Collection[int] | None = None) -> set[int]:
         """Block until every other live trial has reached ``stage`` ("reported"/"screened") at ``step``.
+
+        Args:
+            among: Wait only for these trials (numbers), e.g. the trial's :attr:`Entry.mates`.
 
         Returns:
             Trial ids of those peers (the trial's round).
         """
         with self._cond:
             while True:
-                peers = [e for e in self._entries.values() if e is not entry and e.live]
+                peers = [
+                    e
+                    for e in self._entries.values()
+                    if e is not entry and e.live and (among is None or e.number in among)
+                ]
                 if all(getattr(e, stage) >= step for e in peers):
                     return {e.trial_id for e in peers}
                 self._cond.wait()
@@ -246,11 +351,12 @@ class Scheduler:
             if len(live) < self._expected and quiet < self._gather_seconds:
                 return None, self._gather_seconds - quiet
             self._gathering = False
-        group = self._policy.choose(live, fuse=fuse)
-        if group is None:
-            return None, None
+        group = self.schedule.choose(live, fuse=fuse, now=time.monotonic())
+        if not isinstance(group, list):
+            return None, group
         for e in group:
             e.status = Status.TRAINING
+            e.mates = frozenset(o.number for o in group if o is not e and o.chunks_done == e.chunks_done)
         return (Task.TRAIN, group), None
 
     @staticmethod
@@ -273,6 +379,7 @@ class Scheduler:
             entry.reported = entry.screened = chunks_done - 1
             if entry.status is Status.BUILDING:
                 entry.status = Status.AWAITING if finished else Status.READY
+                entry.awaiting_since = time.monotonic()
             self._cond.notify_all()
 
     def chunk_done(self, entry: Entry) -> None:
@@ -281,6 +388,7 @@ class Scheduler:
             entry.chunks_done += 1
             if entry.status is Status.TRAINING:
                 entry.status = Status.AWAITING
+                entry.awaiting_since = time.monotonic()
             self._cond.notify_all()
 
     def entries(self) -> list[Entry]:

@@ -8,6 +8,7 @@ commands) in between.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import os
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
+from optuna.trial import TrialState
 
 from optuna_rapidfire import _attrs, _commands, _compat, control
 from optuna_rapidfire._checkpoints import CheckpointError
@@ -307,16 +309,37 @@ class TrialDriver:
         return None
 
     def _should_prune(self, step: int) -> tuple[bool, optuna.trial.FrozenTrial]:
-        """Decide at the round barrier, twice: once to let pruners record the step, once to decide."""
+        """Ask the study's pruner about ``step`` in two passes: the first lets stateful pruners record the
+        step (SuccessiveHalving's rung values), the second decides.
+
+        Under a schedule with barriers, each pass waits for every live trial to finish the one before
+        (the round). Without, the trial waits only for its :attr:`~Entry.mates` (trials that trained the
+        same step in the same fused pass, reporting now), so that they are judged alike whichever
+        reports first, and is judged against every trial that has reported ``step``: running, paused
+        and pruned ones appear as if complete at ``step``, complete ones as they are (a failed trial's
+        values are not evidence).
+        """
         entry, scheduler = self.entry, self.device.scheduler
         assert entry is not None
+        barriers = scheduler.schedule.barriers
+        among = None if barriers else entry.mates
         scheduler.mark(entry, reported=step)
-        round_peers = scheduler.wait_for_round(entry, step, stage="reported")
-        frozen = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
-        prune_decision(self.study, frozen, step, round_peers)
+        peers = scheduler.wait_for_round(entry, step, stage="reported", among=among)
+        storage = _compat.storage(self.study)
+        if barriers:
+            frozen = storage.get_trial(_compat.trial_id(self.trial))
+        else:
+            trials = storage.get_all_trials(_compat.study_id(self.study), deepcopy=False)
+            frozen = copy.deepcopy(next(t for t in trials if t.number == self.trial.number))
+            peers = {
+                _compat.trial_id(t)
+                for t in trials
+                if step in t.intermediate_values and t.state in (TrialState.RUNNING, TrialState.PRUNED)
+            }
+        prune_decision(self.study, frozen, step, peers)
         scheduler.mark(entry, screened=step)
-        scheduler.wait_for_round(entry, step, stage="screened")
-        return prune_decision(self.study, frozen, step, round_peers), frozen
+        scheduler.wait_for_round(entry, step, stage="screened", among=among)
+        return prune_decision(self.study, frozen, step, peers), frozen
 
     def _pruned_reason(self, step: int, value: float) -> str:
         """What the log and the trial's user attrs say about a pruning: who, when, on what value, against whom."""

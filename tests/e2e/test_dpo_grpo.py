@@ -61,7 +61,9 @@ def _values(trial):
 
 def test_dpo_trials_interleave_report_and_expose_reward_metrics(make_executor, preference, chunk_log) -> None:
     train, evaluation = preference
-    executor = make_executor(train_dataset=train, eval_dataset=evaluation, num_chunks=3, max_concurrent_trials=3)
+    executor = make_executor(
+        train_dataset=train, eval_dataset=evaluation, num_chunks=3, max_concurrent_trials=3, schedule="lockstep"
+    )
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     configs = [(lora(r=4 * (i + 1)), dpo_args(beta=0.05 * (i + 1))) for i in range(3)]
     executor.optimize(study, by_number(configs), n_trials=3)
@@ -151,9 +153,9 @@ def test_dpo_warm_clone_continues_exactly_and_dpo_is_pruned_in_the_first_wave(ma
 
     pruned = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1))
     bad_first = [(lora(r=4), dpo_args(learning_rate=lr)) for lr in (0.1, 0.0, 2e-2, 3e-2)]  # 0.1 overfits worst
-    make_executor(train_dataset=train, eval_dataset=evaluation, num_chunks=4, max_concurrent_trials=4).optimize(
-        pruned, by_number(bad_first), n_trials=4
-    )
+    make_executor(
+        train_dataset=train, eval_dataset=evaluation, num_chunks=4, max_concurrent_trials=4, schedule="lockstep"
+    ).optimize(pruned, by_number(bad_first), n_trials=4)
     assert pruned.trials[0].state == TrialState.PRUNED
 
 

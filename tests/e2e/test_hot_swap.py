@@ -24,7 +24,7 @@ def test_base_model_is_loaded_once_and_never_copied(make_executor, monkeypatch) 
         return model, tokenizer
 
     monkeypatch.setattr(device_module, "load_model", counting_load)
-    executor = make_executor(num_chunks=3, max_concurrent_trials=3)
+    executor = make_executor(schedule="lockstep", num_chunks=3, max_concurrent_trials=3)
     configure = by_number([(lora(r=2 + i), sft_args()) for i in range(5)])
     objective = executor.objective(configure)
     [base] = loads

@@ -1,4 +1,4 @@
-"""Behaviour 1: chunks, lock-step rounds, least progress first, epochs and steps."""
+"""Behaviour 1: chunks, lock-step rounds (schedule="lockstep"), least progress first, epochs and steps."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _rounds(log: list[tuple[int, int]]) -> list[int]:
 
 
 def test_first_wave_advances_in_lock_step(make_executor, chunk_log) -> None:
-    executor = make_executor(num_chunks=3, max_concurrent_trials=4)
+    executor = make_executor(schedule="lockstep", num_chunks=3, max_concurrent_trials=4)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     configs = [(lora(r=4 + i), sft_args(learning_rate=1e-3 * (i + 1))) for i in range(4)]
     executor.optimize(study, by_number(configs), n_trials=4)
@@ -62,7 +62,7 @@ def test_late_trial_catches_up_least_progress_first(make_executor, chunk_log) ->
         def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
             return trial.number == 0
 
-    executor = make_executor(num_chunks=4, max_concurrent_trials=2)
+    executor = make_executor(schedule="lockstep", num_chunks=4, max_concurrent_trials=2)
     study = optuna.create_study(pruner=PruneTrialZero())
     configs = [(lora(), sft_args()) for _ in range(3)]
     executor.optimize(study, by_number(configs), n_trials=3)
@@ -83,7 +83,7 @@ def test_late_trial_catches_up_least_progress_first(make_executor, chunk_log) ->
 
 
 def test_epochs_cycle_chunks_with_contiguous_steps(make_executor, chunk_log) -> None:
-    executor = make_executor(num_chunks=3, max_concurrent_trials=2)
+    executor = make_executor(schedule="lockstep", num_chunks=3, max_concurrent_trials=2)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     configs = [(lora(), sft_args(num_train_epochs=2)), (lora(), sft_args(num_train_epochs=1.5))]
     executor.optimize(study, by_number(configs), n_trials=2)
@@ -120,7 +120,7 @@ def test_every_trial_sees_the_same_chunks_in_the_same_order(make_executor, monke
 
 
 def test_study_optimize_with_objective_interleaves_the_same_way(make_executor, chunk_log) -> None:
-    executor = make_executor(num_chunks=2, max_concurrent_trials=3)
+    executor = make_executor(schedule="lockstep", num_chunks=2, max_concurrent_trials=3)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     configs = [(lora(), sft_args(learning_rate=1e-3 * (i + 1))) for i in range(3)]
     study.optimize(executor.objective(by_number(configs)), n_trials=3, n_jobs=executor.max_concurrent_trials)

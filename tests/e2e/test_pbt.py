@@ -24,14 +24,17 @@ def configure(trial: optuna.Trial):
     return lora(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.1), sft_args(learning_rate=lr)
 
 
-def test_pruned_losers_are_replaced_by_warm_perturbed_clones_of_winners(make_executor, tiny_model) -> None:
+@pytest.mark.parametrize(("engine", "schedule"), [("time_sliced", "lockstep"), ("fused", "promote")])
+def test_pruned_losers_are_replaced_by_warm_perturbed_clones_of_winners(
+    make_executor, tiny_model, engine: str, schedule: str
+) -> None:
     study = optuna.create_study(
         sampler=CloneSampler(clone_probability=0.0, min_population=3, quantile=0.25, seed=0),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1),
     )
     for lr in LEARNING_RATES:  # a first wave with one clear loser (trial 0)
         study.enqueue_trial({"learning_rate": lr})
-    executor = make_executor(num_chunks=5, max_concurrent_trials=4)
+    executor = make_executor(engine=engine, schedule=schedule, num_chunks=5, max_concurrent_trials=4)
     executor.optimize(study, configure, n_trials=6)
     # The first wave's values are far apart at every step that the pruner and the sampler compare (from
     # step 1 on), so its ranking (who is pruned, who is a parent) cannot depend on rounding.

@@ -33,9 +33,19 @@ PRUNERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(PRUNERS))
-def test_pruner_stops_a_clearly_bad_trial_during_the_first_wave(make_executor, tiny_model, name: str) -> None:
-    executor = make_executor(num_chunks=5, max_concurrent_trials=len(CONFIGS))
+# Lock-step rounds on one trial at a time, and a fused gang without barriers ("promote": the gang's
+# members at the same step decide together, against every trial that reported it).
+RUNS = [(name, "time_sliced", "lockstep") for name in sorted(PRUNERS)] + [
+    ("median", "fused", "promote"),
+    ("successive_halving", "fused", "promote"),
+]
+
+
+@pytest.mark.parametrize(("name", "engine", "schedule"), RUNS)
+def test_pruner_stops_a_clearly_bad_trial_during_the_first_wave(
+    make_executor, tiny_model, name: str, engine: str, schedule: str
+) -> None:
+    executor = make_executor(engine=engine, schedule=schedule, num_chunks=5, max_concurrent_trials=len(CONFIGS))
     study = optuna.create_study(study_name=f"pruning-{name}", pruner=PRUNERS[name]())
     executor.optimize(study, by_number(CONFIGS), n_trials=len(CONFIGS))
     _assert_decisions_are_far_from_ties(

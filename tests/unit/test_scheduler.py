@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from optuna_rapidfire._scheduler import Decision, Entry, Lockstep, Scheduler, Status, Task
+from optuna_rapidfire._scheduler import (
+    Decision,
+    Entry,
+    LockstepSchedule,
+    PromoteSchedule,
+    Scheduler,
+    Status,
+    Task,
+    schedule_from,
+)
 
 
-def _scheduler(*numbers: int) -> tuple[Scheduler, list[Entry]]:
-    scheduler = Scheduler(gather_seconds=0.0)
+def _scheduler(*numbers: int, schedule: str = "lockstep") -> tuple[Scheduler, list[Entry]]:
+    scheduler = Scheduler(gather_seconds=0.0, schedule=schedule_from(schedule))
     entries = [Entry(number=n, trial_id=100 + n, spec=None) for n in numbers]
     for entry in entries:
         scheduler.add(entry)
@@ -56,9 +66,9 @@ def test_nobody_runs_ahead_of_a_live_trial_still_being_decided() -> None:
     assert _train(scheduler) == [1]
     # Trial 1 awaits its decision: trial 0 (at equal progress) may train, trial 1 may not.
     scheduler.decide(first, Decision.CONTINUE)
-    assert Lockstep().choose([first, second], fuse=False) == [first]
+    assert LockstepSchedule().choose([first, second], fuse=False, now=0.0) == [first]
     assert _train(scheduler) == [0]
-    assert Lockstep().choose([first, second], fuse=False) is None  # 0 is ahead, 1 undecided: wait
+    assert LockstepSchedule().choose([first, second], fuse=False, now=0.0) is None  # 0 is ahead, 1 undecided: wait
 
 
 def test_a_fusing_device_takes_every_ready_trial_at_the_least_progress_as_one_group() -> None:
@@ -67,7 +77,7 @@ def test_a_fusing_device_takes_every_ready_trial_at_the_least_progress_as_one_gr
     assert _train(scheduler, fuse=True) == [0, 1, 2]
     scheduler.decide(entries[0], Decision.CONTINUE)
     scheduler.decide(entries[1], Decision.CONTINUE)
-    assert Lockstep().choose(entries, fuse=True) is None  # trial 2 is still being decided on
+    assert LockstepSchedule().choose(entries, fuse=True, now=0.0) is None  # trial 2 is still being decided on
     scheduler.decide(entries[2], Decision.STOP)
     task, (entry,) = scheduler.next_task()  # housekeeping goes first
     assert (task, entry) == (Task.RELEASE, entries[2])
@@ -142,3 +152,133 @@ def test_a_trial_handed_out_twice_is_refused_and_close_ends_the_worker() -> None
         scheduler.add(Entry(number=0, trial_id=100, spec=None))
     scheduler.close()
     assert scheduler.next_task() is None
+
+
+# -- promote -----------------------------------------------------------------------------------------
+
+
+def test_promote_gives_the_device_to_the_ready_trial_with_the_most_progress() -> None:
+    scheduler, entries = _scheduler(0, 1, 2, schedule="promote")
+    _build_all(scheduler, 3)
+    assert _train(scheduler) == [0]
+    # Trial 0 is being decided on: the device does not wait for it (no round barrier), trial 1 trains.
+    assert _train(scheduler) == [1]
+    scheduler.decide(entries[0], Decision.CONTINUE)
+    scheduler.decide(entries[1], Decision.CONTINUE)
+    # 0 and 1 have one chunk, 2 has none: the older leader goes first, then the other, then the laggard.
+    assert _train(scheduler) == [0]
+    assert _train(scheduler) == [1]
+    assert _train(scheduler) == [2]
+    scheduler.decide(entries[0], Decision.CONTINUE)
+    scheduler.decide(entries[2], Decision.CONTINUE)
+    assert _train(scheduler) == [0]  # two chunks beat one
+    assert [e.chunks_done for e in entries] == [3, 2, 1]
+
+
+def test_promote_fuses_every_ready_trial_whatever_its_progress() -> None:
+    scheduler, entries = _scheduler(0, 1, schedule="promote")
+    _build_all(scheduler, 2)
+    assert _train(scheduler, fuse=True) == [0, 1]
+    for entry in entries:
+        scheduler.decide(entry, Decision.CONTINUE)
+    entries.append(Entry(number=2, trial_id=102, spec=None))
+    scheduler.add(entries[2])
+    _build_all(scheduler, 1)  # trial 2 joins with no progress: it shares the next pass
+    assert _train(scheduler, fuse=True) == [0, 1, 2]
+    assert [e.chunks_done for e in entries] == [2, 2, 1]
+
+
+def test_a_promote_gang_waits_briefly_for_decisions_in_flight_then_goes_without_them() -> None:
+    first, second = Entry(number=0, trial_id=100, spec=None), Entry(number=1, trial_id=101, spec=None)
+    first.status, second.status = Status.READY, Status.AWAITING
+    second.awaiting_since = 10.0
+    schedule = PromoteSchedule(gang_wait_seconds=2.0)
+    assert schedule.choose([first, second], fuse=True, now=10.5) == pytest.approx(1.5)  # ask again in 1.5 s
+    assert schedule.choose([first, second], fuse=True, now=12.5) == [first]
+    assert schedule.choose([first, second], fuse=False, now=10.5) == [first]  # one at a time: no wait
+    second.status = Status.PAUSED
+    assert schedule.choose([first, second], fuse=True, now=10.5) == [first]  # a paused trial is not waited for
+
+
+def test_schedules_by_name_and_bad_names_are_refused_naming_the_value() -> None:
+    assert isinstance(schedule_from("promote"), PromoteSchedule)
+    assert isinstance(schedule_from("lockstep"), LockstepSchedule)
+    mine = PromoteSchedule(gang_wait_seconds=0.5)
+    assert schedule_from(mine) is mine
+    with pytest.raises(ValueError, match="'asha'"):
+        schedule_from("asha")
+    with pytest.raises(ValueError, match="gang_wait_seconds=-1"):
+        PromoteSchedule(gang_wait_seconds=-1)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_under_promote_the_device_is_never_idle_while_a_trial_is_ready_and_leaders_complete_first(
+    fuse: bool,
+) -> None:
+    """A device worker whose engine only records what it is asked, and drivers that decide at once
+    (trial 3 in half a second). A watcher samples the table: the device never waits longer than a
+    gang's wait for decisions in flight while a trial is READY; and the first trial completes before
+    the laggard trains its last chunk. (LockstepSchedule fails both: it waits for trial 3.)"""
+    chunks = 4
+    scheduler = Scheduler(gather_seconds=0.0, schedule=PromoteSchedule(gang_wait_seconds=0.05))
+    entries = [Entry(number=n, trial_id=100 + n, spec=None) for n in range(4)]
+    log: list[tuple[str, list[int]]] = []
+    waiting_since: list[float | None] = [None]
+    idle_while_ready: list[list[int]] = []
+    finished = threading.Event()
+
+    def device() -> None:
+        while True:
+            waiting_since[0] = time.monotonic()
+            task = scheduler.next_task(fuse=fuse)
+            waiting_since[0] = None
+            if task is None:
+                return
+            kind, group = task
+            log.append((kind.value, [e.number for e in group]))
+            if kind is Task.BUILD:
+                scheduler.built(group[0], runtime=object())
+            elif kind is Task.TRAIN:
+                time.sleep(0.01)
+                for entry in group:
+                    scheduler.chunk_done(entry)
+                    entry.events.put("chunk")
+            else:
+                scheduler.remove(group[0])
+                group[0].events.put("gone")
+
+    def watcher() -> None:
+        idle_since = None  # since when the device has waited with a trial READY, without a break
+        while not finished.is_set():
+            ready = [e.number for e in entries if e.status is Status.READY]
+            if waiting_since[0] is not None and ready:
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > 0.15:
+                    idle_while_ready.append(ready)
+            else:
+                idle_since = None
+            time.sleep(0.005)
+
+    def driver(entry: Entry) -> None:
+        scheduler.add(entry)
+        for chunk in range(chunks):
+            assert entry.events.get(timeout=10) == "chunk"
+            time.sleep(0.5 if entry.number == 3 else 0.001)  # trial 3 decides slowly
+            scheduler.decide(entry, Decision.FINISH if chunk == chunks - 1 else Decision.CONTINUE)
+        assert entry.events.get(timeout=10) == "gone"
+
+    threads = [threading.Thread(target=device), threading.Thread(target=watcher)]
+    drivers = [threading.Thread(target=driver, args=(e,)) for e in entries]
+    for thread in threads + drivers:
+        thread.start()
+    for thread in drivers:
+        thread.join(30)
+    finished.set()
+    scheduler.close()
+    for thread in threads:
+        thread.join(10)
+    assert idle_while_ready == []
+    assert sum(len(trials) for what, trials in log if what == "train") == 4 * chunks
+    first_done = log.index(("finish", [0]))
+    laggard_last = max(i for i, (what, trials) in enumerate(log) if what == "train" and 3 in trials)
+    assert first_done < laggard_last
