@@ -1,7 +1,7 @@
 """optuna-rapidfire benchmarks: sequential TRL against the executor, on one machine, in one run.
 
     CUDA_VISIBLE_DEVICES=0 python -m benchmarks.run --parts throughput,scale --out benchmarks/results
-    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.run --parts search --out benchmarks/results
+    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.run --parts search --out benchmarks/results  # benchmarks/search.py
     python -m benchmarks.run --parts multi_gpu --out benchmarks/results            # two GPUs
     python -m benchmarks.run --smoke --parts all --out /tmp/bench                  # CPU, tiny model, minutes
 
@@ -435,6 +435,12 @@ class Bench:
             "time_to_first_decision_speedup": seq_first_decision / first_decision,
         }
 
+    def search(self, shape: str) -> dict[str, Any]:
+        """How soon each method reaches the best config (benchmarks/search.py; its own model, not ``shape``)."""
+        from benchmarks import search
+
+        return search.run(self.options, lambda data: self.save("search", data))
+
     # (e)
     def fused(self, shape: str) -> dict[str, Any]:
         """The fused engine against time slicing and against one adapter at saturation (issue 7).
@@ -610,9 +616,7 @@ def rebuild(out: Path) -> None:
         summary["time_to_first_decision_speedup"] = main["time_to_first_decision_speedup"]
     search = parts["search"]
     if search:
-        largest = search["sweeps"][-1]
-        summary["time_to_best_speedup_vs_sequential"] = largest["speedup_vs_sequential"]
-        summary["time_to_best_speedup_vs_sequential_pruned"] = largest["speedup_vs_sequential_pruned"]
+        summary.update(search.get("aggregate", {}).get("ratios", {}))
     fused = parts["fused"]
     if fused:
         k = 8 if "fused_k8_bs2" in fused["runs"] else 3  # --smoke runs gangs of 3
@@ -686,32 +690,9 @@ def _markdown(out: Path) -> str:
             lines.append(f"| {r['live_trials']} | {median} | {p95} | {r['offloads']} | {r['peak_memory_gb']:.2f} |")
     data = load("search")
     if data:
-        lines += [
-            "",
-            f"## Search efficiency ({data['model']})",
-            "",
-            "| configs | exhaustive s | sequential+pruner s | executor+pruner s | executor+pruner+clone s | "
-            "speedup vs exhaustive | vs sequential+pruner |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for sweep in data["sweeps"]:
-            runs = sweep["runs"]
+        from benchmarks import search as search_part
 
-            def fmt(value: float | None) -> str:
-                return "not reached" if value is None else f"{value:.1f}"
-
-            speed = "-" if sweep["speedup_vs_sequential"] is None else f"{sweep['speedup_vs_sequential']:.2f}x"
-            speed_p = (
-                "-"
-                if sweep["speedup_vs_sequential_pruned"] is None
-                else f"{sweep['speedup_vs_sequential_pruned']:.2f}x"
-            )
-            lines.append(
-                f"| {sweep['configs']} | {runs['exhaustive_sequential']['wall_seconds']:.1f} | "
-                f"{fmt(runs['sequential_pruned']['time_to_target_seconds'])} | "
-                f"{fmt(runs['executor_pruned']['time_to_target_seconds'])} | "
-                f"{fmt(runs['executor_pruned_clone']['time_to_target_seconds'])} | {speed} | {speed_p} |"
-            )
+        lines += search_part.markdown(data)
     data = load("fused")
     if data:
         _fused_ratios(data, 8 if "fused_k8_bs2" in data["runs"] else 3)
@@ -792,6 +773,11 @@ def _markdown(out: Path) -> str:
 
 
 def _plots(out: Path) -> None:
+    search_path = out / "search.json"
+    if search_path.exists():
+        from benchmarks import search as search_part
+
+        search_part.plot(json.loads(search_path.read_text()), out / "search.png")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -860,7 +846,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--batch", type=int, default=4, help="per-trial batch of 512-token rows")
-    parser.add_argument("--search-sizes", default="8,16,32", help="numbers of configs the search part sweeps")
+    search = parser.add_argument_group("search part (benchmarks/search.py); unset sizes take the defaults or --smoke's")
+    search.add_argument(
+        "--search-steps", default="all", help="pretrain, record, calibrate, validate, executor, replay, or all"
+    )
+    search.add_argument("--seeds", default=None, help="seeds of record and executor (default 0,1,2,3,4)")
+    search.add_argument("--search-methods", default="lockstep,promote,clone", help="executor runs (d), (e), (f)")
+    search.add_argument("--search-configs", type=int, default=None, help="configs per seed (default 32)")
+    search.add_argument("--trial-rows", type=int, default=None, help="GSM8K rows each trial trains on (default 4096)")
+    search.add_argument("--search-chunks", type=int, default=None, help="chunks per trial (default 8)")
+    search.add_argument("--record-concurrency", type=int, default=None, help="live trials when recording (16)")
+    search.add_argument("--search-concurrency", type=int, default=None, help="live trials of the executor runs (8)")
+    search.add_argument("--processes", type=int, default=None, help="TRL processes sharing the GPU in (c) (8)")
+    search.add_argument("--pretrain-seconds", type=float, default=None, help="pretraining time of the base (150)")
+    search.add_argument("--corpus", default=None, help="folder of the pretraining corpus (.bench/corpus)")
+    search.add_argument("--search-base", default=None, help="where the base model is cached (.bench/search-base)")
     parser.add_argument(
         "--rebuild", action="store_true", help="only rebuild summary, table and plot from the JSONs in --out"
     )

@@ -1,12 +1,14 @@
-"""The fused engine: live trials at the same progress train their chunk together, in shared passes.
+"""The fused engine: a gang of live trials trains its chunks together, in shared passes.
 
 Everything but training is the device's (:mod:`optuna_rapidfire._engines._trials`: building, clones,
 checkpoints, evaluation, export, finishing a chunk), as for the time-sliced engine, which this engine uses
-for the gangs it cannot fuse. A *gang* is the set of live trials the scheduler hands over together: those
-ready at the least progress. Each fused step takes the next micro-batch of every gang member that has one
-left in the chunk, pads them to one length, runs the frozen backbone once with every adapter on its own
-rows (:mod:`optuna_rapidfire._engines._fused_pass`), and computes each trial's loss as TRL does, through
-its kind's :class:`~optuna_rapidfire._trainers._fused_loss.FusedLoss`: SFT, the shifted labels' negative
+for the gangs it cannot fuse. A *gang* is the set of live trials the scheduler hands over together (the
+schedule's choice: every ready trial under "promote", those at the least progress under "lockstep"); each
+member trains its own next chunk, whatever the others' progress. Each fused step takes the next
+micro-batch of every gang member that has one left in the chunk, pads them to one length, runs the
+frozen backbone once with every adapter on its own rows (:mod:`optuna_rapidfire._engines._fused_pass`),
+and computes each trial's loss as TRL does, through its kind's
+:class:`~optuna_rapidfire._trainers._fused_loss.FusedLoss`: SFT, the shifted labels' negative
 log-probabilities summed and divided by the tokens of the trial's own accumulated batch; DPO, the sigmoid
 loss of each pair's log-ratio margin against a reference pass of the whole gang with the adapters off,
 with the trial's own beta. After its own ``gradient_accumulation_steps`` micro-batches a trial clips its
