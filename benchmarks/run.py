@@ -778,7 +778,11 @@ def _plots(out: Path) -> None:
         from benchmarks import search as search_part
 
         search_part.plot(json.loads(search_path.read_text()), out / "search.png")
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a bare GPU image: the JSONs and results.md are written, the plots are not
+        print("matplotlib is not installed: no performance.png", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

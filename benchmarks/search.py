@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import hashlib
-import inspect
 import json
 import lzma
 import math
@@ -174,10 +174,8 @@ class Settings:
             "tie_word_embeddings": True,
         }
         if smoke:
-            model.update(
-                vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
-            )
-            model.update(num_key_value_heads=2, max_position_embeddings=512)
+            model.update(vocab_size=1024, hidden_size=64, intermediate_size=128, max_position_embeddings=512)
+            model.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         settings = Settings(
             smoke=smoke,
             configs=pick("search_configs", 32, 6),
@@ -267,6 +265,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _release() -> None:
+    """Free what the last trainer or executor held, so the next one starts from the same memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _say(message: str) -> None:
     print(f"search: {message}", flush=True)
 
@@ -274,9 +279,13 @@ def _say(message: str) -> None:
 # -- the base model (step pretrain) ----------------------------------------------------------------
 
 
-def read_corpus(corpus: Path) -> list[str]:
-    """The text of every ``*.txt.xz`` in ``corpus`` (sorted by name)."""
+def read_corpus(corpus: Path, smoke: bool) -> list[str]:
+    """The text of every ``*.txt.xz`` in ``corpus`` (sorted by name); a smoke run without it takes GSM8K's."""
     files = sorted(corpus.glob("*.txt.xz"))
+    if not files and smoke:
+        _say(f"no corpus in {corpus}: the smoke run pretrains on the bundled GSM8K train text")
+        rows = load_gsm8k("train", format="text")["text"]
+        return ["\n\n".join(rows)]
     if not files:
         raise SystemExit(
             f"no *.txt.xz corpus in {corpus}: copy linux-6.1-docs.txt.xz and python-3.11-docs.txt.xz (and their "
@@ -306,10 +315,8 @@ def train_tokenizer(texts: list[str], settings: Settings) -> PreTrainedTokenizer
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    budget = settings.tokenizer_chars
-    source = [t[: budget // len(texts)] if budget else t for t in texts]
     bpe.train_from_iterator(
-        (block for text in source for block in _blocks(text)),
+        (block for text in texts for block in _blocks(text)),
         trainers.BpeTrainer(
             vocab_size=int(settings.model["vocab_size"]),
             special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
@@ -342,7 +349,7 @@ def pretrain(settings: Settings, corpus: Path, base: Path) -> dict[str, Any]:
     cosine to a tenth; the schedule runs on elapsed time, so the run ends when the budget does.
     """
     start = time.perf_counter()
-    texts = read_corpus(corpus)
+    texts = read_corpus(corpus, settings.smoke)
     if settings.tokenizer_chars:
         texts = [t[: settings.tokenizer_chars // len(texts)] for t in texts]
     tokenizer = train_tokenizer(texts, settings)
@@ -406,7 +413,7 @@ def pretrain(settings: Settings, corpus: Path, base: Path) -> dict[str, Any]:
     info = {
         "model": settings.model,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "corpus": sorted(p.name for p in corpus.glob("*.txt.xz")),
+        "corpus": sorted(p.name for p in corpus.glob("*.txt.xz")) or ["bundled GSM8K train text"],
         "corpus_tokens": int(rows.numel()),
         "tokenizer_seconds": tokenizer_seconds,
         "prepare_seconds": prepare_seconds,
@@ -562,8 +569,7 @@ def trl_trial(
             result.update(train=[trained - built], eval=[time.time() - trained], values=[value], pruned=False)
     result["end"] = time.time()
     del trainer, model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _release()
     return result
 
 
@@ -598,6 +604,7 @@ def warm_up(settings: Settings, base: Path) -> float:
         trainer.train()
         trainer.evaluate()
     del trainer, model
+    _release()
     _WARM.set()
     return time.perf_counter() - start
 
@@ -634,18 +641,7 @@ class ChunkLog:
         return sum(len(chunks) for chunks in self.chunks.values())
 
 
-def schedule_kwargs(schedule: str) -> tuple[dict[str, Any], str]:
-    """``schedule=`` for the executor, and the schedule that actually runs.
-
-    Until ``RapidFireExecutor`` takes ``schedule``, every run is lock-step (its behaviour then), and the
-    result says so instead of claiming another schedule.
-    """
-    if "schedule" in inspect.signature(RapidFireExecutor).parameters:
-        return {"schedule": schedule}, schedule
-    return {}, "lockstep"
-
-
-def make_executor(settings: Settings, base: Path, seed: int, concurrency: int, **kwargs: Any) -> RapidFireExecutor:
+def make_executor(settings: Settings, base: Path, seed: int, concurrency: int, schedule: str) -> RapidFireExecutor:
     return RapidFireExecutor(
         model=str(base),
         model_kwargs=_model_kwargs(),
@@ -659,14 +655,13 @@ def make_executor(settings: Settings, base: Path, seed: int, concurrency: int, *
         output_dir=tempfile.mkdtemp(prefix="search-executor-"),
         show_progress_bar=False,
         dashboard_controls=False,
-        **kwargs,
+        schedule=schedule,
     )
 
 
 def _free(executor: RapidFireExecutor) -> None:
     executor.close()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _release()
 
 
 def record(settings: Settings, base: Path, seed: int) -> dict[str, Any]:
@@ -677,7 +672,8 @@ def record(settings: Settings, base: Path, seed: int) -> dict[str, Any]:
         study.enqueue_trial(config)
     with ChunkLog() as log:
         start = time.perf_counter()
-        executor = make_executor(settings, base, seed, settings.record_concurrency, **schedule_kwargs("lockstep")[0])
+        # Lock-step: equal progress, so every round fuses all live trials (values do not depend on the schedule).
+        executor = make_executor(settings, base, seed, settings.record_concurrency, "lockstep")
         executor.optimize(study, functools.partial(_configure, settings=settings, output_dir=""), n_trials=len(configs))
         wall = time.perf_counter() - start
     _free(executor)
@@ -731,7 +727,6 @@ class ReplaySampler(optuna.samplers.BaseSampler):
 def executor_run(settings: Settings, base: Path, seed: int, method: str, configs: list[dict[str, Any]]) -> dict:
     """One real study of (d), (e) or (f): wall time from before the executor is built (model load included)."""
     schedule = "lockstep" if method == "lockstep" else "promote"
-    kwargs, runs = schedule_kwargs(schedule)
     if method == "clone":
         sampler: optuna.samplers.BaseSampler = CloneSampler(ReplaySampler(configs), seed=seed)
     else:
@@ -747,7 +742,7 @@ def executor_run(settings: Settings, base: Path, seed: int, method: str, configs
         completions.append([time.perf_counter() - start, trial.number, trial.state.name, trial.value])
 
     with ChunkLog() as log:
-        executor = make_executor(settings, base, seed, settings.concurrency, **kwargs)
+        executor = make_executor(settings, base, seed, settings.concurrency, schedule)
         executor.optimize(
             study,
             functools.partial(_configure, settings=settings, output_dir=""),
@@ -758,8 +753,7 @@ def executor_run(settings: Settings, base: Path, seed: int, method: str, configs
     _free(executor)
     trials = sorted(study.trials, key=lambda t: t.number)
     return {
-        "schedule": runs,
-        "schedule_asked": schedule,
+        "schedule": schedule,
         "concurrency": settings.concurrency,
         "wall": wall,
         "completions": completions,  # [seconds, trial number, state, value]
@@ -840,9 +834,9 @@ def spawn_workers(specs: list[dict[str, Any]], stop_when_done: bool) -> list[dic
         spec = {**spec, "index": index, "dir": str(sync), "spawned": time.time()}
         path = sync / f"spec-{index}.json"
         path.write_text(json.dumps(spec))
-        log = (sync / f"log-{index}.txt").open("w")
         command = [sys.executable, "-m", "benchmarks.search", "--worker", str(path)]
-        procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd()))
+        with (sync / f"log-{index}.txt").open("w") as log:
+            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd()))
 
     def wait_for(name: str, what: str) -> None:
         while sum((sync / name.format(i)).exists() for i in range(len(specs))) < len(specs):
@@ -1294,7 +1288,6 @@ def summarize(run: dict[str, Any], target: float, b_end: float | None) -> dict[s
         "chunks": run["chunks"],
         "states": run["states"],
         "curve": curve,
-        **({"schedule": run["schedule"]} if "schedule" in run else {}),
     }
 
 
@@ -1413,13 +1406,6 @@ def markdown(data: dict[str, Any]) -> list[str]:
     said = [f"{key} {value:.2f}" for key, value in ratios.items() if value is not None]
     if said:
         lines += ["", "Median time to target, ratios: " + ", ".join(said) + "."]
-    if any(
-        seed["methods"][name].get("schedule") == "lockstep"
-        for seed in seeds
-        for name in ("executor_promote", "executor_promote_clone")
-        if name in seed["methods"]
-    ):
-        lines.append("Note: this library version has no `schedule=`; the promote runs ran lock-step.")
     check = data.get("replay_check", {})
     for name, result in check.items():
         if isinstance(result, str):
@@ -1629,7 +1615,7 @@ def run(options: Any, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
                     begun = time.perf_counter()
                     result = executor_run(settings, base, seed, method, configs)
                     data.setdefault("executor_runs", {}).setdefault(str(seed), {})[SCHEDULED[method]] = result
-                    done(f"executor seed {seed} {method} (ran {result['schedule']})", begun)
+                    done(f"executor seed {seed} {method}", begun)
     finalize(data, settings)
     call["seconds"] = time.perf_counter() - began
     return data
