@@ -66,7 +66,7 @@ from transformers import (
 from trl import SFTConfig, SFTTrainer
 
 from benchmarks.run import machine
-from optuna_rapidfire import RapidFireExecutor
+from optuna_rapidfire import RapidFireExecutor, _attrs
 from optuna_rapidfire._data import ChunkPlan
 from optuna_rapidfire._engines._base import ChunkResult
 from optuna_rapidfire._engines._fused_engine import FusedEngine
@@ -224,6 +224,11 @@ def lora_config(params: dict[str, Any]) -> LoraConfig:
     )
 
 
+# Transformers 5 reads a float warmup_steps below 1 as a ratio of the run's steps; versions that still have
+# warmup_ratio get the ratio there (the same schedule).
+_WARMUP = "warmup_ratio" if "warmup_ratio" in {f.name for f in dataclasses.fields(SFTConfig)} else "warmup_steps"
+
+
 def sft_config(params: dict[str, Any], settings: Settings, output_dir: str, **extra: Any) -> SFTConfig:
     """The trial's training args, the same for the executor and for plain TRL (``extra``: TRL-only fields)."""
     gpu = torch.cuda.is_available()
@@ -233,7 +238,7 @@ def sft_config(params: dict[str, Any], settings: Settings, output_dir: str, **ex
         per_device_train_batch_size=int(params["batch_size"]),
         per_device_eval_batch_size=settings.eval_batch,
         num_train_epochs=1,
-        warmup_steps=float(params["warmup_ratio"]),  # a float below 1 is a ratio of the run's steps
+        **{_WARMUP: float(params["warmup_ratio"])},
         max_length=settings.max_length,
         bf16=gpu,
         use_cpu=not gpu,
@@ -678,7 +683,7 @@ def record(settings: Settings, base: Path, seed: int) -> dict[str, Any]:
         wall = time.perf_counter() - start
     _free(executor)
     trials = sorted(study.trials, key=lambda t: t.number)
-    failed = [(t.number, t.user_attrs.get("rapidfire:fail_reason")) for t in trials if t.state != TrialState.COMPLETE]
+    failed = [(t.number, t.user_attrs.get(_attrs.FAIL_REASON)) for t in trials if t.state != TrialState.COMPLETE]
     if failed:
         raise RuntimeError(f"record of seed {seed}: trials that did not complete: {failed}")
     out = []
@@ -718,7 +723,7 @@ class ReplaySampler(optuna.samplers.BaseSampler):
         self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
     ) -> Any:
         with self._lock:
-            index = self._taken.setdefault(trial._trial_id, len(self._taken))
+            index = self._taken.setdefault(trial.number, len(self._taken))
         if index >= len(self._configs):
             raise RuntimeError(f"ReplaySampler: all {len(self._configs)} configs were handed out already.")
         return self._configs[index][param_name]
@@ -759,7 +764,7 @@ def executor_run(settings: Settings, base: Path, seed: int, method: str, configs
         "completions": completions,  # [seconds, trial number, state, value]
         "chunks": log.count(),
         "states": {state: sum(t.state.name == state for t in trials) for state in ("COMPLETE", "PRUNED", "FAIL")},
-        "clones": {kind: sum(t.user_attrs.get("rapidfire:clone") == kind for t in trials) for kind in ("warm", "cold")},
+        "clones": {kind: sum(t.user_attrs.get(_attrs.CLONE) == kind for t in trials) for kind in ("warm", "cold")},
         "trials": [
             {
                 "number": t.number,
@@ -767,7 +772,7 @@ def executor_run(settings: Settings, base: Path, seed: int, method: str, configs
                 "state": t.state.name,
                 "value": t.value,
                 "values": [t.intermediate_values[s] for s in sorted(t.intermediate_values)],
-                "parent": t.user_attrs.get("rapidfire:parent"),
+                "parent": t.user_attrs.get(_attrs.PARENT),
             }
             for t in trials
         ],
@@ -807,7 +812,8 @@ def _worker_main(spec_path: str) -> None:
         runs: list[dict[str, Any]] = []
 
         def objective(trial: optuna.Trial) -> float:
-            run = trl_trial(suggest(trial), settings, base, 0, trial=trial, stop_after=settings.validate_chunks)
+            params = suggest(trial)
+            run = trl_trial(params, settings, base, spec["seed"], trial=trial, stop_after=settings.validate_chunks)
             runs.append({**run, "number": trial.number})
             if run["pruned"]:
                 raise optuna.TrialPruned()
@@ -850,7 +856,8 @@ def spawn_workers(specs: list[dict[str, Any]], stop_when_done: bool) -> list[dic
             time.sleep(0.05)
 
     wait_for("ready-{}", "it was ready")
-    (sync / "go").write_text(repr(time.time()))
+    (sync / "go.tmp").write_text(repr(time.time()))
+    (sync / "go.tmp").replace(sync / "go")  # whole, never half-written, when a worker sees it
     if stop_when_done:
         wait_for("done-{}", "its timed chunks")
         (sync / "stop").touch()
@@ -993,6 +1000,7 @@ def validate_processes(settings: Settings, base: Path, configs: list[dict[str, A
     for config in configs:
         study.enqueue_trial(config)
     spec = {"mode": "validate", "settings": dataclasses.asdict(settings), "base": str(base), "storage": path}
+    spec["seed"] = seed
     results = spawn_workers([spec] * len(configs), stop_when_done=False)
     runs = [run for result in results for run in result["runs"]]
     trials = {t.number: t for t in study.trials}
