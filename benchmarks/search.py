@@ -1404,10 +1404,11 @@ def markdown(data: dict[str, Any]) -> list[str]:
     ]
     for method, row in data.get("aggregate", {}).get("methods", {}).items():
         regret = row["regret_at_b_end_median"]
+        held = "none complete" if regret is None else f"{100 * regret:.2f}%"
         lines.append(
             f"| {METHODS[method]} | {row['seeds']} | {_fmt(row['time_to_target_median'])} "
             f"[{_fmt(row['time_to_target_q25'])}, {_fmt(row['time_to_target_q75'])}] | {row['never_reached']} | "
-            f"{_fmt(row['wall_median'])} | {'-' if regret is None else f'{100 * regret:.2f}%'} | "
+            f"{_fmt(row['wall_median'])} | {held} | "
             f"{_fmt(row['chunks_median'], 0)} |"
         )
     ratios = data.get("aggregate", {}).get("ratios", {})
@@ -1433,7 +1434,7 @@ def markdown(data: dict[str, Any]) -> list[str]:
             )
     if pretrain:
         lines.append(
-            f"Base: {pretrain['parameters'] / 1e6:.0f}M-parameter Llama pretrained "
+            f"Base: {pretrain['parameters'] / 1e6:.3g}M-parameter Llama pretrained "
             f"{pretrain['train_seconds']:.0f} s on {pretrain['corpus_tokens'] / 1e6:.1f}M corpus tokens, "
             f"{pretrain['tokens_per_second'] / 1e3:.0f}k tokens/s, final train loss {pretrain['final_train_loss']:.2f}."
         )
