@@ -629,7 +629,10 @@ class ChunkLog:
         log = self
 
         def run(engine: FusedEngine, runtimes: Any) -> Any:
+            start = time.perf_counter()
             results = original(engine, runtimes)
+            steps = sorted({r.step for r in results if isinstance(r, ChunkResult)})
+            _say(f"  gang of {len(runtimes)} at steps {steps}: {time.perf_counter() - start:.1f} s")
             for runtime, result in zip(runtimes, results, strict=True):
                 if isinstance(result, ChunkResult):
                     times = (result.train_seconds, result.eval_seconds)
