@@ -34,7 +34,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from trl import SFTConfig, SFTTrainer
 
-from optuna_rapidfire import RapidFireExecutor
+from optuna_rapidfire import RapidFireExecutor, _attrs
 from optuna_rapidfire._engines._fused_engine import PASS_TOKENS, FusedEngine
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 from optuna_rapidfire._engines._trials import DeviceTrials
@@ -513,6 +513,107 @@ class Bench:
         _fused_ratios(result, k)
         return result
 
+    def _profile(self, executor: RapidFireExecutor, trials: int, batch: int, name: str) -> None:
+        """One more study on ``executor`` under torch's profiler; its top operators go to ``name`` in --out."""
+        from torch.profiler import ProfilerActivity, profile
+
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        for i in range(trials):
+            study.enqueue_trial({"learning_rate": 1e-4 * (1 + i), "r": 16})
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            executor.optimize(study, configure_from_params(batch), n_trials=trials)
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        tables = [prof.key_averages().table(sort_by=key, row_limit=40) for key in (sort, "cpu_time_total")]
+        Path(self.options.out).mkdir(parents=True, exist_ok=True)
+        (Path(self.options.out) / name).write_text("\n\n".join(tables))
+
+    # (d)
+    def scale(self, shape: str) -> dict[str, Any]:
+        """Switch latency, offloads and memory against the number of live trials (time-sliced)."""
+        sizes = [1, 4, 8, 16, 32] if not self.smoke else [1, 2, 4]
+        rows_per_trial_chunk = 32 if not self.smoke else 8
+        results = []
+        for k in sizes:
+            chunks = 16
+            # Room for 8 trials' states on the device: beyond that, idle trials move to pinned CPU memory.
+            budget = None if k <= 8 else 8 * _state_bytes(shape)
+            # Lock-step rounds, as these numbers were measured: each round trains every live trial once, in
+            # turn, so with K > 8 the switches keep bringing back states the budget moved off the device (the
+            # offloads, and switch latency with that traffic in it). The default "promote" trains leaders first
+            # and completes them early, so fewer states are live at once and the offloads mostly go (0 instead
+            # of 10 at K = 10 in a CPU run): no longer the K live trials this part is about.
+            executor = self.executor(
+                shape,
+                rows_per_trial_chunk * chunks,
+                chunks,
+                k,
+                state_memory_budget=budget,
+                schedule="lockstep",
+            )
+            executor.objective(configure_from_params(self.batch))  # loads the model
+            study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+            for i in range(k):
+                study.enqueue_trial({"learning_rate": 1e-4 * (1 + i % 4), "r": 16})
+            configure = functools.partial(_configure_two_chunks, batch=self.batch, chunks=chunks)
+            _reset_peak()
+            with Recorder() as recorder:
+                executor.optimize(study, configure, n_trials=k)
+            stats = executor.stats()
+            results.append(
+                {
+                    "live_trials": k,
+                    "switch_ms_median": statistics.median(recorder.switches) * 1e3 if recorder.switches else None,
+                    "switch_ms_p95": _percentile(recorder.switches, 0.95) * 1e3 if recorder.switches else None,
+                    "switches": len(recorder.switches),
+                    "offloads": stats.offloads,
+                    "peak_memory_gb": _peak_memory_gb(),
+                    "base_memory_gb": stats.base_bytes / 2**30,
+                }
+            )
+            print(
+                f"scale part, {k} live trials: {len(recorder.switches)} switches, {stats.offloads} offloads",
+                flush=True,
+            )
+            _drop(executor)
+        return {"model": shape, "results": results}
+
+    # multi-GPU
+    def multi_gpu(self, shape: str) -> dict[str, Any]:
+        """The same study on one GPU, then with one worker process per GPU sharing an SQLite study."""
+        devices = _multi_gpu_devices(self.smoke)
+        rows, chunks, configs = (256, 8, 16) if not self.smoke else (32, 2, 4)
+        result: dict[str, Any] = {"model": shape, "configs": configs, "rows": rows, "devices": devices}
+        for label, chosen in (("one_gpu", devices[:1]), ("all_gpus", devices)):
+            url = f"sqlite:///{self.workdir / f'{label}.db'}"
+            study = optuna.create_study(storage=url, study_name=label, pruner=optuna.pruners.NopPruner())
+            for i in range(configs):
+                study.enqueue_trial({"learning_rate": 1e-4 * (1 + i % 4), "r": 16})
+            # Lock-step, the only schedule when results/multi_gpu.json was measured: the ratio compares devices,
+            # so both runs keep the schedule those numbers ran under (waves of 8 trials, every chunk a switch),
+            # not the default "promote", which changes the order of switches and when trials start and end.
+            executor = self.executor(
+                shape, rows, chunks, 8, devices=chosen if len(chosen) > 1 else chosen[0], schedule="lockstep"
+            )
+            start = time.perf_counter()
+            executor.optimize(study, configure_from_params(self.batch), n_trials=configs)
+            wall = time.perf_counter() - start
+            _drop(executor)
+            trials = study.get_trials()
+            window = max(t.datetime_complete for t in trials) - min(t.datetime_start for t in trials)
+            tokens = configs * _tokens_per_trial(self, rows)
+            result[label] = {
+                "wall_seconds": wall,
+                "trial_window_seconds": window.total_seconds(),
+                "tokens": tokens,
+                "tokens_per_second": tokens / window.total_seconds(),
+                "workers": sorted({t.user_attrs.get(_attrs.WORKER, "") for t in trials}),
+            }
+        result["two_gpu_over_one_gpu_throughput"] = (
+            result["all_gpus"]["tokens_per_second"] / result["one_gpu"]["tokens_per_second"]
+        )
+        return result
+
 
 def _fused_ratios(result: dict[str, Any], k: int) -> None:
     """The fused part's ratios, from whichever of its runs ``result`` holds."""
@@ -559,6 +660,20 @@ def _state_bytes(shape: str) -> int:
     kv = s["num_key_value_heads"] * head
     per_layer = 16 * (4 * s["hidden_size"] + 2 * s["hidden_size"] + 2 * kv + 2 * s["hidden_size"])
     return per_layer * s["num_hidden_layers"] * 4 * 3
+
+
+def _multi_gpu_devices(smoke: bool) -> list[str]:
+    """The multi_gpu part's devices: every visible GPU, at least 2; on a machine without one, two CPU
+    workers for a --smoke dry run of the harness. Exits with the reason otherwise."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count >= 2:
+        return [f"cuda:{i}" for i in range(count)]
+    if count == 0 and smoke:
+        return ["cpu", "cpu"]
+    raise SystemExit(
+        f"multi_gpu compares one GPU with several: it needs at least 2 visible GPUs, but torch sees {count}"
+        + (" (without a GPU, --smoke dry-runs it with two CPU workers)." if count == 0 else ".")
+    )
 
 
 def _tokens_per_trial(bench: Bench, rows: int) -> int:
@@ -890,6 +1005,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{', '.join(one_gpu_parts)} measure one GPU (TRL's trainer would use DataParallel over "
             f"{torch.cuda.device_count()}): run them with CUDA_VISIBLE_DEVICES=0, and multi_gpu separately."
         )
+    if "multi_gpu" in parts:
+        _multi_gpu_devices(options.smoke)  # too few GPUs: say so before the other parts run
     bench = Bench(options)
     shapes = ["tiny"] if options.smoke else ["llama-3.2-1b", "tinyllama-1.1b"]
     results: dict[str, Any] = {}
