@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -134,6 +134,60 @@ class _LayerPlan:
     scales: list[float]
     dropout: list[float]
     rank: int
+    ranks: list[int] = field(default_factory=list)
+    _ranks: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, repr=False)
+    _indices: dict[tuple[Any, ...], list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, int]]] = field(
+        default_factory=dict, repr=False
+    )
+
+    def rank_index(self, ranks: list[int], device: torch.device) -> torch.Tensor:
+        """Where each adapter's rank rows sit in a ``[K * rank, ...]`` stack of projections concatenated
+        along their rank (padding positions point one past them, at a zero row)."""
+        key = ("ranks", tuple(ranks), device)
+        cached = self._ranks.get(key)
+        if cached is None:
+            total, index, start = sum(ranks), [], 0
+            for r in ranks:
+                index += list(range(start, start + r)) + [total] * (self.rank - r)
+                start += r
+            cached = self._ranks[key] = torch.tensor(index, dtype=torch.long, device=device)
+        return cached
+
+    def groups(
+        self, rows: list[int], tokens: int, device: torch.device
+    ) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+        """The present adapters grouped by rank (one pair of batched matmuls per group, no rank padding),
+        each group with three index tensors over the layer's ``[rows * tokens, features]`` input: where
+        each member's tokens go in the group's ``[K_g * longest, features]`` layout (padding rows point
+        at one past the input, a zero row), which of those layout rows hold real tokens, and which input
+        rows they are. Made once per row layout and kept on the device."""
+        key = (tuple(rows), tokens, device)
+        cached = self._indices.get(key)
+        if cached is not None:
+            return cached
+        starts = [sum(rows[:i]) * tokens for i in range(len(rows))]
+        pad_row = sum(rows) * tokens
+        by_rank: dict[int, list[int]] = {}
+        for k, _rank in enumerate(self.ranks):
+            by_rank.setdefault(0, []).append(k)
+        groups = []
+        for members in by_rank.values():
+            longest = max(rows[self.present[k]] for k in members) * tokens
+            gather: list[int] = []
+            valid: list[int] = []
+            targets: list[int] = []
+            for slot, k in enumerate(members):
+                i = self.present[k]
+                own = list(range(starts[i], starts[i] + rows[i] * tokens))
+                gather += own + [pad_row] * (longest - len(own))
+                valid += range(slot * longest, slot * longest + len(own))
+                targets += own
+            tensors = [torch.tensor(v, dtype=torch.long, device=device) for v in (gather, valid, targets)]
+            groups.append((members, tensors[0], tensors[1], tensors[2], longest))
+        if len(self._indices) > 16:
+            self._indices.clear()
+        self._indices[key] = groups
+        return groups
 
     @classmethod
     def of(cls, layer: Any, gang: Gang) -> _LayerPlan:
@@ -146,6 +200,7 @@ class _LayerPlan:
             scales=[float(layer.scaling[gang.names[i]]) for i in present],
             dropout=[float(getattr(layer.lora_dropout[gang.names[i]], "p", 0.0)) for i in present],
             rank=max(ranks, default=0),
+            ranks=ranks,
         )
 
 
@@ -171,11 +226,15 @@ def _scales(values: list[float], dtype: torch.dtype, device: torch.device) -> to
 
 
 def fused_linear(layer: Any, gang: Gang, plan: _LayerPlan, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The base layer on all rows, plus adapter i's update on segment i, in two batched matmuls.
+    """The base layer on all rows, plus adapter i's update on segment i, in batched matmuls.
 
-    The second product adds onto the base output in place of a separate sum (``baddbmm``) when the dtypes
-    allow; the scalings are folded into the stacked up-projections, and under mixed precision the input
-    is not cast to the adapters' dtype first (autocast casts it for the matmul, as it would PEFT's).
+    When every adapter targets the layer with one rank on equal row counts, two batched matmuls over a
+    view of the input, the second adding onto the base output (``baddbmm``) when the dtypes allow. Else
+    the adapters are grouped by rank: per group, one gather of its members' rows (zero-padded to the
+    longest), two batched matmuls and one indexed add of the updates onto the base output, so the
+    operators launched grow with the number of distinct ranks, not of adapters. The scalings are folded
+    into the stacked up-projections, and under mixed precision the input is not cast to the adapters'
+    dtype first (autocast casts it for the matmul, as it would PEFT's).
     """
     result = layer.base_layer(x, *args, **kwargs)
     if not plan.present or layer.disable_adapters:
@@ -189,42 +248,54 @@ def fused_linear(layer: Any, gang: Gang, plan: _LayerPlan, x: torch.Tensor, *arg
         x = x.to(weight_dtype)
     inner = x.shape[1:-1].numel()  # tokens per row
     dropping = layer.training and any(p > 0 for p in plan.dropout)
-    if plan.uniform and not dropping:
-        stacked = x.reshape(len(names), -1, x.shape[-1])  # a view: segments are contiguous rows
-    else:
-        segments = torch.split(x, gang.rows, dim=0)
-        longest = max(gang.rows[i] for i in plan.present) * inner
-        inputs = []
+    if dropping:
+        segments = list(torch.split(x, gang.rows, dim=0))
         for p, i in zip(plan.dropout, plan.present, strict=True):
-            segment = segments[i]
-            if layer.training and p > 0:
+            if p > 0:
                 length = None if gang.lengths is None or x.dim() < 3 else gang.lengths[i]
-                segment = _dropout(segment, p, gang.generators[i], length)
-            flat = segment.reshape(-1, x.shape[-1])
-            inputs.append(F.pad(flat, (0, 0, 0, longest - flat.shape[0])) if flat.shape[0] < longest else flat)
-        stacked = torch.stack(inputs)  # [K, rows*tokens, in]
+                segments[i] = _dropout(segments[i], p, gang.generators[i], length)
+        x = torch.cat(segments, dim=0)
+    if plan.uniform:
+        # Every adapter targets the layer with one rank, on equal row counts: no copies, no padding.
+        stacked = x.reshape(len(names), -1, x.shape[-1])  # a view: segments are contiguous rows
+        down = torch.stack([layer.lora_A[name].weight for name in names]).transpose(1, 2)  # [K, in, r]
+        ups = torch.stack([layer.lora_B[name].weight for name in names])  # [K, out, r]
+        up = (ups * _scales(plan.scales, ups.dtype, x.device)).transpose(1, 2)  # [K, r, out]
+        hidden = torch.bmm(stacked, down)  # [K, rows*tokens, r]
+        if not dropping and (autocast or result.dtype == hidden.dtype):
+            fused = torch.baddbmm(result.reshape(len(names), -1, result.shape[-1]), hidden, up)
+            return fused.view(result.shape).to(result.dtype)
+        return result + torch.bmm(hidden, up).view(result.shape).to(result.dtype)
+    # Mixed ranks, targets or row counts: one pair of batched matmuls per rank, the rows of each
+    # group's members gathered (zero-padded to the longest) and their updates added back by index.
+    flat = x.reshape(-1, x.shape[-1])
+    padded = F.pad(flat, (0, 0, 0, 1))  # one zero row that padding positions read
+    out = result.reshape(-1, result.shape[-1])
+    for members, gather, valid, targets, longest in plan.groups(gang.rows, inner, x.device):
+        stacked = padded.index_select(0, gather).view(len(members), longest, x.shape[-1])
+        down, up = _stacked_weights(layer, [names[k] for k in members], plan, x.device)  # [K, in, r], [K, r, out]
+        scales = _scales([plan.scales[k] for k in members], up.dtype, x.device)
+        update = torch.bmm(torch.bmm(stacked, down), up * scales)  # [K_g, longest, out]
+        rows = update.reshape(-1, update.shape[-1]).index_select(0, valid)
+        out = out.index_add(0, targets, rows.to(out.dtype))
+    return out.view(result.shape)
+
+
+def _stacked_weights(
+    layer: Any, names: list[str], plan: _LayerPlan, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapters' down- and up-projections stacked as ``[K, in, r]`` and ``[K, r, out]``, ranks
+    zero-padded to the largest: with mixed ranks, one concatenation and one gather (from a zero row) per
+    projection, whatever K, rather than a padding per adapter."""
     downs = [layer.lora_A[name].weight for name in names]  # [r_i, in]
     ups = [layer.lora_B[name].weight for name in names]  # [out, r_i]
-    if any(d.shape[0] < plan.rank for d in downs):
-        downs = [F.pad(d, (0, 0, 0, plan.rank - d.shape[0])) for d in downs]
-        ups = [F.pad(u, (0, plan.rank - u.shape[1])) for u in ups]
-    down = torch.stack(downs).transpose(1, 2)  # [K, in, r]
-    up = (torch.stack(ups) * _scales(plan.scales, ups[0].dtype, x.device)).transpose(1, 2)  # [K, r, out]
-    hidden = torch.bmm(stacked, down)  # [K, rows*tokens, r]
-    if plan.uniform and not dropping and (autocast or result.dtype == hidden.dtype):
-        fused = torch.baddbmm(result.reshape(len(names), -1, result.shape[-1]), hidden, up)
-        return fused.view(result.shape).to(result.dtype)
-    update = torch.bmm(hidden, up)  # [K, rows*tokens, out]
-    if plan.uniform:
-        return result + update.view(result.shape).to(result.dtype)
-    by_adapter = {i: update[k, : gang.rows[i] * inner] for k, i in enumerate(plan.present)}
-    full = [
-        by_adapter[i].reshape(rows, *x.shape[1:-1], -1)
-        if i in by_adapter
-        else update.new_zeros(rows, *x.shape[1:-1], result.shape[-1])
-        for i, rows in enumerate(gang.rows)
-    ]
-    return result + torch.cat(full, dim=0).to(result.dtype)
+    if all(d.shape[0] == plan.rank for d in downs):
+        return torch.stack(downs).transpose(1, 2), torch.stack(ups).transpose(1, 2)
+    index = plan.rank_index([d.shape[0] for d in downs], device)
+    down = F.pad(torch.cat(downs), (0, 0, 0, 1)).index_select(0, index)  # [K * r, in]
+    up = F.pad(torch.cat(ups, dim=1), (0, 1)).index_select(1, index)  # [out, K * r]
+    k = len(names)
+    return down.view(k, plan.rank, -1).transpose(1, 2), up.view(up.shape[0], k, plan.rank).permute(1, 2, 0)
 
 
 def _dropout(x: torch.Tensor, p: float, generator: torch.Generator | None, length: int | None = None) -> torch.Tensor:
@@ -233,9 +304,10 @@ def _dropout(x: torch.Tensor, p: float, generator: torch.Generator | None, lengt
         return torch.zeros_like(x)
     shape = x.shape if length is None else (x.shape[0], length, *x.shape[2:])
     keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=generator)
+    keep.div_(1 - p)  # the mask carries the scale: one product on x (and in the backward pass), not two
     if length is not None and length < x.shape[1]:
-        keep = torch.cat([keep, keep.new_ones(x.shape[0], x.shape[1] - length, *x.shape[2:])], dim=1)
-    return x * keep / (1 - p)
+        keep = torch.cat([keep, keep.new_full((x.shape[0], x.shape[1] - length, *x.shape[2:]), 1 / (1 - p))], dim=1)
+    return x * keep
 
 
 def segment_losses(logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor]:
