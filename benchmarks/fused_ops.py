@@ -32,18 +32,11 @@ from peft import LoraConfig
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.run import machine
+from benchmarks.search import BASE_MODEL
 from optuna_rapidfire._engines._fused_pass import Gang, fused_forward, layer_plans, segment_losses
 from optuna_rapidfire._model import ResidentModel
 
-MODEL = {
-    "vocab_size": 8192,
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "tie_word_embeddings": True,
-}
+MODEL = BASE_MODEL
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
 
@@ -62,7 +55,7 @@ def _members(kind: str, k: int) -> list[dict[str, Any]]:
 
 def count(kind: str, k: int, length: int, shape: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=1024))
+    model = LlamaForCausalLM(LlamaConfig(**shape))
     members = _members(kind, k)
     names = [f"{kind}{i}" for i in range(len(members))]
     resident = ResidentModel(model, tokenizer=None, device=torch.device("cpu"))  # type: ignore[arg-type]

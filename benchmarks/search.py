@@ -83,6 +83,17 @@ METHODS = {
     "executor_promote": "(e) executor, promote",
     "executor_promote_clone": "(f) executor, promote + CloneSampler",
 }
+BASE_MODEL: dict[str, Any] = {
+    "vocab_size": 8192,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+}
+"""The base the search part pretrains: an 82M-parameter Llama."""
 TARGET_SLACK = 0.01  # the target: within 1% of the best final value of the seed's exhaustive sweep
 
 
@@ -163,16 +174,7 @@ class Settings:
             given = getattr(options, name, None)
             return given if given is not None else (small if smoke else full)
 
-        model: dict[str, Any] = {
-            "vocab_size": 8192,
-            "hidden_size": 768,
-            "intermediate_size": 2048,
-            "num_hidden_layers": 12,
-            "num_attention_heads": 12,
-            "num_key_value_heads": 4,
-            "max_position_embeddings": 1024,
-            "tie_word_embeddings": True,
-        }
+        model: dict[str, Any] = dict(BASE_MODEL)
         if smoke:
             model.update(vocab_size=1024, hidden_size=64, intermediate_size=128, max_position_embeddings=512)
             model.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

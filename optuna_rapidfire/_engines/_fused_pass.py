@@ -5,11 +5,12 @@ of the resident ``PeftModel`` and, for one step, K contiguous row segments of a 
 to adapter i. Inside :func:`fused_forward`, every PEFT LoRA ``Linear`` computes the frozen base once for
 all rows and adds each adapter's low-rank update to its own rows only, with two batched matrix products
 over the K adapters: without copies when the adapters share rank and targets and the segments their row
-count, else over ranks and rows zero-padded to the largest (an adapter that does not target the layer
-adds nothing). Dropout masks come from each adapter's own ``torch.Generator``, so a trial draws the same
-masks whether it trains alone or in a gang. Per-trial losses are computed on each segment
-(:func:`segment_losses`); backpropagating their sum gives every adapter the gradient of its own loss,
-since adapters share no parameters and the base is frozen.
+count, else over ranks and rows zero-padded to the largest, gathered by index (one gather of the rows,
+one of the stacked projections, one indexed add of the updates per layer, whatever K; an adapter that
+does not target the layer adds nothing). Dropout masks come from each adapter's own
+``torch.Generator``, so a trial draws the same masks whether it trains alone or in a gang. Per-trial
+losses are computed on each segment (:func:`segment_losses`); backpropagating their sum gives every
+adapter the gradient of its own loss, since adapters share no parameters and the base is frozen.
 """
 
 from __future__ import annotations
