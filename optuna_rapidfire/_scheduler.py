@@ -197,8 +197,8 @@ class PromoteSchedule(BaseSchedule):
     Args:
         gang_wait_seconds: On an engine that fuses, how long a gang waits for members whose decision
             about their last chunk is in flight (reporting and pruning take milliseconds; a member that
-            misses a pass trains alone in the next, which splits the gang in two for the rest of the
-            study). Never waits for a trial that is paused or being built.
+            misses a pass trains alone, and the rest of the gang after it). Never waits for a trial
+            that is paused or being built.
     """
 
     name = "promote"
@@ -215,7 +215,9 @@ class PromoteSchedule(BaseSchedule):
             return ready[:1] or None
         deciding = [now - e.awaiting_since for e in live if e.status is Status.AWAITING]
         if deciding and ready:
-            waited = max(deciding)
+            # Each member gets gang_wait_seconds from its own chunk's delivery; still bounded, since no
+            # trial becomes AWAITING while the device waits.
+            waited = min(deciding)
             if waited < self.gang_wait_seconds:
                 return self.gang_wait_seconds - waited
         return ready or None
@@ -351,9 +353,12 @@ class Scheduler:
             if len(live) < self._expected and quiet < self._gather_seconds:
                 return None, self._gather_seconds - quiet
             self._gathering = False
-        group = self.schedule.choose(live, fuse=fuse, now=time.monotonic())
-        if not isinstance(group, list):
-            return None, group
+        choice = self.schedule.choose(live, fuse=fuse, now=time.monotonic())
+        if not isinstance(choice, list):
+            return None, choice
+        group = [e for e in choice if e.status is Status.READY]  # a custom schedule may hand back others
+        if not group:
+            return None, None
         for e in group:
             e.status = Status.TRAINING
             e.mates = frozenset(o.number for o in group if o is not e and o.chunks_done == e.chunks_done)

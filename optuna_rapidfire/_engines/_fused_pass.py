@@ -136,59 +136,6 @@ class _LayerPlan:
     dropout: list[float]
     rank: int
     ranks: list[int] = field(default_factory=list)
-    _ranks: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, repr=False)
-    _indices: dict[tuple[Any, ...], list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, int]]] = field(
-        default_factory=dict, repr=False
-    )
-
-    def rank_index(self, ranks: list[int], device: torch.device) -> torch.Tensor:
-        """Where each adapter's rank rows sit in a ``[K * rank, ...]`` stack of projections concatenated
-        along their rank (padding positions point one past them, at a zero row)."""
-        key = ("ranks", tuple(ranks), device)
-        cached = self._ranks.get(key)
-        if cached is None:
-            total, index, start = sum(ranks), [], 0
-            for r in ranks:
-                index += list(range(start, start + r)) + [total] * (self.rank - r)
-                start += r
-            cached = self._ranks[key] = torch.tensor(index, dtype=torch.long, device=device)
-        return cached
-
-    def groups(
-        self, rows: list[int], tokens: int, device: torch.device
-    ) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, int]]:
-        """The present adapters grouped by rank (one pair of batched matmuls per group, no rank padding),
-        each group with three index tensors over the layer's ``[rows * tokens, features]`` input: where
-        each member's tokens go in the group's ``[K_g * longest, features]`` layout (padding rows point
-        at one past the input, a zero row), which of those layout rows hold real tokens, and which input
-        rows they are. Made once per row layout and kept on the device."""
-        key = (tuple(rows), tokens, device)
-        cached = self._indices.get(key)
-        if cached is not None:
-            return cached
-        starts = [sum(rows[:i]) * tokens for i in range(len(rows))]
-        pad_row = sum(rows) * tokens
-        by_rank: dict[int, list[int]] = {}
-        for k, _rank in enumerate(self.ranks):
-            by_rank.setdefault(0, []).append(k)
-        groups = []
-        for members in by_rank.values():
-            longest = max(rows[self.present[k]] for k in members) * tokens
-            gather: list[int] = []
-            valid: list[int] = []
-            targets: list[int] = []
-            for slot, k in enumerate(members):
-                i = self.present[k]
-                own = list(range(starts[i], starts[i] + rows[i] * tokens))
-                gather += own + [pad_row] * (longest - len(own))
-                valid += range(slot * longest, slot * longest + len(own))
-                targets += own
-            tensors = [torch.tensor(v, dtype=torch.long, device=device) for v in (gather, valid, targets)]
-            groups.append((members, tensors[0], tensors[1], tensors[2], longest))
-        if len(self._indices) > 16:
-            self._indices.clear()
-        self._indices[key] = groups
-        return groups
 
     @classmethod
     def of(cls, layer: Any, gang: Gang) -> _LayerPlan:
@@ -231,9 +178,10 @@ def fused_linear(layer: Any, gang: Gang, plan: _LayerPlan, x: torch.Tensor, *arg
 
     When every adapter targets the layer with one rank on equal row counts, two batched matmuls over a
     view of the input, the second adding onto the base output (``baddbmm``) when the dtypes allow. Else
-    the adapters are grouped by rank: per group, one gather of its members' rows (zero-padded to the
-    longest), two batched matmuls and one indexed add of the updates onto the base output, so the
-    operators launched grow with the number of distinct ranks, not of adapters. The scalings are folded
+    one gather of the present adapters' rows (zero-padded to the longest segment), one of their
+    projections (zero-padded to the largest rank), two batched matmuls and one indexed add of the
+    updates onto the base output: the operators launched do not grow with the number of adapters, except
+    for dropout, drawn per adapter from its own generator. The scalings are folded
     into the stacked up-projections, and under mixed precision the input is not cast to the adapters'
     dtype first (autocast casts it for the matmul, as it would PEFT's).
     """
@@ -267,19 +215,77 @@ def fused_linear(layer: Any, gang: Gang, plan: _LayerPlan, x: torch.Tensor, *arg
             fused = torch.baddbmm(result.reshape(len(names), -1, result.shape[-1]), hidden, up)
             return fused.view(result.shape).to(result.dtype)
         return result + torch.bmm(hidden, up).view(result.shape).to(result.dtype)
-    # Mixed ranks, targets or row counts: one pair of batched matmuls per rank, the rows of each
-    # group's members gathered (zero-padded to the longest) and their updates added back by index.
-    flat = x.reshape(-1, x.shape[-1])
-    padded = F.pad(flat, (0, 0, 0, 1))  # one zero row that padding positions read
-    out = result.reshape(-1, result.shape[-1])
-    for members, gather, valid, targets, longest in plan.groups(gang.rows, inner, x.device):
-        stacked = padded.index_select(0, gather).view(len(members), longest, x.shape[-1])
-        down, up = _stacked_weights(layer, [names[k] for k in members], plan, x.device)  # [K, in, r], [K, r, out]
-        scales = _scales([plan.scales[k] for k in members], up.dtype, x.device)
-        update = torch.bmm(torch.bmm(stacked, down), up * scales)  # [K_g, longest, out]
-        rows = update.reshape(-1, update.shape[-1]).index_select(0, valid)
-        out = out.index_add(0, targets, rows.to(out.dtype))
+    # Mixed ranks, targets or row counts: the present adapters' rows gathered into a stack zero-padded to
+    # the longest segment, their projections zero-padded to the largest rank, two batched matmuls, and
+    # the updates added back onto the base output by index.
+    gather, valid, targets, longest = _row_indices(plan.present, gang.rows, inner, x.device)
+    padded = F.pad(x.reshape(-1, x.shape[-1]), (0, 0, 0, 1))  # one zero row that padding positions read
+    stacked = padded.index_select(0, gather).view(len(names), longest, x.shape[-1])
+    down, up = _stacked_weights(layer, names, plan, x.device)  # [K, in, r], [K, r, out]
+    update = torch.bmm(torch.bmm(stacked, down), up * _scales(plan.scales, up.dtype, x.device))
+    rows = update.reshape(-1, update.shape[-1]).index_select(0, valid)
+    out = result.reshape(-1, result.shape[-1]).index_add(0, targets, rows.to(result.dtype))
     return out.view(result.shape)
+
+
+_INDICES: dict[tuple[Any, ...], Any] = {}
+
+
+def _cached_indices(key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+    """Index tensors shared by every layer with the same layout, built once (on the host, then copied
+    without blocking) and kept; the cache is small, since a chunk's passes take few row layouts."""
+    found = _INDICES.get(key)
+    if found is None:
+        if len(_INDICES) > 64:
+            _INDICES.clear()
+        found = _INDICES[key] = build()
+    return found
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    tensor = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _row_indices(
+    present: list[int], rows: list[int], tokens: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Three index tensors over a layer's ``[sum(rows) * tokens, features]`` input for the present
+    adapters: where each one's tokens go in the ``[K * longest, features]`` stack (padding positions
+    point one past the input, at a zero row), which stack rows hold real tokens, and which input rows
+    they are; and ``longest``, the tokens of the largest segment."""
+
+    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        starts = [sum(rows[:i]) * tokens for i in range(len(rows))]
+        pad_row = sum(rows) * tokens
+        longest = max(rows[i] for i in present) * tokens
+        gather: list[int] = []
+        valid: list[int] = []
+        targets: list[int] = []
+        for slot, i in enumerate(present):
+            own = list(range(starts[i], starts[i] + rows[i] * tokens))
+            gather += own + [pad_row] * (longest - len(own))
+            valid += range(slot * longest, slot * longest + len(own))
+            targets += own
+        return _to_device(gather, device), _to_device(valid, device), _to_device(targets, device), longest
+
+    return _cached_indices(("rows", tuple(present), tuple(rows), tokens, device), build)
+
+
+def _rank_index(ranks: list[int], rank: int, device: torch.device) -> torch.Tensor:
+    """Where each adapter's rank rows sit in a ``[K * rank, ...]`` stack of projections concatenated
+    along their rank (padding positions point one past them, at a zero row)."""
+
+    def build() -> torch.Tensor:
+        total, index, start = sum(ranks), [], 0
+        for r in ranks:
+            index += list(range(start, start + r)) + [total] * (rank - r)
+            start += r
+        return _to_device(index, device)
+
+    return _cached_indices(("ranks", tuple(ranks), rank, device), build)
 
 
 def _stacked_weights(
@@ -292,7 +298,7 @@ def _stacked_weights(
     ups = [layer.lora_B[name].weight for name in names]  # [out, r_i]
     if all(d.shape[0] == plan.rank for d in downs):
         return torch.stack(downs).transpose(1, 2), torch.stack(ups).transpose(1, 2)
-    index = plan.rank_index([d.shape[0] for d in downs], device)
+    index = _rank_index([d.shape[0] for d in downs], plan.rank, device)
     down = F.pad(torch.cat(downs), (0, 0, 0, 1)).index_select(0, index)  # [K * r, in]
     up = F.pad(torch.cat(ups, dim=1), (0, 1)).index_select(1, index)  # [out, K * r]
     k = len(names)
@@ -305,10 +311,9 @@ def _dropout(x: torch.Tensor, p: float, generator: torch.Generator | None, lengt
         return torch.zeros_like(x)
     shape = x.shape if length is None else (x.shape[0], length, *x.shape[2:])
     keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=generator)
-    keep.div_(1 - p)  # the mask carries the scale: one product on x (and in the backward pass), not two
     if length is not None and length < x.shape[1]:
-        keep = torch.cat([keep, keep.new_full((x.shape[0], x.shape[1] - length, *x.shape[2:]), 1 / (1 - p))], dim=1)
-    return x * keep
+        keep = torch.cat([keep, keep.new_ones(x.shape[0], x.shape[1] - length, *x.shape[2:])], dim=1)
+    return x * keep / (1 - p)
 
 
 def segment_losses(logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor]:

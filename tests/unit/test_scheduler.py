@@ -282,3 +282,22 @@ def test_under_promote_the_device_is_never_idle_while_a_trial_is_ready_and_leade
     first_done = log.index(("finish", [0]))
     laggard_last = max(i for i, (what, trials) in enumerate(log) if what == "train" and 3 in trials)
     assert first_done < laggard_last
+
+
+def test_a_custom_schedule_that_hands_back_nothing_ready_makes_the_device_wait() -> None:
+    class Careless(LockstepSchedule):
+        def choose(self, live, *, fuse, now):  # type: ignore[no-untyped-def]
+            return [e for e in live if e.status is not Status.READY]  # nothing it may train
+
+    scheduler = Scheduler(gather_seconds=0.0, schedule=Careless())
+    entry = Entry(number=0, trial_id=100, spec=None)
+    scheduler.add(entry)
+    _build_all(scheduler, 1)
+    entry.status = Status.AWAITING
+    taker = threading.Thread(target=scheduler.next_task)
+    taker.start()
+    taker.join(0.2)
+    assert taker.is_alive()  # no TRAIN task without a READY trial: it waits, it does not spin
+    assert entry.status is Status.AWAITING
+    scheduler.close()
+    taker.join(5)
