@@ -312,8 +312,14 @@ class Scheduler:
                 self._cond.wait()
 
     def decide(self, entry: Entry, decision: Decision) -> None:
-        """The trial's driver decided: train on, or leave a request for the device."""
+        """The trial's driver decided: train on, or leave a request for the device.
+
+        A trial the device has already removed (its gang failed after its chunk was delivered) stays
+        gone: its driver learns it from the Failed event that follows.
+        """
         with self._cond:
+            if entry.status is Status.GONE:
+                return
             if decision is Decision.CONTINUE:
                 entry.status = Status.READY
             else:

@@ -301,3 +301,14 @@ def test_a_custom_schedule_that_hands_back_nothing_ready_makes_the_device_wait()
     assert entry.status is Status.AWAITING
     scheduler.close()
     taker.join(5)
+
+
+def test_a_decision_about_a_trial_the_device_removed_leaves_it_gone() -> None:
+    # A gang that fails after delivering one member's chunk removes every member; that member's driver
+    # may still decide on the delivered chunk, and must then see the trial as gone (not wait on it).
+    scheduler, (entry,) = _scheduler(0, schedule="promote")
+    _build_all(scheduler, 1)
+    assert _train(scheduler) == [0]
+    scheduler.remove(entry)
+    scheduler.decide(entry, Decision.CONTINUE)
+    assert entry.gone and entry.request is None
