@@ -67,6 +67,8 @@ def is_transient(error: BaseException) -> bool:
             return False
         if isinstance(seen, (exc.OperationalError, exc.InterfaceError, exc.DisconnectionError)):
             return True
+        if isinstance(seen, exc.PendingRollbackError):  # a connection lost mid-transaction; Optuna rolls back
+            return True
         return isinstance(seen, exc.DBAPIError) and bool(seen.connection_invalidated)
 
     if direct(error):

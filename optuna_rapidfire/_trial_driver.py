@@ -398,12 +398,15 @@ class TrialDriver:
             return self._failed(done)
         assert isinstance(done, Saved)
         self._adapter_path = os.path.abspath(done.path)
-        self.trial.set_user_attr(_attrs.ADAPTER_PATH, self._adapter_path)
-        # A request that came while the adapter was being saved: the trial is still RUNNING, so it is answered.
-        for command in _commands.pending(
-            self.study, _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
-        ):
-            self._apply(command, "saved", self._total_chunks)
+        try:
+            self.trial.set_user_attr(_attrs.ADAPTER_PATH, self._adapter_path)
+            # A request that came while the adapter was being saved: the trial is still RUNNING, so it is answered.
+            for command in _commands.pending(
+                self.study, _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
+            ):
+                self._apply(command, "saved", self._total_chunks)
+        except UpdateFinishedTrialError:  # optuna-dashboard's "Fail Trial" while the adapter was being saved
+            return self._finished_elsewhere()
         return value
 
     def _failed(self, event: Failed) -> float:
@@ -425,7 +428,8 @@ class TrialDriver:
         return math.nan
 
     def _finished_elsewhere(self) -> float:
-        self._leave(Decision.STOP)
+        if self.entry is not None and not self.entry.gone:
+            self._leave(Decision.STOP)
         self.shared.externally_finished.add(self.trial.number)
         _logger.warning(
             "Trial %d was finished outside the executor (optuna-dashboard's 'Fail Trial'?): its state is released.",
