@@ -64,11 +64,14 @@ def _snapshot_at(trial: FrozenTrial, step: int) -> FrozenTrial:
 class _PeerViewStorage:
     """Read-through proxy of a study's storage that shows running peers as finished at one step."""
 
-    def __init__(self, storage: Any, current: FrozenTrial, step: int, round_peers: Collection[int]) -> None:
+    def __init__(
+        self, storage: Any, current: FrozenTrial, step: int, round_peers: Collection[int], include_pruned: bool
+    ) -> None:
         self._storage = storage
         self._current = current
         self._step = step
         self._round_peers = round_peers
+        self._include_pruned = include_pruned
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._storage, name)
@@ -76,9 +79,15 @@ class _PeerViewStorage:
     def _view(self, trial: FrozenTrial) -> FrozenTrial | None:
         if _compat.trial_id(trial) == _compat.trial_id(self._current):
             return self._current
-        reached = self._step in trial.intermediate_values
-        # Peers of this round are judged as they were at the barrier, whatever was decided for them since.
-        if reached and (trial.state == TrialState.RUNNING or _compat.trial_id(trial) in self._round_peers):
+        if self._step not in trial.intermediate_values:
+            return trial
+        # Peers of this round are judged as they were at the barrier, whatever was decided for them since;
+        # without barriers, pruned trials that reached the step count too (ASHA's rungs hold them).
+        if (
+            trial.state == TrialState.RUNNING
+            or _compat.trial_id(trial) in self._round_peers
+            or (self._include_pruned and trial.state == TrialState.PRUNED)
+        ):
             return _snapshot_at(trial, self._step)
         return trial
 
@@ -108,7 +117,9 @@ class _PeerViewStorage:
         return pick(complete, key=lambda t: float(t.value))  # type: ignore[arg-type]
 
 
-def prune_decision(study: Study, snapshot: FrozenTrial, step: int, round_peers: Collection[int]) -> bool:
+def prune_decision(
+    study: Study, snapshot: FrozenTrial, step: int, round_peers: Collection[int] = (), *, include_pruned: bool = False
+) -> bool:
     """Ask the study's pruner about ``snapshot`` at ``step``, with running peers visible.
 
     Args:
@@ -116,9 +127,11 @@ def prune_decision(study: Study, snapshot: FrozenTrial, step: int, round_peers: 
         snapshot: The trial as read from the storage right after it reported ``step``.
         step: The step just reported.
         round_peers: Trial ids of the peers shown as snapshots at ``step`` even though they have
-            finished since (the trials of the round; under "promote", the pruned ones that reached it).
+            finished since (the trials of the round, under "lockstep").
+        include_pruned: Also show pruned trials that reached ``step`` as snapshots (under "promote").
     """
-    view = _compat.with_storage(study, _PeerViewStorage(_compat.storage(study), snapshot, step, round_peers))
+    storage = _PeerViewStorage(_compat.storage(study), snapshot, step, round_peers, include_pruned)
+    view = _compat.with_storage(study, storage)
     return bool(study.pruner.prune(view, snapshot))
 
 

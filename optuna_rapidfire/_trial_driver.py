@@ -8,7 +8,6 @@ commands) in between.
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import os
@@ -18,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
-from optuna.trial import TrialState
 
 from optuna_rapidfire import _attrs, _commands, _compat, control
 from optuna_rapidfire._checkpoints import CheckpointError
@@ -325,21 +323,11 @@ class TrialDriver:
         among = None if barriers else entry.mates
         scheduler.mark(entry, reported=step)
         peers = scheduler.wait_for_round(entry, step, stage="reported", among=among)
-        storage = _compat.storage(self.study)
-        if barriers:
-            frozen = storage.get_trial(_compat.trial_id(self.trial))
-        else:
-            trials = storage.get_all_trials(_compat.study_id(self.study), deepcopy=False)
-            frozen = copy.deepcopy(next(t for t in trials if t.number == self.trial.number))
-            peers = {
-                _compat.trial_id(t)
-                for t in trials
-                if step in t.intermediate_values and t.state in (TrialState.RUNNING, TrialState.PRUNED)
-            }
-        prune_decision(self.study, frozen, step, peers)
+        frozen = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
+        prune_decision(self.study, frozen, step, peers, include_pruned=not barriers)
         scheduler.mark(entry, screened=step)
         scheduler.wait_for_round(entry, step, stage="screened", among=among)
-        return prune_decision(self.study, frozen, step, peers), frozen
+        return prune_decision(self.study, frozen, step, peers, include_pruned=not barriers), frozen
 
     def _pruned_reason(self, step: int, value: float) -> str:
         """What the log and the trial's user attrs say about a pruning: who, when, on what value, against whom."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -135,7 +135,6 @@ class _LayerPlan:
     scales: list[float]
     dropout: list[float]
     rank: int
-    ranks: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, layer: Any, gang: Gang) -> _LayerPlan:
@@ -148,7 +147,6 @@ class _LayerPlan:
             scales=[float(layer.scaling[gang.names[i]]) for i in present],
             dropout=[float(getattr(layer.lora_dropout[gang.names[i]], "p", 0.0)) for i in present],
             rank=max(ranks, default=0),
-            ranks=ranks,
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import optuna
+import pytest
 from helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,24 +41,6 @@ def test_demo_prints_the_table_the_best_adapter_and_the_dashboard_command(tmp_pa
     assert f"optuna-dashboard sqlite:///{tmp_path / 'demo.db'}" in out
     study = optuna.load_study(study_name="rapidfire-demo", storage=f"sqlite:///{tmp_path / 'demo.db'}")
     assert len(study.trials) == 4
-
-
-def test_quickstart_example(tmp_path: Path, tiny_model: str) -> None:
-    out = _run(
-        [
-            str(ROOT / "examples" / "quickstart.py"),
-            "--model",
-            tiny_model,
-            "--n-trials",
-            "3",
-            "--train-rows",
-            "32",
-            "--storage",
-            f"sqlite:///{tmp_path / 'q.db'}",
-        ],
-        tmp_path,
-    )
-    assert "best adapter:" in out
 
 
 def test_real_model_example_runs_with_a_local_path(tmp_path: Path, tiny_model: str) -> None:
@@ -106,37 +89,30 @@ def test_pbt_and_control_example(tmp_path: Path, tiny_model: str) -> None:
     assert study.trials[leader].user_attrs["rapidfire:status"] in ("complete", "pruned")
 
 
-def test_dpo_example(tmp_path: Path, tiny_model: str) -> None:
+@pytest.mark.parametrize(
+    ("script", "n_trials", "expected"),
+    [
+        ("quickstart.py", 3, ["best adapter:"]),
+        ("dpo_gsm8k.py", 3, ["best adapter:"]),
+        ("grpo_gsm8k.py", 2, ["mean eval reward:", "best adapter:"]),
+    ],
+)
+def test_example_runs_a_study_and_prints_its_best_adapter(
+    tmp_path: Path, tiny_model: str, script: str, n_trials: int, expected: list[str]
+) -> None:
     out = _run(
         [
-            str(ROOT / "examples" / "dpo_gsm8k.py"),
+            str(ROOT / "examples" / script),
             "--model",
             tiny_model,
             "--n-trials",
-            "3",
+            str(n_trials),
             "--train-rows",
             "32",
             "--storage",
-            f"sqlite:///{tmp_path / 'd.db'}",
+            f"sqlite:///{tmp_path / 'study.db'}",
         ],
         tmp_path,
     )
-    assert "best adapter:" in out
-
-
-def test_grpo_example(tmp_path: Path, tiny_model: str) -> None:
-    out = _run(
-        [
-            str(ROOT / "examples" / "grpo_gsm8k.py"),
-            "--model",
-            tiny_model,
-            "--n-trials",
-            "2",
-            "--train-rows",
-            "32",
-            "--storage",
-            f"sqlite:///{tmp_path / 'g.db'}",
-        ],
-        tmp_path,
-    )
-    assert "mean eval reward:" in out and "best adapter:" in out
+    for text in expected:
+        assert text in out
