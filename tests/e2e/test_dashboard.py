@@ -92,9 +92,11 @@ def test_stop_from_the_dashboard_form_pauses_while_the_others_continue(
 def test_fail_trial_button_ends_the_trial_cleanly_and_the_study_goes_on(
     make_executor, slow_chunks, browser_page: Page, tmp_path: Path
 ) -> None:
-    slow_chunks(0.1)
+    # Under the default schedule ("promote") trial 2 trains its later chunks after the leaders complete:
+    # chunks slow enough that it is still running when the browser has opened its page (seconds on CI).
+    slow_chunks(0.8)
     url = f"sqlite:///{tmp_path / 'rf.db'}"
-    executor = make_executor(num_chunks=6, max_concurrent_trials=3)
+    executor = make_executor(num_chunks=10, max_concurrent_trials=3)
     study = optuna.create_study(storage=url, study_name="ui", pruner=optuna.pruners.NopPruner())
     with dashboard_server(url) as dashboard:
         run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=3))
