@@ -162,6 +162,11 @@ def count_train_tokens(trainer: Any, tokens: int) -> None:
     trainer._total_train_tokens = getattr(trainer, "_total_train_tokens", 0) + tokens
 
 
+def train_tokens(trainer: Any) -> int:
+    """``Trainer._total_train_tokens``: the tokens the trial has trained, which TRL reports as ``num_tokens``."""
+    return int(getattr(trainer, "_total_train_tokens", 0))
+
+
 def pin_device(args: Any, device: Any) -> None:
     """``TrainingArguments._setup_devices`` (a cached property) and ``._n_gpu``: make ``args.device`` the
     executor's device and keep the trainer from wrapping the model in DataParallel. Public alternative:

@@ -47,6 +47,7 @@ from optuna_rapidfire._engines._fused_pass import (
     unsupported,
 )
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+from optuna_rapidfire._engines._token_stats import token_stats
 from optuna_rapidfire._engines._trials import clips, train_metrics
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._state import RngState
@@ -128,9 +129,8 @@ class FusedEngine(Engine):
         """
         reason = self.refusal(runtimes)
         if reason is not None:
-            if len(runtimes) > 1 and reason not in self._said:
-                self._said.add(reason)
-                _logger.info("Training time-sliced, not fused: %s.", reason)
+            if len(runtimes) > 1:
+                self._say(f"Training time-sliced, not fused: {reason}.")
             return self._alone.run(runtimes)
         start = time.perf_counter()
         try:
@@ -140,13 +140,20 @@ class FusedEngine(Engine):
                 raise
             return self._one_by_one(runtimes, error)
         train_seconds = (time.perf_counter() - start) / len(runtimes)
+        evaluated = self._evaluate_gang(runtimes)
         results: list[ChunkResult | BaseException] = []
-        for runtime, chunk_metrics in zip(runtimes, metrics, strict=True):
+        for runtime, chunk_metrics, own in zip(runtimes, metrics, evaluated, strict=True):
             try:
-                results.append(self.trials.finish(runtime, chunk_metrics, train_seconds))
+                results.append(self.trials.finish(runtime, chunk_metrics, train_seconds, own))
             except Exception as error:  # this member's evaluation only
                 results.append(error)
         return results
+
+    def _say(self, text: str) -> None:
+        """Log ``text`` once per engine (why a gang does not share its passes)."""
+        if text not in self._said:
+            self._said.add(text)
+            _logger.info(text)
 
     def _one_by_one(self, runtimes: Sequence[TrialRuntime], error: Exception) -> list[ChunkResult | BaseException]:
         """After a shared pass failed before any member stepped: train each member alone, so that only a
@@ -173,6 +180,93 @@ class FusedEngine(Engine):
                 results.append(own)
         return results
 
+    # -- evaluating a gang -----------------------------------------------------------------------
+
+    def _evaluate_gang(self, runtimes: Sequence[TrialRuntime]) -> list[tuple[dict[str, float], float] | None]:
+        """Each member's eval metrics and seconds, from shared forward passes over the members' eval
+        micro-batches (each member's own batches, collated by its own trainer, with its own adapter); or
+        ``None`` for the members that evaluate alone: every member when the kind's metrics need its trainer
+        (the log says why, once), or when a shared pass failed (each member then fails or not on its own)."""
+        loss = runtimes[0].spec.kind.fused_loss
+        assert loss is not None  # refusal() lets only kinds with a fused loss through
+        reason = loss.eval_refusal()
+        if reason is not None:
+            self._say(f"Evaluating trial by trial, not in shared passes: {reason}.")
+            return [None] * len(runtimes)
+        start = time.perf_counter()
+        try:
+            sums = self._eval_passes(runtimes, loss)
+        except Exception as error:
+            if isinstance(error, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            _logger.warning(
+                "Evaluating trials %s in shared passes failed (%s: %s); evaluating them one by one.",
+                [runtime.spec.number for runtime in runtimes],
+                type(error).__name__,
+                error,
+            )
+            return [None] * len(runtimes)
+        seconds = (time.perf_counter() - start) / len(runtimes)
+        evaluated: list[tuple[dict[str, float], float] | None] = []
+        for runtime, batches in zip(runtimes, sums, strict=True):
+            metrics = loss.eval_metrics(runtime.trainer, batches)
+            evaluated.append((metrics, seconds))
+        return evaluated
+
+    @torch.no_grad()
+    def _eval_passes(self, runtimes: Sequence[TrialRuntime], loss: FusedLoss) -> list[list[tuple[int, list[float]]]]:
+        """For each member, each eval micro-batch's rows and token sums (see :meth:`FusedLoss.eval_metrics`).
+
+        The k-th micro-batches of the members share passes (at most :attr:`pass_tokens` tokens each), in
+        eval mode, under the gang's precision; the sums reach the host once, at the end.
+        """
+        first, model = runtimes[0], self.trials.resident.module
+        backbone, head = self._backbone_and_head()
+        config = self.trials.resident.base.config
+        plans = [self._eval_plan(runtime, loss) for runtime in runtimes]
+        no_dropout: list[torch.Generator | None] = [None] * len(runtimes)
+        layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any] = {}
+        rows: list[list[int]] = [[] for _ in runtimes]
+        sums: list[list[torch.Tensor]] = [[] for _ in runtimes]
+        was_training = model.training
+        model.eval()
+        try:
+            for index in range(max(len(plan.inputs) for plan in plans)):
+                members = [k for k, plan in enumerate(plans) if index < len(plan.inputs)]
+                tokens = [plans[k].inputs[index]["input_ids"].numel() for k in members]
+                for group in _passes(members, tokens, self.pass_tokens):
+                    shared = self._lay_out(runtimes, plans, no_dropout, group, index, layouts, None)
+                    with (
+                        fused_forward(model, shared.gang, shared.layers),
+                        first.spec.kind.autocast(first.args, self.device),
+                    ):
+                        hidden = self._loss_hidden(shared, backbone)
+                        log_probs, entropy, top1 = token_stats(hidden, head, shared.where[2], config, loss.eval_outputs)
+                    zeros = torch.zeros_like(log_probs)
+                    columns = [
+                        -log_probs,
+                        zeros if entropy is None else entropy.float(),
+                        zeros if top1 is None else top1.float(),
+                        torch.ones_like(log_probs),
+                    ]
+                    totals = log_probs.new_zeros(len(group), 4).index_add_(0, shared.where[1], torch.stack(columns, 1))
+                    for j, k in enumerate(group):
+                        rows[k].append(len(plans[k].inputs[index]["input_ids"]))
+                        sums[k].append(totals[j])
+        finally:
+            if was_training:
+                model.train()
+        flat = [total for member in sums for total in member]
+        values = iter(torch.stack(flat).tolist() if flat else [])
+        return [[(count, next(values)) for count in member] for member in rows]
+
+    def _eval_plan(self, runtime: TrialRuntime, loss: FusedLoss) -> _MemberChunk:
+        """The trial's eval micro-batches, collated by its trainer, as :meth:`_plan` lays out a chunk."""
+        dataset = self.trials.data.eval_set(runtime.data_key, runtime.prepare)
+        batches = runtime.spec.kind.eval_batches(runtime.args, len(dataset))
+        collated = [loss.collate(runtime.trainer, rows_of(dataset, indices)) for indices in batches]
+        return self._member_chunk(collated, loss, accumulation=1)
+
     # -- training a gang's chunk -----------------------------------------------------------------
 
     def _train_gang(self, runtimes: Sequence[TrialRuntime]) -> list[dict[str, float]]:
@@ -185,8 +279,7 @@ class FusedEngine(Engine):
         self.trials.enter_gang(runtimes)
         model = resident.module
         model.train()
-        backbone = resident.base.get_decoder() if hasattr(resident.base, "get_decoder") else resident.base.model
-        head = resident.base.get_output_embeddings()
+        backbone, head = self._backbone_and_head()
         losses: list[list[torch.Tensor]] = [[] for _ in runtimes]
         grad_norms: list[torch.Tensor | None] = [None for _ in runtimes]
         longest = max(len(plan.inputs) for plan in plans)
@@ -228,17 +321,26 @@ class FusedEngine(Engine):
         self.trials.leave_gang(runtimes)
         return metrics
 
+    def _backbone_and_head(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        base = self.trials.resident.base
+        backbone = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+        return backbone, base.get_output_embeddings()
+
     def _lay_out(
         self,
         runtimes: Sequence[TrialRuntime],
         plans: list[_MemberChunk],
-        generators: list[torch.Generator],
+        generators: Sequence[torch.Generator | None],
         group: list[int],
         index: int,
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any],
-        loss: FusedLoss,
+        loss: FusedLoss | None,
     ) -> _Pass:
-        """The ``group``'s ``index``-th micro-batches as one pass: inputs, loss token positions, gang."""
+        """The ``group``'s ``index``-th micro-batches as one pass: inputs, loss token positions, gang.
+
+        ``loss``: the kind's loss, which says how the loss tokens are summed; ``None`` (evaluation): one
+        sum per member.
+        """
         batches = [plans[k].inputs[index] for k in group]
         length = max(b["input_ids"].shape[1] for b in batches)
         input_ids = torch.cat(
@@ -263,9 +365,13 @@ class FusedEngine(Engine):
             token_rows.append(row)
             target.append(labels)
             offset += rows[j]
-        segment, extras = loss.lay_out(rows, token_rows, [runtimes[k].args for k in group])
+        extras: tuple[torch.Tensor, ...]
+        if loss is None:
+            segment, extras = torch.cat([torch.full_like(row, j) for j, row in enumerate(token_rows)]), ()
+        else:
+            segment, extras = loss.lay_out(rows, token_rows, [runtimes[k].args for k in group])
         where = _to_device_async(torch.stack([torch.cat(flat), segment, torch.cat(target)]), self.device)
-        scales = torch.stack([plans[k].scales[index] for k in group])
+        scales = torch.stack([plans[k].scales[index] for k in group]) if loss is not None else None
         on_device = tuple(_to_device_async(extra, self.device) for extra in extras)
         return _Pass(group, gang, layouts[key], input_ids, attention, where, scales, loss, on_device)
 
@@ -280,6 +386,7 @@ class FusedEngine(Engine):
         members' losses.
         """
         loss, rows = shared.loss, len(shared.input_ids)
+        assert loss is not None and shared.scales is not None  # a training pass
         reference = loss.reference(lambda: self._base_nll(first, shared, backbone, head), shared.where, rows)
         # The gang's layers stay in place through the backward pass too: activation checkpointing
         # recomputes forwards there. Mixed precision covers the forward pass and the losses only.
@@ -305,8 +412,11 @@ class FusedEngine(Engine):
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, shared.where[0])
 
     def _token_nll(self, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module) -> torch.Tensor:
-        """The negative log-probability of every loss token of the pass (float32)."""
-        return F.cross_entropy(head(self._loss_hidden(shared, backbone)).float(), shared.where[2], reduction="none")
+        """The negative log-probability of every loss token of the pass (float32), without the pass's
+        float32 logits (:func:`~optuna_rapidfire._engines._token_stats.token_stats`)."""
+        hidden = self._loss_hidden(shared, backbone)
+        log_probs, _, _ = token_stats(hidden, head, shared.where[2], self.trials.resident.base.config)
+        return -log_probs
 
     def _dropout_generator(self, runtime: TrialRuntime) -> torch.Generator:
         """The trial's own adapter-dropout generator: seeded from its args' seed, continued from its state."""
@@ -322,26 +432,29 @@ class FusedEngine(Engine):
         trainer, args = runtime.trainer, runtime.args
         dataset, micro = self.trials.next_chunk(runtime)
         collated = [loss.collate(trainer, rows_of(dataset, indices)) for indices in micro]
-        targets, unmasked = [], []
-        for batch in collated:  # where each micro-batch's loss tokens are, found here on the host
-            shifted = loss.labels(batch)
-            row, column = (shifted != -100).nonzero(as_tuple=True)
-            targets.append((row, column, shifted[row, column]))
-            unmasked.append("attention_mask" not in batch or bool(batch["attention_mask"].all()))
-        inputs = [_to_device(batch, self.device) for batch in collated]
-        accumulation = args.gradient_accumulation_steps
-        scales: list[torch.Tensor] = []
+        chunk = self._member_chunk(collated, loss, args.gradient_accumulation_steps)
+        inputs, accumulation = chunk.inputs, chunk.accumulation
         for first in range(0, len(inputs), accumulation):
             group = slice(first, first + accumulation)
             count = _compat.num_items_in_batch(trainer, inputs[group], self.device)
             divisor = accumulation_divisor(trainer, count, len(inputs[group]))
-            for batch, target in zip(collated[group], targets[group], strict=True):
-                scales.append(loss.scale(batch, len(target[0]), count, divisor, self.device))
+            for batch, target in zip(collated[group], chunk.targets[group], strict=True):
+                chunk.scales.append(loss.scale(batch, len(target[0]), count, divisor, self.device))
+        return chunk
+
+    def _member_chunk(self, collated: list[dict[str, Any]], loss: FusedLoss, accumulation: int) -> _MemberChunk:
+        """Collated micro-batches on the device, with where their loss tokens are (found here, on the host)."""
+        targets, unmasked = [], []
+        for batch in collated:
+            shifted = loss.labels(batch)
+            row, column = (shifted != -100).nonzero(as_tuple=True)
+            targets.append((row, column, shifted[row, column]))
+            unmasked.append("attention_mask" not in batch or bool(batch["attention_mask"].all()))
         return _MemberChunk(
-            inputs=inputs,
+            inputs=[_to_device(batch, self.device) for batch in collated],
             targets=targets,
             unmasked=unmasked,
-            scales=scales,
+            scales=[],
             accumulation=accumulation,
             tokens=sum(
                 int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in collated
@@ -366,8 +479,8 @@ class FusedEngine(Engine):
 @dataclass
 class _MemberChunk:
     """One trial's chunk in a gang: its micro-batches (on the device), each one's loss tokens (row,
-    column, label; on the host), whether nothing in it is masked, and its loss scale; the trial's
-    accumulation steps and trained tokens."""
+    column, label; on the host), whether nothing in it is masked, and its loss scale (training only);
+    the trial's accumulation steps and trained tokens."""
 
     inputs: list[dict[str, Any]]
     targets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -393,8 +506,8 @@ class _Pass:
     input_ids: torch.Tensor
     attention: torch.Tensor | None
     where: torch.Tensor
-    scales: torch.Tensor
-    loss: FusedLoss
+    scales: torch.Tensor | None
+    loss: FusedLoss | None
     extras: tuple[torch.Tensor, ...]
 
 

@@ -427,11 +427,24 @@ class DeviceTrials:
         state.position.optimizer_steps += 1
         runtime.trainer.state.global_step = state.position.optimizer_steps
 
-    def finish(self, runtime: TrialRuntime, metrics: dict[str, float], train_seconds: float) -> ChunkResult:
+    def finish(
+        self,
+        runtime: TrialRuntime,
+        metrics: dict[str, float],
+        train_seconds: float,
+        evaluated: tuple[dict[str, float], float] | None = None,
+    ) -> ChunkResult:
         """A trained chunk's result: evaluate the trial, add the chunk's ``metrics`` (:func:`train_metrics`)
-        to the eval metrics, and keep them in the trial's history (what a warm clone inherits)."""
+        to the eval metrics, and keep them in the trial's history (what a warm clone inherits).
+
+        ``evaluated``: the trial's eval metrics and seconds when it was evaluated already (in a gang).
+        """
         start = time.perf_counter()
-        full = self.evaluate(runtime)
+        if evaluated is None:
+            full = self.evaluate(runtime)
+            eval_seconds = time.perf_counter() - start
+        else:
+            full, eval_seconds = dict(evaluated[0]), evaluated[1]
         full.update(metrics)
         runtime.history.append(dict(full))
         return ChunkResult(
@@ -439,7 +452,7 @@ class DeviceTrials:
             metrics=full,
             last=runtime.state.position.chunks_done >= runtime.total_chunks,
             train_seconds=train_seconds,
-            eval_seconds=time.perf_counter() - start,
+            eval_seconds=eval_seconds,
         )
 
     # -- evaluation ------------------------------------------------------------------------------

@@ -27,6 +27,21 @@ if TYPE_CHECKING:
 class FusedLoss(ABC):
     """A trainer kind's loss in a shared pass; stateless (a trial's own settings come from its args)."""
 
+    #: Per-token statistics besides the log-probability that :meth:`eval_metrics` reads (``"entropy"``,
+    #: ``"is_top1"``; see :func:`~optuna_rapidfire._engines._token_stats.token_stats`).
+    eval_outputs: tuple[str, ...] = ()
+
+    def eval_refusal(self) -> str | None:
+        """Why the kind's trials evaluate one by one rather than in the gang's shared forward passes
+        (``None``: they evaluate together, and :meth:`eval_metrics` gives their metrics)."""
+        return "their evaluation metrics are computed by their trainers"
+
+    def eval_metrics(self, trainer: Trainer, batches: list[tuple[int, list[float]]]) -> dict[str, float]:
+        """The trial's eval metrics, as its trainer's own evaluation reports them, from each eval micro-batch's
+        rows and sums over its loss tokens: ``[negative log-probability, entropy, top-1 predictions, tokens]``
+        (entropy and top-1 are 0 unless named in :attr:`eval_outputs`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not evaluate in shared passes: {self.eval_refusal()}")
+
     def refusal(self, trainer: Trainer, args: TrainingArguments) -> str | None:
         """Why the trial's settings ask for a loss this one does not compute (``None``: they do not).
 

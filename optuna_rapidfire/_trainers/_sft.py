@@ -41,6 +41,25 @@ class SFTFusedLoss(FusedLoss):
     """SFT in a shared pass: the shifted labels' negative log-probabilities, summed per trial and divided by
     the tokens of the trial's own accumulated batch (at least 1), as TRL's loss under gradient accumulation."""
 
+    eval_outputs = ("entropy", "is_top1")
+
+    def eval_refusal(self) -> str | None:
+        return None
+
+    def eval_metrics(self, trainer: Trainer, batches: list[tuple[int, list[float]]]) -> dict[str, float]:
+        """``SFTTrainer.evaluate``'s metrics: the loss (each micro-batch's mean over its tokens, averaged over
+        rows), and the micro-batches' mean entropy and token accuracy, and the trained tokens."""
+        rows = sum(count for count, _ in batches)
+        loss = sum(count * sums[0] / max(sums[3], 1.0) for count, sums in batches)
+        metrics = {"eval_loss": loss / max(rows, 1)}
+        if batches:
+            metrics["eval_entropy"] = _mean([sums[1] / sums[3] if sums[3] > 0 else 0.0 for _, sums in batches])
+            metrics["eval_mean_token_accuracy"] = _mean(
+                [sums[2] / sums[3] if sums[3] > 0 else 0.0 for _, sums in batches]
+            )
+            metrics["eval_num_tokens"] = float(_compat.train_tokens(trainer))
+        return metrics
+
     def refusal(self, trainer: Trainer, args: TrainingArguments) -> str | None:
         if getattr(args, "loss_type", "nll") != "nll" or getattr(args, "label_smoothing_factor", 0.0):
             return "uses a loss other than plain NLL"
@@ -70,6 +89,10 @@ class SFTFusedLoss(FusedLoss):
         members: int,
     ) -> torch.Tensor:
         return nll.new_zeros(members).index_add_(0, where[1], nll)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 class SFTKind(CollatedKind):

@@ -1,8 +1,9 @@
 """The fused engine: a study trained in shared passes gives the time-sliced study's per-chunk values.
 
-Both engines evaluate a trial alone, on the same path; its values differ only through its trained
-weights, whose gradients the fused pass sums in another order (over the gang's rows). So values and
-weights are compared at the rounding bound of one training gradient (``_numerics.gradient_terms``).
+The fused engine also evaluates its gangs in shared forward passes. A trial's values differ between the
+engines through its trained weights, whose gradients the fused pass sums in another order (over the
+gang's rows), and through its evaluation's forward pass. So values and weights are compared at the
+rounding bound of one training gradient (``_numerics.gradient_terms``), which covers both.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import logging
 
 import optuna
 import pytest
-from _numerics import assert_apart, assert_within_rounding, gradient_terms
-from helpers import lora, sft_args
+from _numerics import assert_apart, assert_within_rounding, gradient_terms, loss_terms
+from helpers import by_number, lora, sft_args
 from transformers import AutoConfig
 
 CONFIGS = [  # mixed ranks, target modules, learning rates, batch sizes, accumulation and clipping
@@ -337,3 +338,77 @@ def test_a_fused_study_exports_and_checkpoints_what_a_time_sliced_study_does(
             assert_within_rounding(ours[key], value, terms=_terms(tiny_model), what=key)
     assert [link["step"] for link in fused[1]] == [link["step"] for link in sliced[1]] == [2, 2, 2]
     assert len(fused[2]) == len(sliced[2]) > 0
+
+
+EVAL_CONFIGS = [  # mixed ranks, targets, adapter dropout (off when evaluating) and eval batch sizes
+    (lora(r=4, lora_dropout=0.1), sft_args(per_device_eval_batch_size=3, per_device_train_batch_size=2, seed=5)),
+    (lora(r=8, target_modules=MODULES["qkvo"]), sft_args(per_device_eval_batch_size=8, learning_rate=3e-3)),
+    (lora(r=2, lora_dropout=0.0), sft_args(per_device_eval_batch_size=2, per_device_train_batch_size=3)),
+]
+
+
+def _evaluated(make_executor, monkeypatch, *, shared: bool) -> tuple[dict, list, int]:
+    """Every chunk's full metrics (trial, step -> metrics) of a lock-step fused study, the token sums of
+    each eval micro-batch of the shared evaluation, and how many trials were evaluated one at a time."""
+    from optuna_rapidfire._engines._fused_engine import FusedEngine
+    from optuna_rapidfire._engines._trials import DeviceTrials
+    from optuna_rapidfire._trainers._sft import SFTFusedLoss
+
+    metrics: dict[tuple[int, int], dict[str, float]] = {}
+    sums: list = []
+    alone = [0]
+    finish, evaluate, passes = DeviceTrials.finish, DeviceTrials.evaluate, FusedEngine._eval_passes
+
+    def recording_finish(self, runtime, chunk_metrics, train_seconds, evaluated=None):
+        result = finish(self, runtime, chunk_metrics, train_seconds, evaluated)
+        metrics[(runtime.spec.number, result.step)] = dict(result.metrics)
+        return result
+
+    def counting_evaluate(self, runtime, max_batches=None):
+        alone[0] += max_batches is None  # not the metric name's check when the first trial is built
+        return evaluate(self, runtime, max_batches)
+
+    def recording_passes(self, runtimes, loss):
+        found = passes(self, runtimes, loss)
+        sums.extend(batch for member in found for _, batch in member)
+        return found
+
+    monkeypatch.setattr(DeviceTrials, "finish", recording_finish)
+    monkeypatch.setattr(DeviceTrials, "evaluate", counting_evaluate)
+    monkeypatch.setattr(FusedEngine, "_eval_passes", recording_passes)
+    if not shared:
+        monkeypatch.setattr(SFTFusedLoss, "eval_refusal", lambda self: "the test asks for it")
+    executor = make_executor(engine="fused", schedule="lockstep", num_chunks=2, max_concurrent_trials=3)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    executor.optimize(study, by_number(EVAL_CONFIGS), n_trials=len(EVAL_CONFIGS))
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * len(EVAL_CONFIGS)
+    monkeypatch.undo()
+    return metrics, sums, alone[0]
+
+
+def test_a_gang_evaluates_in_shared_passes_with_each_trials_own_metrics(
+    make_executor, tiny_model, monkeypatch, caplog
+) -> None:
+    """Shared evaluation gives every metric a trial's own trainer reports (loss, entropy, token accuracy,
+    trained tokens), on each trial's own eval batches, up to the rounding of one forward pass; a kind that
+    cannot evaluate that way evaluates trial by trial and says so once."""
+    shared, sums, alone = _evaluated(make_executor, monkeypatch, shared=True)
+    assert alone == 0 and sums  # nobody was evaluated on its own
+    with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+        own, _, alone = _evaluated(make_executor, monkeypatch, shared=False)
+    assert alone == len(own) == 2 * len(EVAL_CONFIGS)
+    assert caplog.text.count("Evaluating trial by trial, not in shared passes: the test asks for it.") == 1
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    terms = loss_terms(config, rows=8, length=128)
+    one_token = 1 / min(batch[3] for batch in sums)  # one prediction of the smallest eval batch, as accuracy
+    assert shared.keys() == own.keys()
+    for key, expected in own.items():
+        got = shared[key]
+        assert got.keys() == expected.keys(), key
+        assert {"eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens"} <= got.keys()
+        for name in ("eval_loss", "eval_entropy"):
+            assert_within_rounding(got[name], expected[name], terms=terms, what=f"{key} {name}")
+        assert abs(got["eval_mean_token_accuracy"] - expected["eval_mean_token_accuracy"]) <= one_token
+        assert got["eval_num_tokens"] == expected["eval_num_tokens"]
+        assert got["train_loss"] == expected["train_loss"]  # the same gangs trained the same way

@@ -1,0 +1,79 @@
+"""Per-token statistics of an LM head without its ``[tokens, vocabulary]`` float32 logits.
+
+The fused engine scores only the loss tokens of a pass, and never needs their logits: each token's
+log-probability (the loss), and for evaluation its entropy and whether it is the top-1 prediction (the
+token accuracy TRL's ``SFTTrainer`` reports). TRL's ``ChunkedLogProbFunction`` (``trl.kernels``, the kernel
+behind TRL's own ``fused_lm_head``: Triton on CUDA, torch elsewhere) computes them tile by tile over the
+vocabulary, forward and backward, so a pass's memory no longer grows with tokens x vocabulary in float32;
+it also computes exactly what TRL's trainers compute. Where the installed TRL lacks it, the full logits
+give the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+VOCAB_TILE = 32_768
+"""Vocabulary columns per tile of the chunked kernel (TRL's own choice for its fused LM head)."""
+
+
+def head_settings(config: Any) -> tuple[float | None, float]:
+    """The final logit soft-capping and logit scale of a model's text config (``None`` and 1.0 where it has
+    none), which the LM head's logits get before the softmax, as in TRL's fused LM head."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = getattr(text, "logit_scale", None)
+    return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
+
+
+def token_stats(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    config: Any,
+    outputs: Sequence[str] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each target token's log-probability under ``head`` applied to ``hidden`` (float32, differentiable),
+    and, when named in ``outputs``, the entropy of each prediction and whether the target is its first
+    maximum (``"entropy"``, ``"is_top1"``; ``None`` otherwise).
+
+    Args:
+        hidden: ``[tokens, hidden]``: the backbone's state at the position predicting each target.
+        head: The LM head (a ``Linear``: ``weight`` ``[vocabulary, hidden]``, optional ``bias``).
+        targets: ``[tokens]``: the token each position predicts.
+        config: The model's config (soft-capping and logit scale, see :func:`head_settings`).
+        outputs: Extra statistics to compute.
+    """
+    softcap, scale = head_settings(config)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    kernel = _kernel()
+    if kernel is not None:
+        log_probs, entropy, _, _, is_top1 = kernel.apply(
+            hidden, weight, bias, targets, 1.0, VOCAB_TILE, softcap, scale, ("log_probs", *outputs)
+        )
+        return log_probs, entropy, is_top1
+    logits = head(hidden).float() * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    log_probs = -F.cross_entropy(logits, targets, reduction="none")
+    entropy = is_top1 = None
+    if "entropy" in outputs:
+        log_softmax = logits.log_softmax(-1)
+        entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    if "is_top1" in outputs:
+        is_top1 = logits.argmax(-1) == targets
+    return log_probs, entropy, is_top1
+
+
+def _kernel() -> Any:
+    """TRL's ``ChunkedLogProbFunction``, or ``None`` where the installed TRL has no such kernel."""
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+    except ImportError:
+        return None
+    return ChunkedLogProbFunction
