@@ -1,0 +1,44 @@
+"""Per-token statistics of an LM head: TRL's chunked kernel and the full logits agree, forward and backward."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from _numerics import assert_within_rounding
+
+from optuna_rapidfire._engines import _token_stats
+from optuna_rapidfire._engines._token_stats import token_stats
+
+HIDDEN, VOCAB, TOKENS = 16, 300, 40
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_the_chunked_kernel_gives_what_the_full_logits_give(monkeypatch, softcap) -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    config = types.SimpleNamespace(final_logit_softcapping=softcap, logit_scale=0.5)
+    targets = torch.randint(0, VOCAB, (TOKENS,))
+    results = []
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(_token_stats, "_kernel", lambda: None)
+        hidden = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        log_probs, entropy, top1 = token_stats(hidden, head, targets, config, ("entropy", "is_top1"))
+        log_probs.sum().backward()
+        results.append((log_probs.detach(), entropy, top1, hidden.grad))
+    (kernel_lp, kernel_ent, kernel_top1, kernel_grad), (full_lp, full_ent, full_top1, full_grad) = results
+    terms = HIDDEN + VOCAB  # a logit's products, then the softmax's sum over the vocabulary
+    assert_within_rounding(kernel_lp, full_lp, terms=terms, what="log-probabilities")
+    assert_within_rounding(kernel_ent, full_ent, terms=terms, what="entropy")
+    assert_within_rounding(kernel_grad, full_grad, terms=2 * terms, what="gradient")
+    assert torch.equal(kernel_top1, full_top1)
+    assert bool((full_lp < 0).all())  # real log-probabilities: the comparison can fail
+
+
+def test_only_the_statistics_asked_for_are_computed() -> None:
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    config = types.SimpleNamespace()
+    _, entropy, top1 = token_stats(torch.randn(3, HIDDEN), head, torch.tensor([0, 1, 2]), config)
+    assert entropy is None and top1 is None
