@@ -1,0 +1,131 @@
+"""Turns: a gang's members run their own code one at a time, and meet for a step they share.
+
+A GRPO trial generates from inside its TRL trainer's step (and its evaluation), deep in code the engine
+does not own. To generate for a whole gang in one decode, each member's work runs in a thread of its
+own, but the threads take *turns*: exactly one runs at any time, as if the engine ran them one after
+another. A member runs until it finishes or calls :meth:`Turns.meet` with what it needs from the shared
+step; when no member can run on, the coordinator (the thread that called :meth:`Turns.run`) does the
+shared step once for every member waiting, and the members resume in order, each with its own answer.
+Because only one member runs at a time and members resume in a fixed order, a gang's run is as
+deterministic as running its members one after another; what a member must set up again when it
+resumes (its adapter, its RNG) it does itself, after :meth:`~Turns.meet` returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+Request = TypeVar("Request")
+Answer = TypeVar("Answer")
+
+_NOTHING: Any = object()
+
+
+@dataclass(eq=False)
+class _Member:
+    work: Callable[[], Any]
+    outcome: Any = None
+    done: bool = False
+    request: Any = _NOTHING
+    answer: Any = _NOTHING
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+
+class Turns(Generic[Request, Answer]):
+    """Run work items in turns, meeting for a shared step.
+
+    Args:
+        shared: Given the requests of every member waiting (in member order), their answers, one per
+            request: an answer that is an exception is raised in that member alone.
+        name: Names the members' threads (in debuggers and thread dumps).
+    """
+
+    def __init__(self, shared: Callable[[list[Request]], Sequence[Answer | BaseException]], name: str = "turn") -> None:
+        self._shared = shared
+        self._name = name
+        self._turn: _Member | None = None  # the member allowed to run; None: the coordinator
+        self._changed = threading.Condition()
+        self._local = threading.local()
+
+    def inside(self) -> bool:
+        """Whether the calling thread is one of this object's members (so :meth:`meet` can be called)."""
+        return getattr(self._local, "member", None) is not None
+
+    def run(self, work: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run every item of ``work`` to its end, in turns; return each one's result or the exception it raised.
+
+        Members start in order; each runs until it finishes or meets. When none can run on, the waiting
+        members' requests go to ``shared`` together and those members become ready to run again.
+        """
+        members = [_Member(item) for item in work]
+        for position, member in enumerate(members):
+            member.thread = threading.Thread(
+                target=self._body, args=(member,), name=f"{self._name}-{position}", daemon=True
+            )
+            member.thread.start()
+        while not all(member.done for member in members):
+            for member in members:
+                if not member.done and member.request is _NOTHING:
+                    self._give_turn(member)
+            waiting = [member for member in members if not member.done and member.request is not _NOTHING]
+            if not waiting:
+                continue
+            try:
+                answers = list(self._shared([member.request for member in waiting]))
+                if len(answers) != len(waiting):
+                    raise RuntimeError(f"The shared step answered {len(answers)} of {len(waiting)} requests.")
+            except Exception as error:  # the shared step failed as a whole: every waiting member sees it
+                answers = [error] * len(waiting)
+            for member, answer in zip(waiting, answers, strict=True):
+                member.request, member.answer = _NOTHING, answer
+        for member in members:
+            assert member.thread is not None
+            member.thread.join()
+        return [member.outcome for member in members]
+
+    def meet(self, request: Request) -> Answer:
+        """From inside a member's work: hand ``request`` to the shared step and wait for this member's answer
+        (the other members run meanwhile).
+
+        Raises:
+            RuntimeError: When called from a thread that is not a member.
+            Exception: The member's answer, when it is an exception.
+        """
+        member: _Member | None = getattr(self._local, "member", None)
+        if member is None:
+            raise RuntimeError("Turns.meet() is called from inside a member's work only.")
+        member.request = request
+        with self._changed:
+            self._turn = None
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: self._turn is member)
+        answer, member.answer = member.answer, _NOTHING
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    def _give_turn(self, member: _Member) -> None:
+        """Let ``member`` run until it finishes or meets."""
+        with self._changed:
+            self._turn = member
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: self._turn is None)
+
+    def _body(self, member: _Member) -> None:
+        self._local.member = member
+        with self._changed:
+            self._changed.wait_for(lambda: self._turn is member)
+        try:
+            member.outcome = member.work()
+        except BaseException as error:  # the member's own failure, handed back to the caller
+            member.outcome = error
+        finally:
+            member.done = True
+            with self._changed:
+                self._turn = None
+                self._changed.notify_all()

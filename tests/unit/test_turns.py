@@ -1,0 +1,67 @@
+"""Turns: one member runs at a time; the members waiting meet in one shared step; failures stay their own."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from optuna_rapidfire._engines._turns import Turns
+
+
+def test_members_take_turns_and_meet_in_one_shared_step() -> None:
+    log: list[str] = []
+    calls: list[list[int]] = []
+    running = threading.Semaphore(1)  # acquiring without waiting proves nobody else runs
+
+    def shared(requests: list[int]) -> list[int]:
+        calls.append(list(requests))
+        return [r * 10 for r in requests]
+
+    turns: Turns[int, int] = Turns(shared)
+
+    def member(name: str, requests: list[int]):
+        def work() -> list[int]:
+            answers = []
+            for request in requests:
+                assert running.acquire(blocking=False)
+                log.append(f"{name} asks {request}")
+                running.release()
+                answers.append(turns.meet(request))
+            assert running.acquire(blocking=False)
+            log.append(f"{name} done")
+            running.release()
+            return answers
+
+        return work
+
+    results = turns.run([member("a", [1, 2]), member("b", [3]), member("c", [])])
+    assert results == [[10, 20], [30], []]
+    assert calls == [[1, 3], [2]]  # one shared step for everyone waiting, then one for the rest
+    assert log == ["a asks 1", "b asks 3", "c done", "a asks 2", "b done", "a done"]
+
+
+def test_a_members_failure_and_a_failed_answer_stay_its_own() -> None:
+    def shared(requests: list[int]) -> list[int | BaseException]:
+        return [ValueError(f"no answer to {r}") if r < 0 else r for r in requests]
+
+    turns: Turns[int, int] = Turns(shared)
+
+    def broken() -> None:
+        raise RuntimeError("broken on its own")
+
+    def refused() -> int:
+        return turns.meet(-1)
+
+    results = turns.run([broken, refused, lambda: turns.meet(5) + 1])
+    assert isinstance(results[0], RuntimeError) and isinstance(results[1], ValueError)
+    assert results[2] == 6
+
+
+def test_a_shared_step_that_fails_fails_every_member_waiting_and_meet_needs_a_member() -> None:
+    turns: Turns[int, int] = Turns(lambda requests: [1 // 0])
+    results = turns.run([lambda: turns.meet(1), lambda: 7])
+    assert isinstance(results[0], ZeroDivisionError) and results[1] == 7
+    assert not turns.inside()
+    with pytest.raises(RuntimeError, match="inside a member"):
+        turns.meet(1)
