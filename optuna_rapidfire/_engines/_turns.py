@@ -107,7 +107,7 @@ class Turns(Generic[Request, Answer]):
         answer, member.answer = member.answer, _NOTHING
         if isinstance(answer, BaseException):
             raise answer
-        return answer  # type: ignore[no-any-return]
+        return answer
 
     def _give_turn(self, member: _Member) -> None:
         """Let ``member`` run until it finishes or meets."""
