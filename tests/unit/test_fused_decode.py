@@ -1,0 +1,316 @@
+"""Fused multi-adapter decoding: each request samples as HF ``generate`` would, alone or in any gang."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _numerics import FLOAT32_EPS, rounding_bound
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from optuna_rapidfire._engines import _fused_decode
+from optuna_rapidfire._engines._fused_decode import DecodeRequest, Sampling, decode, penalize, warp
+
+PAD = 0
+VOCAB = 64  # small, so that a random model's rows reach their EOS within a few tokens
+# Mixed ranks and target modules, as trials of one study would have; t0's dropout must not apply.
+ADAPTERS = {
+    "t0": {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1},
+    "t1": {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"},
+    "t2": {"r": 4, "lora_alpha": 8, "target_modules": ["o_proj", "down_proj"]},
+}
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[PeftModel]:
+    """A 2-layer Llama (random weights, grouped-query attention) with the ADAPTERS, their B non-zero."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        pad_token_id=PAD,
+        eos_token_id=None,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft: Any = None
+        for name, settings in ADAPTERS.items():
+            lora = LoraConfig(**settings)  # type: ignore[arg-type]
+            if peft is None:
+                peft = get_peft_model(LlamaForCausalLM(config), lora, adapter_name=name)
+            else:
+                peft.add_adapter(name, lora)
+    for param_name, param in peft.named_parameters():
+        if "lora_B" in param_name:
+            torch.nn.init.normal_(param, std=0.5)
+    peft.eval()
+    yield peft
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _hf_generate(
+    model: PeftModel, adapter: str, prompts: list[list[int]], seed: int, pad: int = PAD, **settings: Any
+) -> list[list[int]]:
+    """HF ``generate`` with ``adapter`` active on the left-padded prompts, each completion cut as TRL's
+    ``GRPOTrainer._generate_single_turn`` cuts it (after its first EOS, EOS kept)."""
+    model.set_adapter(adapter)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    torch.manual_seed(seed)
+    config = GenerationConfig(pad_token_id=pad, **settings)
+    completion_ids = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:]
+    is_eos = torch.isin(completion_ids, torch.tensor(settings.get("eos_token_id", []), dtype=torch.long))
+    eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long)
+    eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
+    completion_mask = torch.arange(is_eos.size(1)).expand(is_eos.size(0), -1) <= eos_idx.unsqueeze(1)
+    return [c[m].tolist() for c, m in zip(completion_ids, completion_mask, strict=True)]
+
+
+def _an_eos(model: PeftModel, request: DecodeRequest) -> int:
+    """A token the request generates at its first row's fourth step (so that row ends early)."""
+    return decode(model, [request], PAD)[0][0][3]
+
+
+@pytest.mark.numerics
+def test_greedy_decoding_equals_hf_generate_with_the_adapter_active(model: PeftModel) -> None:
+    prompts = _prompts(1, [3, 7, 5])
+    eos = _an_eos(model, DecodeRequest("t1", prompts, 10, do_sample=False))
+    ours = decode(model, [DecodeRequest("t1", prompts, 10, do_sample=False, eos_token_ids=(eos,))], PAD)[0]
+    theirs = _hf_generate(model, "t1", prompts, 0, max_new_tokens=10, do_sample=False, eos_token_id=[eos])
+    assert ours == theirs
+    assert len(ours[0]) <= 4 and ours[0][-1] == eos and any(len(row) == 10 for row in ours)
+
+
+@pytest.mark.numerics
+def test_sampling_alone_draws_the_tokens_of_hf_generate_seeded_like_the_global_rng(model: PeftModel) -> None:
+    """The exponential race is torch.multinomial's: with the same seed, HF's own tokens."""
+    prompts = _prompts(2, [4, 6, 2, 6])
+    settings = {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.3}
+    eos = _an_eos(model, DecodeRequest("t0", prompts, 12, do_sample=False))
+    request = DecodeRequest("t0", prompts, 12, generator=_generator(7), eos_token_ids=(eos,), **settings)  # type: ignore[arg-type]
+    ours = decode(model, [request], PAD)[0]
+    theirs = _hf_generate(model, "t0", prompts, 7, max_new_tokens=12, do_sample=True, eos_token_id=[eos], **settings)
+    assert ours == theirs
+    assert len({tuple(row) for row in ours}) == len(ours)  # not a degenerate distribution
+
+
+@pytest.mark.numerics
+def test_the_repetition_penalty_leaves_the_left_padding_alone_as_hf_does(model: PeftModel) -> None:
+    """Padding with the token a padded row picks first: penalized, the padding would change that pick."""
+    prompts = _prompts(8, [2, 9])
+    first = decode(model, [DecodeRequest("t1", prompts, 1, do_sample=False)], PAD)[0][0][0]
+    assert first not in prompts[0]
+    ours = decode(model, [DecodeRequest("t1", prompts, 6, do_sample=False, repetition_penalty=5.0)], first)[0]
+    theirs = _hf_generate(model, "t1", prompts, 0, pad=first, max_new_tokens=6, do_sample=False, repetition_penalty=5.0)
+    assert ours == theirs and ours[0][0] == first
+
+
+def _gang_requests(seed: int = 0) -> list[DecodeRequest]:
+    """Different adapters, settings, row counts and max_new_tokens; fresh generators from ``seed``."""
+    return [
+        DecodeRequest("t0", _prompts(3, [5, 2, 8]), 7, temperature=0.8, top_k=10, generator=_generator(seed + 1)),
+        DecodeRequest("t1", _prompts(4, [3, 6]), 12, top_p=0.8, repetition_penalty=1.2, generator=_generator(seed + 2)),
+        DecodeRequest("t2", _prompts(5, [4, 4, 7, 1]), 4, temperature=1.3, min_p=0.1, generator=_generator(seed + 3)),
+    ]
+
+
+@pytest.mark.numerics
+def test_a_request_samples_the_same_completions_alone_and_in_any_gang(
+    model: PeftModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ended rows leave the batch (the gang shrinks) without changing the others' tokens."""
+    alone = [decode(model, [request], PAD)[0] for request in _gang_requests()]
+    gangs: list[list[int]] = []
+    original = _fused_decode.fused_forward
+
+    def recording(model: torch.nn.Module, gang: Any, plans: Any = None) -> Any:
+        gangs.append(list(gang.rows))
+        return original(model, gang, plans)
+
+    monkeypatch.setattr(_fused_decode, "fused_forward", recording)
+    model.train()  # decode runs in eval mode (t0's dropout off) and gives the mode back
+    together = decode(model, _gang_requests(), PAD)
+    assert model.training and all(m.training for m in model.modules())
+    model.eval()
+    assert together == alone
+    assert gangs[0] == [3, 2, 4] and gangs[-1] == [2]  # t2 (4 tokens), then t0 (7) left; t1 goes on to 12
+    reordered = decode(model, [_gang_requests()[2], _gang_requests()[0]], PAD)
+    assert reordered == [alone[2], alone[0]]
+
+
+def test_different_adapters_sample_different_completions_from_the_same_prompts_and_seed(model: PeftModel) -> None:
+    prompts = _prompts(6, [4, 4])
+    completions = [
+        decode(model, [DecodeRequest(name, prompts, 8, generator=_generator(0))], PAD)[0] for name in ADAPTERS
+    ]
+    assert completions[0] != completions[1] != completions[2] != completions[0]
+
+
+def test_each_request_stops_at_its_max_new_tokens_and_each_row_at_its_first_eos(model: PeftModel) -> None:
+    """With EOS, every row is its completion without EOS cut after the first EOS; the rest is unchanged."""
+    free = decode(model, _gang_requests(), PAD)
+    for request, rows in zip(_gang_requests(), free, strict=True):
+        assert [len(row) for row in rows] == [request.max_new_tokens] * len(request.prompts)
+    eos = (free[1][0][2], free[2][1][1])
+    stopped = decode(model, [DecodeRequest(**{**vars(r), "eos_token_ids": eos}) for r in _gang_requests()], PAD)
+    cut = 0
+    for rows, rows_free in zip(stopped, free, strict=True):
+        for row, row_free in zip(rows, rows_free, strict=True):
+            first = next((i for i, token in enumerate(row_free) if token in eos), None)
+            assert row == (row_free if first is None else row_free[: first + 1])
+            cut += first is not None and first + 1 < len(row_free)
+    assert cut >= 2
+
+
+def test_top_k_1_sampling_equals_greedy(model: PeftModel) -> None:
+    prompts = _prompts(7, [2, 5, 9])
+    greedy = decode(model, [DecodeRequest("t2", prompts, 9, do_sample=False, repetition_penalty=1.4)], PAD)
+    top_1 = decode(
+        model,
+        [DecodeRequest("t2", prompts, 9, temperature=0.6, top_k=1, repetition_penalty=1.4, generator=_generator(3))],
+        PAD,
+    )
+    assert top_1 == greedy
+
+
+# (request settings, do_sample): every processor alone and together, edge values included.
+PROCESSED = [
+    {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.3},
+    {"temperature": 1.5, "top_p": 0.5},
+    {"top_k": 5},
+    {"top_k": 5000},  # more than the vocabulary: nothing removed
+    {"temperature": 0.5, "min_p": 0.2},
+    {"top_p": 0.0},  # only the most likely token stays
+    {"repetition_penalty": 0.8, "top_p": 0.95},
+    {},
+    {"do_sample": False, "repetition_penalty": 1.5},
+]
+
+
+def _hf_processors(settings: dict[str, Any]) -> LogitsProcessorList:
+    """HF's processors for these settings, in the order ``GenerationMixin._get_logits_processor`` adds them."""
+    processors = LogitsProcessorList()
+    if settings.get("repetition_penalty", 1.0) != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(settings["repetition_penalty"]))
+    if not settings.get("do_sample", True):
+        return processors
+    if settings.get("temperature", 1.0) != 1.0:
+        processors.append(TemperatureLogitsWarper(settings["temperature"]))
+    if settings.get("top_k"):
+        processors.append(TopKLogitsWarper(settings["top_k"]))
+    if settings.get("top_p", 1.0) < 1.0:
+        processors.append(TopPLogitsWarper(settings["top_p"]))
+    if settings.get("min_p") is not None:
+        processors.append(MinPLogitsWarper(settings["min_p"]))
+    return processors
+
+
+@pytest.mark.numerics
+def test_processing_a_batch_equals_hf_logits_processors_row_by_row() -> None:
+    """Kept tokens exactly; their log-probabilities within the rounding of a log-sum-exp over the vocabulary
+    (plus a few ulps of the values themselves, which reach about 20 here)."""
+    vocab = 1000
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(PROCESSED), vocab, generator=generator) * 3  # no near-ties
+    ids = torch.randint(0, vocab, (len(PROCESSED), 30), generator=generator)
+    requests = [DecodeRequest(f"r{i}", [[1]], 1, **s) for i, s in enumerate(PROCESSED)]
+    seen = torch.zeros(len(PROCESSED), vocab, dtype=torch.bool).scatter_(1, ids, True)
+    sampling = Sampling.of(requests, vocab, torch.device("cpu"))
+    scores = penalize(logits, seen, sampling.penalty)
+    warped = warp(scores, sampling, top_k=True, top_p=True, min_p=True)
+    tolerance = rounding_bound(vocab) + 20 * 4 * FLOAT32_EPS
+    for i, settings in enumerate(PROCESSED):
+        theirs = _hf_processors(settings)(ids[i : i + 1], logits[i : i + 1].clone())[0]
+        ours = warped[i] if settings.get("do_sample", True) else scores[i]
+        kept = torch.isfinite(theirs)
+        assert torch.equal(torch.isfinite(ours), kept), settings
+        filters = settings.get("do_sample", True) and (
+            "top_p" in settings or "min_p" in settings or settings.get("top_k", vocab) < vocab
+        )
+        assert kept.any() and bool(kept.sum() < vocab) == filters, settings
+        if not settings.get("do_sample", True):
+            torch.testing.assert_close(ours, theirs, rtol=2 * FLOAT32_EPS, atol=0)
+            continue
+        difference = (ours.log_softmax(-1)[kept] - theirs.log_softmax(-1)[kept]).abs().max()
+        assert difference <= tolerance, (settings, float(difference))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"prompts": []}, "prompts=[]"),
+        ({"prompts": [[1], []]}, "prompts [1] are empty"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"temperature": 0.0}, "temperature=0.0"),
+        ({"top_k": -1}, "top_k=-1"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"min_p": -0.1}, "min_p=-0.1"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty=0.0"),
+    ],
+)
+def test_a_bad_request_raises_naming_the_value(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DecodeRequest(**{"adapter": "t0", "prompts": [[1, 2]], "max_new_tokens": 4, **settings})
+
+
+def test_greedy_requests_ignore_sampling_settings() -> None:
+    DecodeRequest("t0", [[1]], 4, do_sample=False, temperature=0.0, top_p=2.0)
+
+
+@pytest.mark.parametrize(
+    ("requests", "message"),
+    [
+        ([], "requests=[]"),
+        ([DecodeRequest("nope", [[1]], 4)], "no adapter 'nope'"),
+        ([DecodeRequest("t0", [[1]], 4), DecodeRequest("t0", [[2]], 4)], "['t0', 't0']"),
+    ],
+)
+def test_bad_requests_raise_naming_the_value_before_any_work(
+    model: PeftModel, monkeypatch: pytest.MonkeyPatch, requests: list[DecodeRequest], message: str
+) -> None:
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("decode did work before validating")
+
+    monkeypatch.setattr(_fused_decode, "_Decode", forbidden)
+    model.train()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        decode(model, requests, PAD)
+    assert model.training
+    model.eval()
+
+
+def test_the_lora_injected_base_decodes_as_its_peft_model(model: PeftModel) -> None:
+    def requests() -> list[DecodeRequest]:
+        return [DecodeRequest("t0", _prompts(9, [3, 5]), 6, generator=_generator(1))]
+
+    assert decode(model.get_base_model(), requests(), PAD) == decode(model, requests(), PAD)
