@@ -162,6 +162,17 @@ def count_train_tokens(trainer: Any, tokens: int) -> None:
     trainer._total_train_tokens = getattr(trainer, "_total_train_tokens", 0) + tokens
 
 
+def grpo_generation(trainer: Any) -> Any:
+    """``GRPOTrainer._generate_single_turn``: generates completions for tokenized prompts (TRL 1.16). The
+    public hook, ``rollout_func``, takes the prompts before TRL tokenizes them (chat template included)."""
+    return trainer._generate_single_turn
+
+
+def set_grpo_generation(trainer: Any, generate: Any) -> None:
+    """Replace ``GRPOTrainer._generate_single_turn`` on this trainer (see :func:`grpo_generation`)."""
+    trainer._generate_single_turn = generate
+
+
 def train_tokens(trainer: Any) -> int:
     """``Trainer._total_train_tokens``: the tokens the trial has trained, which TRL reports as ``num_tokens``."""
     return int(getattr(trainer, "_total_train_tokens", 0))

@@ -42,6 +42,8 @@ class TrialSnapshot:
         rng: Generator states to continue from.
         position: Chunks and optimizer steps done.
         history: Per-chunk metrics, one dict per chunk trained.
+        dropout_rng: The fused engine's adapter-dropout generator state, if any.
+        sample_rng: The generator state of the trial's sampling of completions (GRPO), if any.
     """
 
     trial_number: int
@@ -54,6 +56,7 @@ class TrialSnapshot:
     position: Position
     history: list[dict[str, float]] = field(default_factory=list)
     dropout_rng: torch.Tensor | None = None
+    sample_rng: torch.Tensor | None = None
 
     @classmethod
     def capture(
@@ -81,6 +84,7 @@ class TrialSnapshot:
             position=Position(state.position.chunks_done, state.position.optimizer_steps),
             history=[dict(h) for h in history],
             dropout_rng=None if state.dropout_rng is None else state.dropout_rng.clone(),
+            sample_rng=None if state.sample_rng is None else state.sample_rng.clone(),
         )
 
     def compatible_with(self, kind: str, shapes: dict[str, torch.Size]) -> str | None:
@@ -113,6 +117,8 @@ class TrialSnapshot:
             tensors["rng/device"] = self.rng.device
         if self.dropout_rng is not None:
             tensors["rng/dropout"] = self.dropout_rng
+        if self.sample_rng is not None:
+            tensors["rng/sample"] = self.sample_rng
         meta_json = {
             "format": _FORMAT,
             "study_name": study_name,
@@ -172,6 +178,7 @@ class TrialSnapshot:
             position=Position(**meta["position"]),
             history=meta["history"],
             dropout_rng=tensors.get("rng/dropout"),
+            sample_rng=tensors.get("rng/sample"),
         )
         return snapshot, str(meta.get("study_name", ""))
 

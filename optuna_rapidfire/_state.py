@@ -96,6 +96,8 @@ class SwapState:
     resident: bool = True
     # The fused engine's adapter-dropout generator state (``torch.Generator.get_state()``), once it has one.
     dropout_rng: torch.Tensor | None = None
+    # The generator state of the trial's own sampling when it generates completions (GRPO), once it has one.
+    sample_rng: torch.Tensor | None = None
     _moved: list[tuple[dict[str, Any], str]] = field(default_factory=list, repr=False)
 
     def nbytes(self) -> int:

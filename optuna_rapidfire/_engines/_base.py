@@ -126,6 +126,9 @@ class EngineStats:
         adapters: The adapters in the resident model (one per live trial, none once every trial left).
         base_bytes: The base model's weights and buffers.
         eval_rows: Rows of the evaluation set (after ``eval_samples``).
+        decodes: Decode batches run for trials that sample completions (GRPO).
+        decoded_requests: The trials' generation requests those batches served (more than ``decodes``
+            when the members of a gang decoded together).
     """
 
     switches: int = 0
@@ -139,6 +142,8 @@ class EngineStats:
     adapters: tuple[str, ...] = ()
     base_bytes: int = 0
     eval_rows: int = 0
+    decodes: int = 0
+    decoded_requests: int = 0
 
 
 class Engine(ABC):

@@ -22,6 +22,12 @@ can share a pass are fused: SFT or DPO trials (not mixed) with the same precisio
 checkpointing, no LoRA variant (DoRA), no padding-free packing, TRL's default loss, no custom loss or
 metrics; any other gang trains time-sliced (with PEFT's dropout from the global RNG), and the engine says
 why once. A shared pass that fails before any member stepped is retried one member at a time.
+
+A fused gang then evaluates in shared forward passes too (each member's own eval batches and adapter,
+its kind's metrics from per-token sums: :meth:`FusedLoss.eval_metrics`), unless its kind's metrics need
+its trainer (DPO), when each member evaluates alone. A gang of trials that sample completions (GRPO)
+trains and evaluates each member as the time-sliced engine does, in turns, and generates together:
+the members waiting to generate decode in one batch (:mod:`optuna_rapidfire._engines._generation`).
 """
 
 from __future__ import annotations
@@ -127,6 +133,8 @@ class FusedEngine(Engine):
             its own chunk after a shared pass failed before any member stepped). An error after members
             stepped is raised: it fails the whole gang.
         """
+        if runtimes[0].spec.kind.samples_completions:
+            return self._generating_gang(runtimes)
         reason = self.refusal(runtimes)
         if reason is not None:
             if len(runtimes) > 1:
@@ -148,6 +156,24 @@ class FusedEngine(Engine):
             except Exception as error:  # this member's evaluation only
                 results.append(error)
         return results
+
+    def _generating_gang(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
+        """A gang of trials that sample completions (GRPO): each trains its chunk and evaluates as alone,
+        in turns, and the members waiting to generate decode together, in one batch
+        (:class:`~optuna_rapidfire._engines._generation.Generation`)."""
+        first = runtimes[0]
+        reason = None
+        for runtime in runtimes[1:]:
+            if type(runtime.spec.kind) is not type(first.spec.kind):
+                reason = "the trials differ in trainer type"
+            elif (bool(runtime.args.bf16), bool(runtime.args.fp16)) != (bool(first.args.bf16), bool(first.args.fp16)):
+                reason = "the trials differ in precision"
+        if reason is not None or len(runtimes) == 1:
+            if reason is not None:
+                self._say(f"Generating trial by trial, not together: {reason}.")
+            return self._alone.run(runtimes)
+        self.trials.on_device(runtimes)
+        return self.trials.generation.run_gang(runtimes, self._alone.run_chunk)
 
     def _say(self, text: str) -> None:
         """Log ``text`` once per engine (why a gang does not share its passes)."""

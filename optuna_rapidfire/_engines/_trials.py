@@ -26,6 +26,7 @@ import torch
 from optuna_rapidfire import _compat
 from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, EngineStats, TrialSpec
+from optuna_rapidfire._engines._generation import Generation
 from optuna_rapidfire._snapshot import TrialSnapshot
 from optuna_rapidfire._state import Position, RngState, SwapState
 from optuna_rapidfire._trainers._base import ACCELERATE_STATE
@@ -114,6 +115,7 @@ class DeviceTrials:
         self.offloads = 0
         self._current: TrialRuntime | None = None
         self._base_bytes = resident.base_nbytes()  # before any adapter is injected into the base
+        self.generation = Generation(self)  # GRPO trials' completions
 
     @property
     def device(self) -> torch.device:
@@ -142,6 +144,8 @@ class DeviceTrials:
             adapters=() if peft is None else tuple(peft.peft_config),
             base_bytes=self._base_bytes,
             eval_rows=len(self.data.eval),
+            decodes=self.generation.decodes,
+            decoded_requests=self.generation.requests,
         )
 
     # -- building and releasing ------------------------------------------------------------------
@@ -196,6 +200,8 @@ class DeviceTrials:
         )
         if spec.clone_of is not None:
             runtime.branch = self._branch_from(runtime, spec.clone_of, parent)
+        if kind.samples_completions:
+            self.generation.install(runtime)
         self._runtimes.append(runtime)
         self._fit_budget(keep=[runtime])
         return runtime
@@ -330,6 +336,7 @@ class DeviceTrials:
             numpy=parent.rng.numpy,
         )
         state.dropout_rng = None if parent.dropout_rng is None else parent.dropout_rng.clone()
+        state.sample_rng = None if parent.sample_rng is None else parent.sample_rng.clone()
         state.position = Position(parent.position.chunks_done, parent.position.optimizer_steps)
         runtime.trainer.state.global_step = parent.position.optimizer_steps
         runtime.history = [dict(h) for h in parent.history]
@@ -389,6 +396,18 @@ class DeviceTrials:
             self.switches += 1
             self._current = runtime
             self.switch_seconds.append(time.perf_counter() - start)
+
+    def resume(self, runtime: TrialRuntime, gang: Sequence[TrialRuntime], rng: RngState, training: bool) -> None:
+        """Set the model up again for a trial whose chunk paused midway while other members of its ``gang``
+        ran (:class:`~optuna_rapidfire._engines._turns.Turns`): the gang's states on the device, the trial's
+        adapter, forward and checkpointing, the global RNG as the trial left it, and train or eval mode."""
+        self.on_device(gang)
+        self._use(runtime)
+        enabled, kwargs = runtime.spec.kind.checkpointing(runtime.args)
+        self.resident.set_checkpointing(enabled, kwargs)
+        rng.restore(self.device)
+        self.resident.module.train(training)
+        self._current = runtime
 
     def enter_gang(self, runtimes: Sequence[TrialRuntime]) -> None:
         """Set the model up to train the trials together: their states on the device, their adapters
@@ -459,7 +478,11 @@ class DeviceTrials:
 
     @torch.no_grad()
     def evaluate(self, runtime: TrialRuntime, max_batches: int | None = None) -> dict[str, float]:
-        """Evaluate the trial's adapter on the (prepared) eval set, as TRL's ``evaluate`` would."""
+        """Evaluate the trial's adapter on the (prepared) eval set, as TRL's ``evaluate`` would.
+
+        ``max_batches``: evaluate on the first batches only (a check of the metrics' names), which leaves
+        the trial's sampling generator where it was: the check changes none of the trial's values.
+        """
         from transformers import EvalPrediction
         from transformers.trainer_pt_utils import nested_concat, nested_numpify
 
@@ -476,6 +499,7 @@ class DeviceTrials:
         predictions: Any = None
         labels: Any = None
         batches = kind.eval_batches(args, len(dataset))
+        sample_rng = runtime.state.sample_rng
         if max_batches is not None:
             batches = batches[:max_batches]
         try:
@@ -494,6 +518,8 @@ class DeviceTrials:
         finally:
             if was_training:
                 model.train()
+            if max_batches is not None:
+                runtime.state.sample_rng = sample_rng
         metrics = {"eval_loss": (total / max(count, 1)).item()}
         metrics.update({f"eval_{k}": v for k, v in kind.drain_metrics(trainer, "eval").items()})
         if compute_metrics is not None:

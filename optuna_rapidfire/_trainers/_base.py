@@ -115,6 +115,10 @@ class TrainerKind(ABC):
     needs_rewards: bool = False
     #: What the kind's trials compute in the fused engine's shared passes (``None``: they train time-sliced).
     fused_loss: FusedLoss | None = None
+    #: Whether the kind's trainers sample completions (GRPO): they generate through the shared decode, and
+    #: the fused engine's gangs of them generate together
+    #: (:class:`~optuna_rapidfire._engines._generation.Generation`).
+    samples_completions: bool = False
 
     @classmethod
     @abstractmethod

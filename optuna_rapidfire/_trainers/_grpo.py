@@ -31,9 +31,10 @@ class GRPOKind(TrainerKind):
     name = "grpo"
     default_metric = "eval_reward"
     needs_rewards = True
-    # Generation dominates a GRPO step: fusing its training step was not built or measured, so GRPO trials
-    # train time-sliced in either engine (fused_refusal says so).
+    # Generation dominates a GRPO step: the fused engine's GRPO gangs generate together, in one decode
+    # batch, and take their policy steps one trial at a time (no fused loss).
     fused_loss = None
+    samples_completions = True
 
     @classmethod
     def args_type(cls) -> type[TrainingArguments]:

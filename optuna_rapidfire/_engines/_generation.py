@@ -1,0 +1,204 @@
+"""Where GRPO trials' completions come from: one decode batch, each row through its own trial's adapter.
+
+TRL's ``GRPOTrainer`` generates inside its training step and its evaluation, with ``model.generate`` and
+the process's global RNG. Here every GRPO trial's trainer generates through :class:`Generation` instead:
+the prompts it would generate for (tokenized by TRL, repeated per generation) become a
+:class:`~optuna_rapidfire._engines._fused_decode.DecodeRequest` with the trial's own sampling settings
+(those of the ``GenerationConfig`` TRL built from its ``GRPOConfig``) and its own generator (seeded from
+the trial's ``seed``, its state saved with the trial's state, checkpoints and clones), and
+:func:`~optuna_rapidfire._engines._fused_decode.decode` samples them. A trial trained alone decodes alone.
+The members of a fused gang train their chunks in :class:`~optuna_rapidfire._engines._turns.Turns`: each
+runs its own TRL step until it generates, and the members waiting then decode together, in one batch.
+A trial's completions depend only on its adapter, its settings and its generator, not on its gang.
+
+What this decode does not do (images, beam search and other generation options, see :func:`refusal`)
+generates as TRL does, alone, and the log says why once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from optuna_rapidfire import _compat
+from optuna_rapidfire._engines._fused_decode import DecodeRequest, decode
+from optuna_rapidfire._engines._turns import Turns
+from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._state import RngState
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
+
+_logger = get_logger(__name__)
+
+_SEED_OFFSET = 0x5A3B
+"""Added to a trial's ``seed`` for its sampling generator (so its draws differ from its dropout's)."""
+
+# The GenerationConfig fields TRL's GRPOTrainer sets, which the decode honours (GRPOConfig.generation_kwargs
+# may add any other field of GenerationConfig: those trials generate as TRL does).
+_COVERED = {
+    "max_new_tokens",
+    "do_sample",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "cache_implementation",
+}
+
+Completions = list[list[int]]
+
+
+def refusal(trainer: Any) -> str | None:
+    """Why a GRPO trainer's generation cannot go through the shared decode (``None``: it can).
+
+    The text completes "trial N ..." in the log line that says why the trial generates alone.
+    """
+    args = trainer.args
+    extra = sorted(set(getattr(args, "generation_kwargs", None) or {}) - _COVERED)
+    if extra:
+        return f"sets generation_kwargs {extra}, which the shared decode does not apply"
+    if getattr(trainer, "use_transformers_continuous_batching", False):
+        return "generates with transformers' continuous batching"
+    return None
+
+
+class Generation:
+    """Generates the completions of the GRPO trials on ``trials``' device (see the module's docstring)."""
+
+    def __init__(self, trials: DeviceTrials) -> None:
+        self.trials = trials
+        self._turns: Turns[DecodeRequest, Completions] | None = None
+        self._gang: list[TrialRuntime] = []
+        self._said: set[str] = set()
+        self.decodes = 0  # decode batches run
+        self.requests = 0  # requests they served (more than the batches when gangs decode together)
+
+    def install(self, runtime: TrialRuntime) -> None:
+        """Make the trial's GRPO trainer generate through here (or as TRL does, where :func:`refusal` says so)."""
+        trainer = runtime.trainer
+        reason = refusal(trainer)
+        if reason is not None:
+            self._say(f"Trial {runtime.spec.number} generates alone, as TRL does: it {reason}.")
+            return
+        original: Callable[..., Any] = _compat.grpo_generation(trainer)
+
+        def generate(
+            prompt_ids: list[list[int]],
+            images: Any,
+            multimodal_fields: dict[str, Any],
+            num_generations: int,
+            has_tool_images: bool = False,
+        ) -> tuple[Completions, None]:
+            if images is not None or multimodal_fields:
+                self._say(f"Trial {runtime.spec.number} generates alone, as TRL does: its prompts have images.")
+                return original(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            return self._generate(runtime, prompt_ids), None
+
+        _compat.set_grpo_generation(trainer, generate)
+
+    def run_gang(self, runtimes: Sequence[TrialRuntime], work: Callable[[TrialRuntime], Any]) -> list[Any]:
+        """Run ``work`` for each trial in turns, the trials waiting to generate decoding together.
+
+        Returns:
+            Each trial's result, or the exception that failed it alone.
+        """
+        self._turns = Turns(self._shared, name="generating-gang")
+        self._gang = list(runtimes)
+        try:
+            return self._turns.run([functools.partial(work, runtime) for runtime in runtimes])
+        finally:
+            self._turns, self._gang = None, []
+
+    # -- one trial's generation ------------------------------------------------------------------
+
+    def _generate(self, runtime: TrialRuntime, prompt_ids: list[list[int]]) -> Completions:
+        """The trial's completions of ``prompt_ids``: decoded alone, or with the gang members waiting too."""
+        device, model = self.trials.device, self.trials.resident.module
+        generator = torch.Generator(device=device)
+        if runtime.state.sample_rng is None:
+            generator.manual_seed(int(runtime.args.seed) + _SEED_OFFSET)
+        else:
+            generator.set_state(runtime.state.sample_rng)
+        request = self._request(runtime, prompt_ids, generator)
+        turns = self._turns
+        if turns is not None and turns.inside():
+            # Other members run until the decode: this trial's model set-up and global RNG come back after.
+            rng, training = RngState.capture(device), model.training
+            completions = turns.meet(request)
+            self.trials.resume(runtime, self._gang, rng, training)
+        else:
+            completions = self._decode([request], runtime)[0]
+        runtime.state.sample_rng = generator.get_state()
+        return completions
+
+    def _request(self, runtime: TrialRuntime, prompt_ids: list[list[int]], generator: torch.Generator) -> DecodeRequest:
+        trainer: Any = runtime.trainer
+        config = trainer.generation_config
+        return DecodeRequest(
+            adapter=runtime.state.adapter_name,
+            prompts=[list(ids) for ids in prompt_ids],
+            max_new_tokens=int(config.max_new_tokens),
+            temperature=float(config.temperature if config.temperature is not None else 1.0),
+            top_k=config.top_k,
+            top_p=float(config.top_p if config.top_p is not None else 1.0),
+            min_p=config.min_p,
+            repetition_penalty=float(config.repetition_penalty if config.repetition_penalty is not None else 1.0),
+            do_sample=bool(config.do_sample),
+            generator=generator,
+            eos_token_ids=tuple(int(t) for t in trainer.eos_token_ids),
+        )
+
+    # -- decoding --------------------------------------------------------------------------------
+
+    def _decode(self, requests: Sequence[DecodeRequest], first: TrialRuntime) -> list[Completions]:
+        """One decode batch for ``requests``, in the precision of ``first``'s trial (a gang's members share it)."""
+        tokenizer: Any = first.trainer.processing_class
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:  # a processor, not a tokenizer
+            pad = tokenizer.tokenizer.pad_token_id
+        self.decodes += 1
+        self.requests += len(requests)
+        with torch.no_grad(), first.spec.kind.autocast(first.args, self.trials.device):
+            return decode(self.trials.resident.module, requests, int(pad))
+
+    def _shared(self, requests: list[DecodeRequest]) -> list[Completions | BaseException]:
+        """The gang's decode; after a failure with several requests, each request again alone (from the
+        generator state it started from), so that only a request that fails alone fails."""
+        first = self._gang[0]
+        starts = [request.generator.get_state() for request in requests if request.generator is not None]
+        try:
+            return list(self._decode(requests, first))
+        except Exception as error:
+            if len(requests) == 1:
+                raise
+            if isinstance(error, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            _logger.warning(
+                "A shared decode of %d trials failed (%s: %s); decoding them one by one.",
+                len(requests),
+                type(error).__name__,
+                error,
+            )
+        answers: list[Completions | BaseException] = []
+        for request, start in zip(requests, starts, strict=True):
+            assert request.generator is not None  # every request made here has its trial's generator
+            request.generator.set_state(start)
+            try:
+                answers.append(self._decode([request], first)[0])
+            except Exception as own:
+                answers.append(own)
+        return answers
+
+    def _say(self, text: str) -> None:
+        if text not in self._said:
+            self._said.add(text)
+            _logger.info(text)
