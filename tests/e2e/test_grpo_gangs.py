@@ -94,3 +94,42 @@ def test_a_grpo_trial_generates_the_same_alone_and_in_a_gang_on_either_engine(
     assert fused_values[:2] == sliced_values[:2]
     assert fused[0][0] != fused[2][0][: len(fused[0][0])]
     assert all(0.0 <= v <= 1.2 for trial in fused_values for v in trial.values())
+
+
+def test_what_the_shared_decode_does_not_cover_generates_as_trl_does_and_one_failure_stays_its_own(
+    make_executor, monkeypatch, prompts, caplog
+) -> None:
+    """A trial with a generation option the decode does not apply generates with TRL's own ``generate`` (the
+    log says why, once); a member whose step fails fails alone, the rest of its gang completes."""
+    from optuna_rapidfire._trainers._grpo import GRPOKind
+
+    train, evaluation = prompts
+    accumulate = GRPOKind.accumulate
+
+    def breaking(self, trainer, model, batches, device, scaler):
+        if trainer.args.learning_rate == 3e-2:
+            raise RuntimeError("this trial's step breaks")
+        return accumulate(self, trainer, model, batches, device, scaler)
+
+    monkeypatch.setattr(GRPOKind, "accumulate", breaking)
+    configs = [
+        (lora(r=4), grpo_args(generation_kwargs={"no_repeat_ngram_size": 2})),
+        (lora(r=2), grpo_args(learning_rate=3e-2)),
+        (lora(r=8), grpo_args(temperature=0.8)),
+    ]
+    executor = make_executor(
+        engine="fused",
+        schedule="lockstep",
+        train_dataset=train,
+        eval_dataset=evaluation,
+        num_chunks=2,
+        max_concurrent_trials=3,
+        reward_funcs=[gsm8k_reward],
+    )
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+    with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+        executor.optimize(study, by_number(configs), n_trials=3)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+    said = "Trial 0 generates alone, as TRL does: it sets generation_kwargs ['no_repeat_ngram_size']"
+    assert caplog.text.count(said) == 1
+    assert "this trial's step breaks" in caplog.text
