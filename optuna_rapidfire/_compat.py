@@ -173,6 +173,23 @@ def set_grpo_generation(trainer: Any, generate: Any) -> None:
     trainer._generate_single_turn = generate
 
 
+def grpo_logps(trainer: Any) -> Any:
+    """``GRPOTrainer._get_per_token_logps_and_entropies``: the per-token log-probabilities (and entropies) of
+    completion tokens that TRL's GRPO loss is computed from (TRL 1.16). No public hook."""
+    return trainer._get_per_token_logps_and_entropies
+
+
+def set_grpo_logps(trainer: Any, logps: Any) -> None:
+    """Replace ``GRPOTrainer._get_per_token_logps_and_entropies`` on this trainer (see :func:`grpo_logps`)."""
+    trainer._get_per_token_logps_and_entropies = logps
+
+
+def set_backward(trainer: Any, backward: Any) -> None:
+    """Replace ``trainer.accelerator.backward`` (what ``Trainer.training_step`` backpropagates its loss with) on
+    this trainer's own accelerator. Public alternative: overriding ``training_step`` in a subclass."""
+    trainer.accelerator.backward = backward
+
+
 def train_tokens(trainer: Any) -> int:
     """``Trainer._total_train_tokens``: the tokens the trial has trained, which TRL reports as ``num_tokens``."""
     return int(getattr(trainer, "_total_train_tokens", 0))

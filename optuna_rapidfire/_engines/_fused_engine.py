@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._data import rows_of
@@ -50,6 +49,8 @@ from optuna_rapidfire._engines._fused_pass import (
     fused_forward,
     layer_plans,
     lora_layers,
+    pad_right,
+    pad_token_id,
     unsupported,
 )
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
@@ -168,12 +169,37 @@ class FusedEngine(Engine):
                 reason = "the trials differ in trainer type"
             elif (bool(runtime.args.bf16), bool(runtime.args.fp16)) != (bool(first.args.bf16), bool(first.args.fp16)):
                 reason = "the trials differ in precision"
-        if reason is not None or len(runtimes) == 1:
-            if reason is not None:
-                self._say(f"Generating trial by trial, not together: {reason}.")
+        if reason is not None:
+            self._say(f"Generating trial by trial, not together: {reason}.")
             return self._alone.run(runtimes)
+        # A lone trial goes through the same turns and shared passes: its values do not depend on its gang.
+        policy = self._policy_refusal(runtimes)
+        if policy is not None:
+            self._say(f"Scoring each GRPO step alone, not in shared passes: {policy}.")
         self.trials.on_device(runtimes)
-        return self.trials.generation.run_gang(runtimes, self._alone.run_chunk)
+        results = self.trials.generation.run_gang(runtimes, self._alone.run_chunk, share_policy=policy is None)
+        self.fused_steps = self.trials.generation.policy.passes
+        return results
+
+    def _policy_refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:
+        """Why a GRPO gang's steps cannot share their forward and backward passes (``None``: they can)."""
+        first = runtimes[0]
+        for runtime in runtimes:
+            kind, args = runtime.spec.kind, runtime.args
+            if bool(getattr(args, "fp16", False)):
+                return f"trial {runtime.spec.number} trains in fp16 (its grad scaler is per trial)"
+            if kind.checkpointing(args)[0]:
+                return f"trial {runtime.spec.number} uses activation checkpointing"
+            if kind.base_dropout_off(args) != first.spec.kind.base_dropout_off(first.args):
+                return "the trials differ in disable_dropout"
+            if getattr(runtime.trainer, "aux_loss_enabled", False):
+                return f"trial {runtime.spec.number} adds a router auxiliary loss"
+        for layer in lora_layers(self.trials.resident.module):
+            for runtime in runtimes:
+                reason = unsupported(layer, runtime.state.adapter_name)
+                if reason is not None:
+                    return reason
+        return None
 
     def _say(self, text: str) -> None:
         """Log ``text`` once per engine (why a gang does not share its passes)."""
@@ -309,7 +335,7 @@ class FusedEngine(Engine):
         losses: list[list[torch.Tensor]] = [[] for _ in runtimes]
         grad_norms: list[torch.Tensor | None] = [None for _ in runtimes]
         longest = max(len(plan.inputs) for plan in plans)
-        generators = [self._dropout_generator(runtime) for runtime in runtimes]
+        generators = [self.trials.dropout_generator(runtime) for runtime in runtimes]
         # Every pass of the chunk is laid out before the first runs, so the loop below only launches work:
         # no host-side preparation or synchronisation between one pass and the next.
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any] = {}
@@ -369,14 +395,13 @@ class FusedEngine(Engine):
         """
         batches = [plans[k].inputs[index] for k in group]
         length = max(b["input_ids"].shape[1] for b in batches)
-        input_ids = torch.cat(
-            [_pad(b["input_ids"], length, _pad_id(runtimes[k])) for k, b in zip(group, batches, strict=True)]
-        )
+        pads = [pad_token_id(runtimes[k].trainer) for k in group]
+        input_ids = torch.cat([pad_right(b["input_ids"], length, pad) for b, pad in zip(batches, pads, strict=True)])
         attention = None  # no mask at all when nothing is masked: the model then needs no check of it
         padded = any(b["input_ids"].shape[1] < length for b in batches)
         if padded or not all(plans[k].unmasked[index] for k in group):
             attention = torch.cat(
-                [_pad(b.get("attention_mask", torch.ones_like(b["input_ids"])), length, 0) for b in batches]
+                [pad_right(b.get("attention_mask", torch.ones_like(b["input_ids"])), length, 0) for b in batches]
             )
         rows = [len(b["input_ids"]) for b in batches]
         names = [runtimes[k].state.adapter_name for k in group]
@@ -443,15 +468,6 @@ class FusedEngine(Engine):
         hidden = self._loss_hidden(shared, backbone)
         log_probs, _, _ = token_stats(hidden, head, shared.where[2], self.trials.resident.base.config)
         return -log_probs
-
-    def _dropout_generator(self, runtime: TrialRuntime) -> torch.Generator:
-        """The trial's own adapter-dropout generator: seeded from its args' seed, continued from its state."""
-        generator = torch.Generator(device=self.device)
-        if runtime.state.dropout_rng is None:
-            generator.manual_seed(int(runtime.args.seed) + 0x5EED)
-        else:
-            generator.set_state(runtime.state.dropout_rng)
-        return generator
 
     def _plan(self, runtime: TrialRuntime, loss: FusedLoss) -> _MemberChunk:
         """The trial's micro-batches of its next chunk, collated, with where their loss tokens are."""
@@ -567,13 +583,3 @@ def _to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor
 def _zero_grad(param: torch.nn.Parameter) -> torch.Tensor:
     param.grad = torch.zeros_like(param)
     return param.grad
-
-
-def _pad_id(runtime: TrialRuntime) -> int:
-    tokenizer = getattr(runtime.trainer, "processing_class", None)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    return int(pad) if pad is not None else 0
-
-
-def _pad(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
-    return F.pad(tensor, (0, length - tensor.shape[1]), value=value) if tensor.shape[1] < length else tensor

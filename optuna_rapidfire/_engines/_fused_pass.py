@@ -314,6 +314,20 @@ def _dropout(x: torch.Tensor, p: float, generator: torch.Generator | None, lengt
     return x * keep / (1 - p)
 
 
+def pad_token_id(trainer: Any) -> int:
+    """The pad token of a trainer's tokenizer (or processor's tokenizer); 0 when it has none."""
+    tokenizer: Any = getattr(trainer, "processing_class", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None and hasattr(tokenizer, "tokenizer"):  # a processor
+        pad = tokenizer.tokenizer.pad_token_id
+    return int(pad) if pad is not None else 0
+
+
+def pad_right(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    """``tensor`` (rows x tokens) padded with ``value`` on the right to ``length`` tokens."""
+    return F.pad(tensor, (0, length - tensor.shape[1]), value=value) if tensor.shape[1] < length else tensor
+
+
 def segment_losses(logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor]:
     """Each segment's causal-LM loss: mean token cross-entropy of its rows (labels -100 are ignored)."""
     losses = []

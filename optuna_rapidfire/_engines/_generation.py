@@ -24,6 +24,7 @@ import torch
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._fused_decode import DecodeRequest, decode
+from optuna_rapidfire._engines._policy_pass import BackwardRequest, LogpsRequest, PolicyPasses
 from optuna_rapidfire._engines._turns import Turns
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._state import RngState
@@ -76,14 +77,19 @@ class Generation:
 
     def __init__(self, trials: DeviceTrials) -> None:
         self.trials = trials
-        self._turns: Turns[DecodeRequest, Completions] | None = None
+        self.policy = PolicyPasses(trials)
+        self._turns: Turns[Any, Any] | None = None
         self._gang: list[TrialRuntime] = []
+        self._share_policy = False
+        self._shared_forward: set[TrialRuntime] = set()  # members whose next backward is shared
         self._said: set[str] = set()
         self.decodes = 0  # decode batches run
         self.requests = 0  # requests they served (more than the batches when gangs decode together)
 
     def install(self, runtime: TrialRuntime) -> None:
-        """Make the trial's GRPO trainer generate through here (or as TRL does, where :func:`refusal` says so)."""
+        """Make the trial's GRPO trainer generate through here (or as TRL does, where :func:`refusal` says so),
+        and, in a gang that shares its policy passes, score and backpropagate its steps in them."""
+        self._install_policy(runtime)
         trainer = runtime.trainer
         reason = refusal(trainer)
         if reason is not None:
@@ -105,18 +111,88 @@ class Generation:
 
         _compat.set_grpo_generation(trainer, generate)
 
-    def run_gang(self, runtimes: Sequence[TrialRuntime], work: Callable[[TrialRuntime], Any]) -> list[Any]:
-        """Run ``work`` for each trial in turns, the trials waiting to generate decoding together.
+    def run_gang(
+        self, runtimes: Sequence[TrialRuntime], work: Callable[[TrialRuntime], Any], share_policy: bool = True
+    ) -> list[Any]:
+        """Run ``work`` for each trial in turns, the trials waiting to generate decoding together and, with
+        ``share_policy``, those taking a policy step sharing its forward and backward passes.
 
         Returns:
             Each trial's result, or the exception that failed it alone.
         """
         self._turns = Turns(self._shared, name="generating-gang")
-        self._gang = list(runtimes)
+        self._gang, self._share_policy = list(runtimes), share_policy
         try:
             return self._turns.run([functools.partial(work, runtime) for runtime in runtimes])
         finally:
-            self._turns, self._gang = None, []
+            self._turns, self._gang, self._share_policy = None, [], False
+            self._shared_forward.clear()
+            self.policy.close()
+
+    # -- a gang's policy steps -------------------------------------------------------------------
+
+    def _install_policy(self, runtime: TrialRuntime) -> None:
+        """Route the trial's grad-enabled log-probabilities and its backward through the gang's shared passes
+        while it trains in a gang that shares them; as TRL computes them otherwise."""
+        trainer: Any = runtime.trainer
+        logps: Callable[..., Any] = _compat.grpo_logps(trainer)
+        backward: Callable[..., Any] = trainer.accelerator.backward
+
+        def shared_logps(
+            model: Any,
+            input_ids: torch.Tensor,
+            attention_mask: torch.Tensor,
+            logits_to_keep: int,
+            batch_size: int | None = None,
+            compute_entropy: bool = False,
+            compute_aux_loss: bool = False,
+            **others: Any,
+        ) -> Any:
+            turns = self._turns
+            shared = (
+                self._share_policy
+                and turns is not None
+                and turns.inside()
+                and torch.is_grad_enabled()
+                and not compute_aux_loss
+                and all(value is None for value in others.values())  # no images
+            )
+            if not shared:
+                return logps(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                    **others,
+                )  # fmt: skip
+            assert turns is not None
+            # Until its backward, the trial only computes its loss from these: no model set-up to restore.
+            rng, training = RngState.capture(self.trials.device), self.trials.resident.module.training
+            try:
+                answer = turns.meet(LogpsRequest(runtime, input_ids, attention_mask, logits_to_keep, compute_entropy))
+            except torch.cuda.OutOfMemoryError as error:
+                torch.cuda.empty_cache()
+                self._share_policy = False  # the rest of this gang's steps score alone
+                _logger.warning("A shared policy pass ran out of memory (%s); the gang's trials score alone.", error)
+                self.trials.resume(runtime, self._gang, rng, training)
+                return logps(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                    **others,
+                )  # fmt: skip
+            rng.restore(self.trials.device)
+            self.trials.resident.module.train(training)
+            self._shared_forward.add(runtime)
+            return answer
+
+        def shared_backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            turns = self._turns
+            if runtime not in self._shared_forward or turns is None:
+                backward(loss, **kwargs)
+                return
+            self._shared_forward.discard(runtime)
+            rng, training = RngState.capture(self.trials.device), self.trials.resident.module.training
+            turns.meet(BackwardRequest(runtime, loss))
+            self.trials.resume(runtime, self._gang, rng, training)
+
+        _compat.set_grpo_logps(trainer, shared_logps)
+        _compat.set_backward(trainer, shared_backward)
 
     # -- one trial's generation ------------------------------------------------------------------
 
@@ -170,7 +246,26 @@ class Generation:
         with torch.no_grad(), first.spec.kind.autocast(first.args, self.trials.device):
             return decode(self.trials.resident.module, requests, int(pad))
 
-    def _shared(self, requests: list[DecodeRequest]) -> list[Completions | BaseException]:
+    def _shared(self, requests: list[Any]) -> list[Any]:
+        """What the members waiting asked for, by kind: one decode, one policy forward, one backward."""
+        answers: list[Any] = [None] * len(requests)
+        for kind, run in (
+            (DecodeRequest, self._shared_decode),
+            (LogpsRequest, self.policy.forward),
+            (BackwardRequest, self.policy.backward),
+        ):
+            positions = [i for i, request in enumerate(requests) if isinstance(request, kind)]
+            if not positions:
+                continue
+            try:
+                found: list[Any] = list(run([requests[i] for i in positions]))
+            except Exception as error:  # every member of this step sees it (a decode retries one by one)
+                found = [error] * len(positions)
+            for i, answer in zip(positions, found, strict=True):
+                answers[i] = answer
+        return answers
+
+    def _shared_decode(self, requests: list[DecodeRequest]) -> list[Completions | BaseException]:
         """The gang's decode; after a failure with several requests, each request again alone (from the
         generator state it started from), so that only a request that fails alone fails."""
         first = self._gang[0]

@@ -37,6 +37,7 @@ def token_stats(
     targets: torch.Tensor,
     config: Any,
     outputs: Sequence[str] = (),
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Each target token's log-probability under ``head`` applied to ``hidden`` (float32, differentiable),
     and, when named in ``outputs``, the entropy of each prediction and whether the target is its first
@@ -48,18 +49,20 @@ def token_stats(
         targets: ``[tokens]``: the token each position predicts.
         config: The model's config (soft-capping and logit scale, see :func:`head_settings`).
         outputs: Extra statistics to compute.
+        temperature: What the logits are divided by (after soft-capping), as in TRL's fused LM head.
     """
     softcap, scale = head_settings(config)
     weight, bias = head.weight, getattr(head, "bias", None)
     kernel = _kernel()
     if kernel is not None:
         log_probs, entropy, _, _, is_top1 = kernel.apply(
-            hidden, weight, bias, targets, 1.0, VOCAB_TILE, softcap, scale, ("log_probs", *outputs)
+            hidden, weight, bias, targets, temperature, VOCAB_TILE, softcap, scale, ("log_probs", *outputs)
         )
         return log_probs, entropy, is_top1
     logits = head(hidden).float() * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     log_probs = -F.cross_entropy(logits, targets, reduction="none")
     entropy = is_top1 = None
     if "entropy" in outputs:

@@ -409,6 +409,16 @@ class DeviceTrials:
         self.resident.module.train(training)
         self._current = runtime
 
+    def dropout_generator(self, runtime: TrialRuntime) -> torch.Generator:
+        """The trial's own adapter-dropout generator for shared passes: seeded from its args' seed, continued
+        from its state (whoever uses it saves its state back in ``runtime.state.dropout_rng``)."""
+        generator = torch.Generator(device=self.device)
+        if runtime.state.dropout_rng is None:
+            generator.manual_seed(int(runtime.args.seed) + 0x5EED)
+        else:
+            generator.set_state(runtime.state.dropout_rng)
+        return generator
+
     def enter_gang(self, runtimes: Sequence[TrialRuntime]) -> None:
         """Set the model up to train the trials together: their states on the device, their adapters
         trainable, the gang's settings (those of its first member: the fused engine admits only gangs that

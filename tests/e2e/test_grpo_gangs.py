@@ -7,21 +7,28 @@ import logging
 
 import optuna
 import pytest
+from _numerics import assert_within_rounding, gradient_terms
 from helpers import by_number, lora
 from optuna.trial import TrialState
 from test_dpo_grpo import grpo_args
+from transformers import AutoConfig
 
 from optuna_rapidfire.demo import gsm8k_reward, load_gsm8k
 
 MODULES_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGET = (lora(r=4, lora_dropout=0.1), grpo_args(seed=2, temperature=0.9, top_k=50))
-OTHERS = [  # mixed ranks, targets, temperatures, generation counts and lengths
+OTHERS = [  # mixed ranks, targets, temperatures, generation counts, lengths, batches and KL; no adapter dropout
     (
         lora(r=8, target_modules=MODULES_ALL),
-        grpo_args(learning_rate=5e-2, num_generations=4, temperature=0.7, max_completion_length=12),
+        grpo_args(learning_rate=1e-2, num_generations=4, temperature=0.7, max_completion_length=12, beta=0.1),
     ),
     (lora(r=2), grpo_args(learning_rate=2e-2, top_p=0.9, per_device_train_batch_size=2, num_generations=2)),
 ]
+
+
+def vowel_reward(completions: list[str], **kwargs) -> list[float]:
+    """A reward that varies between a prompt's completions (so advantages, gradients and updates are not 0)."""
+    return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in completions]
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +37,14 @@ def prompts():
 
 
 def _run(make_executor, monkeypatch, prompts, configs, engine: str):
-    """Each trial's completions in the order generated, its per-chunk values, and the engine's counters."""
+    """Each trial's completions in the order generated, its chunks' full metrics, and the engine's counters."""
     from optuna_rapidfire._engines._generation import Generation
     from optuna_rapidfire._engines._trials import DeviceTrials
 
     train, evaluation = prompts
     completions: dict[str, list[list[list[int]]]] = {}
-    original, evaluate = Generation._generate, DeviceTrials.evaluate
+    metrics: dict[str, list[dict[str, float]]] = {}
+    original, evaluate, finish = Generation._generate, DeviceTrials.evaluate, DeviceTrials.finish
     checking = [False]
 
     def recording(self, runtime, prompt_ids):
@@ -52,8 +60,14 @@ def _run(make_executor, monkeypatch, prompts, configs, engine: str):
         finally:
             checking[0] = False
 
+    def recording_finish(self, runtime, chunk_metrics, train_seconds, evaluated=None):
+        result = finish(self, runtime, chunk_metrics, train_seconds, evaluated)
+        metrics.setdefault(runtime.state.adapter_name, []).append(dict(result.metrics))
+        return result
+
     monkeypatch.setattr(Generation, "_generate", recording)
     monkeypatch.setattr(DeviceTrials, "evaluate", flagging)
+    monkeypatch.setattr(DeviceTrials, "finish", recording_finish)
     executor = make_executor(
         engine=engine,
         schedule="lockstep",
@@ -61,39 +75,56 @@ def _run(make_executor, monkeypatch, prompts, configs, engine: str):
         eval_dataset=evaluation,
         num_chunks=2,
         max_concurrent_trials=len(configs),
-        reward_funcs=[gsm8k_reward],
+        reward_funcs=[vowel_reward],
     )
     study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
     executor.optimize(study, by_number(configs), n_trials=len(configs))
     monkeypatch.undo()
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * len(configs)
-    values = [dict(t.intermediate_values) for t in study.trials]
-    by_trial = [completions[f"trial_{t.number}"] for t in study.trials]
-    return by_trial, values, executor.stats()
+    names = [f"trial_{t.number}" for t in study.trials]
+    return [completions[n] for n in names], [metrics[n] for n in names], executor.stats()
 
 
-def test_a_grpo_trial_generates_the_same_alone_and_in_a_gang_on_either_engine(
-    make_executor, monkeypatch, prompts, caplog
+def test_a_grpo_trial_generates_and_trains_the_same_alone_and_in_a_gang(
+    make_executor, monkeypatch, prompts, tiny_model, caplog
 ) -> None:
-    alone, alone_values, _ = _run(make_executor, monkeypatch, prompts, [TARGET], "time_sliced")
+    """Fused, a gang decodes together and shares its policy passes; a trial's completions, rewards and
+    per-chunk metrics are its own alone or in the gang, and those of the time-sliced engine where the
+    engines draw the same (no adapter dropout: the fused passes draw masks from the trial's generator)."""
+    alone, alone_metrics, alone_stats = _run(make_executor, monkeypatch, prompts, [TARGET], "fused")
     with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
-        fused, fused_values, fused_stats = _run(make_executor, monkeypatch, prompts, [*OTHERS, TARGET], "fused")
-    sliced, sliced_values, sliced_stats = _run(make_executor, monkeypatch, prompts, [*OTHERS, TARGET], "time_sliced")
+        fused, fused_metrics, fused_stats = _run(make_executor, monkeypatch, prompts, [*OTHERS, TARGET], "fused")
+    sliced, sliced_metrics, sliced_stats = _run(make_executor, monkeypatch, prompts, [*OTHERS, TARGET], "time_sliced")
 
-    # Time-sliced, every request decodes alone; fused, the members waiting decode together.
-    assert sliced_stats.decodes == sliced_stats.decoded_requests
+    # Time-sliced, every request decodes alone and every step scores alone; fused, the members waiting
+    # decode together and every training step went through shared passes.
+    assert sliced_stats.decodes == sliced_stats.decoded_requests and sliced_stats.fused_steps == 0
     assert fused_stats.decoded_requests == sliced_stats.decoded_requests
     assert fused_stats.decodes < fused_stats.decoded_requests
-    assert "not together" not in caplog.text
+    assert fused_stats.fused_steps > 0 and alone_stats.fused_steps > 0
+    assert "not together" not in caplog.text and "alone, not in shared passes" not in caplog.text
 
-    # The target's completions (training and evaluation), rewards and values are its own.
-    assert fused[2] == alone[0] == sliced[2]
-    assert fused_values[2] == alone_values[0] == sliced_values[2]
-    # So are the other members', on either engine, and the members really differ from each other.
-    assert fused[:2] == sliced[:2]
-    assert fused_values[:2] == sliced_values[:2]
-    assert fused[0][0] != fused[2][0][: len(fused[0][0])]
-    assert all(0.0 <= v <= 1.2 for trial in fused_values for v in trial.values())
+    # Training moved every trial (a reward that varies gives advantages that are not 0).
+    assert all(abs(m[-1]["train_loss"]) > 0 or m[-1].get("train_grad_norm", 1) > 0 for m in fused_metrics)
+    assert fused[0][-1] != fused[0][0]
+    # The target's completions (training and evaluation) and values are its own, alone or in the gang.
+    terms = gradient_terms(AutoConfig.from_pretrained(tiny_model), rows=8, length=64)
+    assert fused[2] == alone[0]
+    assert_within_rounding(_numbers(fused_metrics[2]), _numbers(alone_metrics[0]), terms=terms)
+    # Without adapter dropout, the fused engine's shared passes give the time-sliced engine's steps.
+    for position in (0, 1):
+        assert fused[position] == sliced[position]
+        assert_within_rounding(_numbers(fused_metrics[position]), _numbers(sliced_metrics[position]), terms=terms)
+
+
+def _numbers(chunks: list[dict[str, float]]) -> dict[str, float]:
+    """A trial's chunk metrics as one flat mapping (chunk/name -> value), wall times left out."""
+    return {
+        f"{step}/{name}": value
+        for step, found in enumerate(chunks)
+        for name, value in found.items()
+        if value and not name.endswith("_time")
+    }
 
 
 def test_what_the_shared_decode_does_not_cover_generates_as_trl_does_and_one_failure_stays_its_own(

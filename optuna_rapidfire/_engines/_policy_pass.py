@@ -1,0 +1,132 @@
+"""Shared policy passes of a GRPO gang: one forward and one backward for every member's step.
+
+A GRPO trial's step computes its completions' per-token log-probabilities under its adapter (TRL's
+``_get_per_token_logps_and_entropies``), its loss from them (TRL's own code: importance ratios, clipping,
+KL to the reference, its loss type), then backpropagates (``accelerator.backward``). In a gang
+(:class:`~optuna_rapidfire._engines._turns.Turns`), each member's first call hands its rows over as a
+:class:`LogpsRequest`: the members waiting share one forward pass over the frozen base, each row segment
+through its own adapter (:func:`~optuna_rapidfire._engines._fused_pass.fused_forward`), and each gets its
+log-probabilities and entropies, scored at its own ``temperature`` with TRL's chunked kernel (as TRL's
+fused LM head scores them), still attached to the shared graph. Each member then computes its loss as
+TRL does and hands it over as a :class:`BackwardRequest`: one backward of the losses' sum gives every
+adapter the gradient of its own loss (adapters share no parameters; the base is frozen). Each member
+then clips and steps its own optimizer, as alone.
+
+Rows are padded on the right to the pass's longest (causal attention: a row's tokens never see its
+padding), adapter dropout masks come from each trial's own generator (as in the fused engine's SFT
+passes), and only grad-enabled calls are shared: the log-probabilities TRL computes without gradients
+(the old policy's, the reference's, evaluation's) stay each trial's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from optuna_rapidfire._engines._fused_pass import Gang, fused_forward, layer_plans, pad_right, pad_token_id
+from optuna_rapidfire._engines._token_stats import token_stats
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
+
+
+@dataclass(eq=False)
+class LogpsRequest:
+    """A member's rows to score: token ids and attention (prompt then completion), and the completion's
+    last ``logits_to_keep`` positions to score; ``entropy``: whether it needs each position's entropy."""
+
+    runtime: TrialRuntime
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logits_to_keep: int
+    entropy: bool
+
+
+@dataclass(eq=False)
+class BackwardRequest:
+    """A member's loss, computed from the log-probabilities of a shared pass."""
+
+    runtime: TrialRuntime
+    loss: torch.Tensor
+
+
+class PolicyPasses:
+    """Runs the shared forward and backward passes of a gang's GRPO steps on ``trials``' device."""
+
+    def __init__(self, trials: DeviceTrials) -> None:
+        self.trials = trials
+        self.passes = 0
+        self._open: set[TrialRuntime] = set()  # members of passes whose backward has not run yet
+        self._trainable: set[str] = set()
+
+    def forward(self, requests: Sequence[LogpsRequest]) -> list[tuple[torch.Tensor, torch.Tensor | None, None]]:
+        """Each member's ``(log-probabilities, entropies or None, None)`` of its scored positions, as TRL's
+        ``_get_per_token_logps_and_entropies`` returns them, from one forward pass over all their rows."""
+        trials, first = self.trials, requests[0].runtime
+        resident = trials.resident
+        names = [request.runtime.state.adapter_name for request in requests]
+        rows = [len(request.input_ids) for request in requests]
+        length = max(request.input_ids.shape[1] for request in requests)
+        pad = pad_token_id(first.trainer)
+        input_ids = torch.cat([pad_right(request.input_ids, length, pad) for request in requests])
+        attention = torch.cat([pad_right(request.attention_mask, length, 0) for request in requests])
+        generators = [trials.dropout_generator(request.runtime) for request in requests]
+        gang = Gang(names, rows, list(generators), [request.input_ids.shape[1] for request in requests])
+        base = resident.base
+        backbone = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+        head = base.get_output_embeddings()
+        resident.set_base_dropout(first.spec.kind.base_dropout_off(first.args))  # the gang's members agree
+        resident.set_trainable(names, True)
+        self._trainable.update(names)
+        model = resident.module
+        model.train()
+        with fused_forward(model, gang, layer_plans(model, gang)), first.spec.kind.autocast(first.args, trials.device):
+            hidden = backbone(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
+        answers: list[tuple[torch.Tensor, torch.Tensor | None, None]] = []
+        start = 0
+        for request, count, generator in zip(requests, rows, generators, strict=True):
+            own = request.input_ids.shape[1]
+            keep = request.logits_to_keep
+            # Position j predicts token j + 1: the last ``keep`` tokens are predicted from the ``keep`` before.
+            states = hidden[start : start + count, own - keep - 1 : own - 1]
+            targets = request.input_ids[:, own - keep :]
+            mask = request.attention_mask[:, own - keep :].bool()
+            with first.spec.kind.autocast(first.args, trials.device):
+                log_probs, entropy, _ = token_stats(
+                    states.reshape(-1, states.shape[-1]),
+                    head,
+                    targets.masked_fill(~mask, 0).reshape(-1),
+                    base.config,
+                    ("entropy",) if request.entropy else (),
+                    temperature=float(getattr(request.runtime.trainer, "temperature", 1.0)),
+                )
+            log_probs = log_probs.view(count, keep).masked_fill(~mask, 0.0)
+            if entropy is not None:
+                entropy = entropy.view(count, keep).masked_fill(~mask, 0.0)
+            answers.append((log_probs, entropy, None))
+            request.runtime.state.dropout_rng = generator.get_state()
+            start += count
+        self.passes += 1
+        self._open.update(request.runtime for request in requests)
+        return answers
+
+    def backward(self, requests: Sequence[BackwardRequest]) -> list[None]:
+        """One backward of the members' losses; the graph is kept while a member of its pass has not come."""
+        members = {request.runtime for request in requests}
+        retain = not self._open <= members
+        torch.autograd.backward([request.loss for request in requests], retain_graph=retain)
+        self._open -= members
+        if not self._open:
+            self.close()
+        return [None] * len(requests)
+
+    def close(self) -> None:
+        """Forget open passes (a member failed before its backward) and freeze their adapters again."""
+        self._open.clear()
+        if self._trainable:
+            self.trials.resident.set_trainable(sorted(self._trainable), False)
+            self._trainable.clear()
