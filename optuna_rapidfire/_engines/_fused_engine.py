@@ -26,8 +26,9 @@ why once. A shared pass that fails before any member stepped is retried one memb
 A fused gang then evaluates in shared forward passes too (each member's own eval batches and adapter,
 its kind's metrics from per-token sums: :meth:`FusedLoss.eval_metrics`), unless its kind's metrics need
 its trainer (DPO), when each member evaluates alone. A gang of trials that sample completions (GRPO)
-trains and evaluates each member as the time-sliced engine does, in turns, and generates together:
-the members waiting to generate decode in one batch (:mod:`optuna_rapidfire._engines._generation`).
+runs each member's TRL steps and evaluation in turns: the members waiting to generate decode in one
+batch (:mod:`optuna_rapidfire._engines._generation`), and those taking a policy step share its forward
+and backward passes (:mod:`optuna_rapidfire._engines._policy_pass`).
 """
 
 from __future__ import annotations

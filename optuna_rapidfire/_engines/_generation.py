@@ -9,7 +9,10 @@ the trial's ``seed``, its state saved with the trial's state, checkpoints and cl
 :func:`~optuna_rapidfire._engines._fused_decode.decode` samples them. A trial trained alone decodes alone.
 The members of a fused gang train their chunks in :class:`~optuna_rapidfire._engines._turns.Turns`: each
 runs its own TRL step until it generates, and the members waiting then decode together, in one batch.
-A trial's completions depend only on its adapter, its settings and its generator, not on its gang.
+A trial's completions depend only on its adapter, its settings and its generator, not on its gang. In
+such a gang the members' policy steps also share their forward and backward passes
+(:mod:`optuna_rapidfire._engines._policy_pass`): the grad-enabled log-probabilities and the backward of
+each member's TRL loss are routed here, and the members waiting for them meet the same way.
 
 What this decode does not do (images, beam search and other generation options, see :func:`refusal`)
 generates as TRL does, alone, and the log says why once.
