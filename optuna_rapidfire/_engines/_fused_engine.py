@@ -60,6 +60,7 @@ from optuna_rapidfire._engines._trials import clips, train_metrics
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._state import RngState
 from optuna_rapidfire._trainers._base import _to_device, accumulation_divisor
+from optuna_rapidfire._trainers._fused_loss import EvalRows
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -262,63 +263,79 @@ class FusedEngine(Engine):
         seconds = (time.perf_counter() - start) / len(runtimes)
         evaluated: list[tuple[dict[str, float], float] | None] = []
         for runtime, batches in zip(runtimes, sums, strict=True):
-            metrics = loss.eval_metrics(runtime.trainer, batches)
+            metrics = loss.eval_metrics(runtime.trainer, runtime.args, batches)
             evaluated.append((metrics, seconds))
         return evaluated
 
     @torch.no_grad()
-    def _eval_passes(self, runtimes: Sequence[TrialRuntime], loss: FusedLoss) -> list[list[tuple[int, list[float]]]]:
-        """For each member, each eval micro-batch's rows and token sums (see :meth:`FusedLoss.eval_metrics`).
+    def _eval_passes(self, runtimes: Sequence[TrialRuntime], loss: FusedLoss) -> list[list[EvalRows]]:
+        """For each member, each eval micro-batch's sums over each row's loss tokens (:class:`EvalRows`).
 
         The k-th micro-batches of the members share passes (at most :attr:`pass_tokens` tokens each), in
-        eval mode, under the gang's precision; the sums reach the host once, at the end.
+        eval mode, under the gang's precision, and a reference pass with the adapters off where the kind's
+        metrics compare against one; the sums reach the host once, at the end.
         """
         first, model = runtimes[0], self.trials.resident.module
         backbone, head = self._backbone_and_head()
         config = self.trials.resident.base.config
         plans = [self._eval_plan(runtime, loss) for runtime in runtimes]
+        chunks = [chunk for chunk, _ in plans]
         no_dropout: list[torch.Generator | None] = [None] * len(runtimes)
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any] = {}
-        rows: list[list[int]] = [[] for _ in runtimes]
         sums: list[list[torch.Tensor]] = [[] for _ in runtimes]
         was_training = model.training
         model.eval()
         try:
-            for index in range(max(len(plan.inputs) for plan in plans)):
-                members = [k for k, plan in enumerate(plans) if index < len(plan.inputs)]
-                tokens = [plans[k].inputs[index]["input_ids"].numel() for k in members]
+            for index in range(max(len(chunk.inputs) for chunk in chunks)):
+                members = [k for k, chunk in enumerate(chunks) if index < len(chunk.inputs)]
+                tokens = [chunks[k].inputs[index]["input_ids"].numel() for k in members]
                 for group in _passes(members, tokens, self.pass_tokens):
-                    shared = self._lay_out(runtimes, plans, no_dropout, group, index, layouts, None)
-                    with (
-                        fused_forward(model, shared.gang, shared.layers),
-                        first.spec.kind.autocast(first.args, self.device),
-                    ):
+                    shared = self._lay_out(runtimes, chunks, no_dropout, group, index, layouts, None)
+                    autocast = first.spec.kind.autocast(first.args, self.device)
+                    with fused_forward(model, shared.gang, shared.layers), autocast:
                         hidden = self._loss_hidden(shared, backbone)
-                        log_probs, entropy, top1 = token_stats(hidden, head, shared.where[2], config, loss.eval_outputs)
-                    zeros = torch.zeros_like(log_probs)
+                        stats = token_stats(hidden, head, shared.where[2], config, loss.eval_outputs)
+                    zeros = torch.zeros_like(stats.log_probs)
+                    reference = zeros
+                    if loss.eval_reference:
+                        with base_only(shared.layers), first.spec.kind.autocast(first.args, self.device):
+                            base = self._loss_hidden(shared, backbone)
+                            reference = token_stats(base, head, shared.where[2], config).log_probs
                     columns = [
-                        -log_probs,
-                        zeros if entropy is None else entropy.float(),
-                        zeros if top1 is None else top1.float(),
-                        torch.ones_like(log_probs),
+                        stats.log_probs,
+                        zeros if stats.entropy is None else stats.entropy.float(),
+                        zeros if stats.is_top1 is None else stats.is_top1.float(),
+                        zeros if stats.mean_logits is None else stats.mean_logits.float(),
+                        torch.ones_like(stats.log_probs),
+                        reference,
                     ]
-                    totals = log_probs.new_zeros(len(group), 4).index_add_(0, shared.where[1], torch.stack(columns, 1))
-                    for j, k in enumerate(group):
-                        rows[k].append(len(plans[k].inputs[index]["input_ids"]))
-                        sums[k].append(totals[j])
+                    rows = len(shared.input_ids)
+                    totals = zeros.new_zeros(rows, len(columns)).index_add_(0, shared.where[1], torch.stack(columns, 1))
+                    start = 0
+                    for k in group:
+                        count = len(chunks[k].inputs[index]["input_ids"])
+                        sums[k].append(totals[start : start + count])
+                        start += count
         finally:
             if was_training:
                 model.train()
         flat = [total for member in sums for total in member]
-        values = iter(torch.stack(flat).tolist() if flat else [])
-        return [[(count, next(values)) for count in member] for member in rows]
+        values = iter(torch.cat(flat).tolist() if flat else [])
+        return [
+            [
+                EvalRows.of(examples, [next(values) for _ in range(len(total))])
+                for examples, total in zip(counts, member, strict=True)
+            ]
+            for (_, counts), member in zip(plans, sums, strict=True)
+        ]
 
-    def _eval_plan(self, runtime: TrialRuntime, loss: FusedLoss) -> _MemberChunk:
-        """The trial's eval micro-batches, collated by its trainer, as :meth:`_plan` lays out a chunk."""
+    def _eval_plan(self, runtime: TrialRuntime, loss: FusedLoss) -> tuple[_MemberChunk, list[int]]:
+        """The trial's eval micro-batches, collated by its trainer, as :meth:`_plan` lays out a chunk, and
+        the examples of each (rows of the eval set)."""
         dataset = self.trials.data.eval_set(runtime.data_key, runtime.prepare)
         batches = runtime.spec.kind.eval_batches(runtime.args, len(dataset))
         collated = [loss.collate(runtime.trainer, rows_of(dataset, indices)) for indices in batches]
-        return self._member_chunk(collated, loss, accumulation=1)
+        return self._member_chunk(collated, loss, accumulation=1), [len(indices) for indices in batches]
 
     # -- training a gang's chunk -----------------------------------------------------------------
 
@@ -392,7 +409,7 @@ class FusedEngine(Engine):
         """The ``group``'s ``index``-th micro-batches as one pass: inputs, loss token positions, gang.
 
         ``loss``: the kind's loss, which says how the loss tokens are summed; ``None`` (evaluation): one
-        sum per member.
+        sum per row.
         """
         batches = [plans[k].inputs[index] for k in group]
         length = max(b["input_ids"].shape[1] for b in batches)
@@ -418,8 +435,8 @@ class FusedEngine(Engine):
             target.append(labels)
             offset += rows[j]
         extras: tuple[torch.Tensor, ...]
-        if loss is None:
-            segment, extras = torch.cat([torch.full_like(row, j) for j, row in enumerate(token_rows)]), ()
+        if loss is None:  # one sum per row
+            segment, extras = torch.cat([row + sum(rows[:j]) for j, row in enumerate(token_rows)]), ()
         else:
             segment, extras = loss.lay_out(rows, token_rows, [runtimes[k].args for k in group])
         where = _to_device_async(torch.stack([torch.cat(flat), segment, torch.cat(target)]), self.device)
@@ -467,8 +484,7 @@ class FusedEngine(Engine):
         """The negative log-probability of every loss token of the pass (float32), without the pass's
         float32 logits (:func:`~optuna_rapidfire._engines._token_stats.token_stats`)."""
         hidden = self._loss_hidden(shared, backbone)
-        log_probs, _, _ = token_stats(hidden, head, shared.where[2], self.trials.resident.base.config)
-        return -log_probs
+        return -token_stats(hidden, head, shared.where[2], self.trials.resident.base.config).log_probs
 
     def _plan(self, runtime: TrialRuntime, loss: FusedLoss) -> _MemberChunk:
         """The trial's micro-batches of its next chunk, collated, with where their loss tokens are."""

@@ -96,7 +96,7 @@ class PolicyPasses:
             targets = request.input_ids[:, own - keep :]
             mask = request.attention_mask[:, own - keep :].bool()
             with first.spec.kind.autocast(first.args, trials.device):
-                log_probs, entropy, _ = token_stats(
+                log_probs, entropy, _, _ = token_stats(
                     states.reshape(-1, states.shape[-1]),
                     head,
                     targets.masked_fill(~mask, 0).reshape(-1),

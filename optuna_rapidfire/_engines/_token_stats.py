@@ -11,7 +11,7 @@ give the same numbers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,15 @@ def head_settings(config: Any) -> tuple[float | None, float]:
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
 
 
+class TokenStats(NamedTuple):
+    """Per-token statistics (float32, ``[tokens]``); the optional ones ``None`` unless asked for."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+
+
 def token_stats(
     hidden: torch.Tensor,
     head: torch.nn.Module,
@@ -38,10 +47,10 @@ def token_stats(
     config: Any,
     outputs: Sequence[str] = (),
     temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> TokenStats:
     """Each target token's log-probability under ``head`` applied to ``hidden`` (float32, differentiable),
-    and, when named in ``outputs``, the entropy of each prediction and whether the target is its first
-    maximum (``"entropy"``, ``"is_top1"``; ``None`` otherwise).
+    and, when named in ``outputs``, the entropy of each prediction, whether the target is its first maximum
+    and the mean of its logits (``"entropy"``, ``"is_top1"``, ``"mean_logits"``; ``None`` otherwise).
 
     Args:
         hidden: ``[tokens, hidden]``: the backbone's state at the position predicting each target.
@@ -55,22 +64,24 @@ def token_stats(
     weight, bias = head.weight, getattr(head, "bias", None)
     kernel = _kernel()
     if kernel is not None:
-        log_probs, entropy, _, _, is_top1 = kernel.apply(
+        log_probs, entropy, _, mean_logits, is_top1 = kernel.apply(
             hidden, weight, bias, targets, temperature, VOCAB_TILE, softcap, scale, ("log_probs", *outputs)
         )
-        return log_probs, entropy, is_top1
+        return TokenStats(log_probs, entropy, is_top1, mean_logits)
     logits = head(hidden).float() * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
     log_probs = -F.cross_entropy(logits, targets, reduction="none")
-    entropy = is_top1 = None
+    stats = TokenStats(log_probs)
     if "entropy" in outputs:
         log_softmax = logits.log_softmax(-1)
-        entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+        stats = stats._replace(entropy=-(log_softmax.exp() * log_softmax).sum(-1))
     if "is_top1" in outputs:
-        is_top1 = logits.argmax(-1) == targets
-    return log_probs, entropy, is_top1
+        stats = stats._replace(is_top1=logits.argmax(-1) == targets)
+    if "mean_logits" in outputs:
+        stats = stats._replace(mean_logits=logits.mean(-1))
+    return stats
 
 
 def _kernel() -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._trainers._base import CollatedKind, TrainerExtras, reference_is_the_base
-from optuna_rapidfire._trainers._fused_loss import FusedLoss
+from optuna_rapidfire._trainers._fused_loss import EvalRows, FusedLoss, mean, ratio
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Hashable
@@ -32,6 +33,47 @@ class DPOFusedLoss(FusedLoss):
     ``-logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))`` with the trial's own beta,
     averaged over the micro-batch's pairs. A micro-batch holds its chosen rows, then its rejected rows.
     """
+
+    eval_outputs = ("entropy", "is_top1", "mean_logits")
+    eval_reference = True
+
+    def eval_refusal(self) -> str | None:
+        return None
+
+    def eval_metrics(self, trainer: Trainer, args: TrainingArguments, batches: list[EvalRows]) -> dict[str, float]:
+        """``DPOTrainer.evaluate``'s metrics: the sigmoid loss (each micro-batch's mean over its pairs, averaged
+        over pairs), and per micro-batch, averaged: the entropy, the chosen and rejected completions' mean
+        logits, the chosen completions' token accuracy, the implicit rewards (``beta`` times the log-ratio to
+        the base), their accuracy and margin, the log-probabilities; and the trained tokens."""
+        beta = float(cast("DPOConfig", args).beta)
+        examples = sum(batch.examples for batch in batches)
+        loss = 0.0
+        per_batch: dict[str, list[float]] = {}
+        for batch in batches:
+            half = len(batch.log_prob) // 2  # the chosen rows, then the rejected rows
+            ratios = [p - r for p, r in zip(batch.log_prob, batch.reference, strict=True)]
+            chosen, rejected = [beta * x for x in ratios[:half]], [beta * x for x in ratios[half:]]
+            losses = [_softplus(r - c) for c, r in zip(chosen, rejected, strict=True)]  # -logsigmoid(c - r)
+            loss += batch.examples * mean(losses)
+            found = {
+                "entropy": ratio(sum(batch.entropy), sum(batch.tokens)),
+                "logits/chosen": ratio(sum(batch.mean_logit[:half]), sum(batch.tokens[:half])),
+                "logits/rejected": ratio(sum(batch.mean_logit[half:]), sum(batch.tokens[half:])),
+                "mean_token_accuracy": ratio(sum(batch.top1[:half]), sum(batch.tokens[:half])),
+                "rewards/chosen": mean(chosen),
+                "rewards/rejected": mean(rejected),
+                "rewards/accuracies": mean([float(c > r) for c, r in zip(chosen, rejected, strict=True)]),
+                "rewards/margins": mean([c - r for c, r in zip(chosen, rejected, strict=True)]),
+                "logps/chosen": mean(batch.log_prob[:half]),
+                "logps/rejected": mean(batch.log_prob[half:]),
+            }
+            for key, value in found.items():
+                per_batch.setdefault(key, []).append(value)
+        metrics = {"eval_loss": loss / max(examples, 1)}
+        metrics.update({f"eval_{key}": mean(values) for key, values in per_batch.items()})
+        if batches:
+            metrics["eval_num_tokens"] = float(_compat.train_tokens(trainer))
+        return metrics
 
     def refusal(self, trainer: Trainer, args: TrainingArguments) -> str | None:
         loss_types = list(getattr(trainer, "loss_types", ["sigmoid"]))
@@ -102,6 +144,11 @@ class DPOFusedLoss(FusedLoss):
         delta = ratios.new_zeros(len(beta)).index_add_(0, pair_of_row, ratios)
         pair_losses = -F.logsigmoid(beta * delta)
         return pair_losses.new_zeros(members).index_add_(0, member_of_pair, pair_losses)
+
+
+def _softplus(x: float) -> float:
+    """``log(1 + exp(x))``, without overflow."""
+    return x + math.log1p(math.exp(-x)) if x > 0 else math.log1p(math.exp(x))
 
 
 class DPOKind(CollatedKind):

@@ -15,6 +15,7 @@ label. ``nll`` is every loss token's negative log-probability (float32), in that
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
@@ -24,22 +25,56 @@ if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
 
 
+@dataclass
+class EvalRows:
+    """One eval micro-batch of a trial after a shared evaluation pass: how many examples (eval set rows) it
+    holds, and for each of its collated rows, sums over the row's loss tokens of: the log-probability, the
+    entropy, top-1 predictions and the mean logit (0 unless the kind asks for them, see
+    :attr:`FusedLoss.eval_outputs`), the tokens, and the log-probability with the adapters off (0 unless
+    :attr:`FusedLoss.eval_reference`)."""
+
+    examples: int
+    log_prob: list[float]
+    entropy: list[float]
+    top1: list[float]
+    mean_logit: list[float]
+    tokens: list[float]
+    reference: list[float]
+
+    @classmethod
+    def of(cls, examples: int, rows: list[list[float]]) -> EvalRows:
+        """From each row's six sums, in the order of the fields."""
+        columns = [list(column) for column in zip(*rows, strict=True)] if rows else [[] for _ in range(6)]
+        return cls(examples, *columns)
+
+
+def mean(values: list[float]) -> float:
+    """The mean of ``values`` (at least one)."""
+    return sum(values) / len(values)
+
+
+def ratio(total: float, count: float) -> float:
+    """``total / count``, 0 when nothing was counted (as TRL's trainers report their token metrics)."""
+    return total / count if count > 0 else 0.0
+
+
 class FusedLoss(ABC):
     """A trainer kind's loss in a shared pass; stateless (a trial's own settings come from its args)."""
 
     #: Per-token statistics besides the log-probability that :meth:`eval_metrics` reads (``"entropy"``,
-    #: ``"is_top1"``; see :func:`~optuna_rapidfire._engines._token_stats.token_stats`).
+    #: ``"is_top1"``, ``"mean_logits"``; see :func:`~optuna_rapidfire._engines._token_stats.token_stats`).
     eval_outputs: tuple[str, ...] = ()
+    #: Whether :meth:`eval_metrics` compares against the base (a pass with the adapters off).
+    eval_reference: bool = False
 
     def eval_refusal(self) -> str | None:
         """Why the kind's trials evaluate one by one rather than in the gang's shared forward passes
         (``None``: they evaluate together, and :meth:`eval_metrics` gives their metrics)."""
         return "their evaluation metrics are computed by their trainers"
 
-    def eval_metrics(self, trainer: Trainer, batches: list[tuple[int, list[float]]]) -> dict[str, float]:
-        """The trial's eval metrics, as its trainer's own evaluation reports them, from each eval micro-batch's
-        rows and sums over its loss tokens: ``[negative log-probability, entropy, top-1 predictions, tokens]``
-        (entropy and top-1 are 0 unless named in :attr:`eval_outputs`)."""
+    def eval_metrics(self, trainer: Trainer, args: TrainingArguments, batches: list[EvalRows]) -> dict[str, float]:
+        """The trial's eval metrics, as its trainer's own evaluation reports them, from its eval micro-batches'
+        sums (:class:`EvalRows`)."""
         raise NotImplementedError(f"{type(self).__name__} does not evaluate in shared passes: {self.eval_refusal()}")
 
     def refusal(self, trainer: Trainer, args: TrainingArguments) -> str | None:

@@ -8,7 +8,7 @@ import torch
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._trainers._base import CollatedKind, TrainerExtras
-from optuna_rapidfire._trainers._fused_loss import FusedLoss
+from optuna_rapidfire._trainers._fused_loss import EvalRows, FusedLoss, mean, ratio
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Hashable
@@ -46,17 +46,15 @@ class SFTFusedLoss(FusedLoss):
     def eval_refusal(self) -> str | None:
         return None
 
-    def eval_metrics(self, trainer: Trainer, batches: list[tuple[int, list[float]]]) -> dict[str, float]:
+    def eval_metrics(self, trainer: Trainer, args: TrainingArguments, batches: list[EvalRows]) -> dict[str, float]:
         """``SFTTrainer.evaluate``'s metrics: the loss (each micro-batch's mean over its tokens, averaged over
-        rows), and the micro-batches' mean entropy and token accuracy, and the trained tokens."""
-        rows = sum(count for count, _ in batches)
-        loss = sum(count * sums[0] / max(sums[3], 1.0) for count, sums in batches)
-        metrics = {"eval_loss": loss / max(rows, 1)}
+        examples), and the micro-batches' mean entropy and token accuracy, and the trained tokens."""
+        examples = sum(batch.examples for batch in batches)
+        loss = sum(batch.examples * -sum(batch.log_prob) / max(sum(batch.tokens), 1.0) for batch in batches)
+        metrics = {"eval_loss": loss / max(examples, 1)}
         if batches:
-            metrics["eval_entropy"] = _mean([sums[1] / sums[3] if sums[3] > 0 else 0.0 for _, sums in batches])
-            metrics["eval_mean_token_accuracy"] = _mean(
-                [sums[2] / sums[3] if sums[3] > 0 else 0.0 for _, sums in batches]
-            )
+            metrics["eval_entropy"] = mean([ratio(sum(b.entropy), sum(b.tokens)) for b in batches])
+            metrics["eval_mean_token_accuracy"] = mean([ratio(sum(b.top1), sum(b.tokens)) for b in batches])
             metrics["eval_num_tokens"] = float(_compat.train_tokens(trainer))
         return metrics
 
@@ -89,10 +87,6 @@ class SFTFusedLoss(FusedLoss):
         members: int,
     ) -> torch.Tensor:
         return nll.new_zeros(members).index_add_(0, where[1], nll)
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 class SFTKind(CollatedKind):

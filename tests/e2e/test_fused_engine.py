@@ -13,7 +13,14 @@ import logging
 
 import optuna
 import pytest
-from _numerics import assert_apart, assert_within_rounding, gradient_terms, loss_terms
+from _numerics import (
+    FLOAT32_EPS,
+    assert_apart,
+    assert_within_rounding,
+    gradient_terms,
+    loss_terms,
+    rounding_bound,
+)
 from helpers import by_number, lora, sft_args
 from transformers import AutoConfig
 
@@ -347,12 +354,15 @@ EVAL_CONFIGS = [  # mixed ranks, targets, adapter dropout (off when evaluating) 
 ]
 
 
-def _evaluated(make_executor, monkeypatch, *, shared: bool) -> tuple[dict, list, int]:
+def _evaluated(make_executor, monkeypatch, *, shared: bool, configs=None, **executor_kwargs) -> tuple[dict, list, int]:
     """Every chunk's full metrics (trial, step -> metrics) of a lock-step fused study, the token sums of
     each eval micro-batch of the shared evaluation, and how many trials were evaluated one at a time."""
     from optuna_rapidfire._engines._fused_engine import FusedEngine
     from optuna_rapidfire._engines._trials import DeviceTrials
+    from optuna_rapidfire._trainers._dpo import DPOFusedLoss
     from optuna_rapidfire._trainers._sft import SFTFusedLoss
+
+    configs = EVAL_CONFIGS if configs is None else configs
 
     metrics: dict[tuple[int, int], dict[str, float]] = {}
     sums: list = []
@@ -370,18 +380,21 @@ def _evaluated(make_executor, monkeypatch, *, shared: bool) -> tuple[dict, list,
 
     def recording_passes(self, runtimes, loss):
         found = passes(self, runtimes, loss)
-        sums.extend(batch for member in found for _, batch in member)
+        sums.extend(batch for member in found for batch in member)
         return found
 
     monkeypatch.setattr(DeviceTrials, "finish", recording_finish)
     monkeypatch.setattr(DeviceTrials, "evaluate", counting_evaluate)
     monkeypatch.setattr(FusedEngine, "_eval_passes", recording_passes)
     if not shared:
-        monkeypatch.setattr(SFTFusedLoss, "eval_refusal", lambda self: "the test asks for it")
-    executor = make_executor(engine="fused", schedule="lockstep", num_chunks=2, max_concurrent_trials=3)
+        for loss in (SFTFusedLoss, DPOFusedLoss):
+            monkeypatch.setattr(loss, "eval_refusal", lambda self: "the test asks for it")
+    executor = make_executor(
+        engine="fused", schedule="lockstep", num_chunks=2, max_concurrent_trials=3, **executor_kwargs
+    )
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-    executor.optimize(study, by_number(EVAL_CONFIGS), n_trials=len(EVAL_CONFIGS))
-    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * len(EVAL_CONFIGS)
+    executor.optimize(study, by_number(configs), n_trials=len(configs))
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * len(configs)
     monkeypatch.undo()
     return metrics, sums, alone[0]
 
@@ -401,7 +414,7 @@ def test_a_gang_evaluates_in_shared_passes_with_each_trials_own_metrics(
 
     config = AutoConfig.from_pretrained(tiny_model)
     terms = loss_terms(config, rows=8, length=128)
-    one_token = 1 / min(batch[3] for batch in sums)  # one prediction of the smallest eval batch, as accuracy
+    one_token = 1 / min(sum(batch.tokens) for batch in sums)  # one prediction of the smallest eval batch
     assert shared.keys() == own.keys()
     for key, expected in own.items():
         got = shared[key]
@@ -412,3 +425,47 @@ def test_a_gang_evaluates_in_shared_passes_with_each_trials_own_metrics(
         assert abs(got["eval_mean_token_accuracy"] - expected["eval_mean_token_accuracy"]) <= one_token
         assert got["eval_num_tokens"] == expected["eval_num_tokens"]
         assert got["train_loss"] == expected["train_loss"]  # the same gangs trained the same way
+
+
+def test_a_dpo_gang_evaluates_in_shared_passes_with_trls_reward_metrics(make_executor, tiny_model, monkeypatch) -> None:
+    """DPO: a reference pass with the adapters off and the members' own betas give every metric of TRL's
+    DPO evaluation (loss, implicit rewards, their accuracy and margin, log-probabilities, mean logits,
+    entropy, token accuracy), up to rounding: sums of log-probabilities carry their terms' rounding, and a
+    reward is ``beta`` times a difference of two such sums."""
+    from test_dpo_grpo import dpo_args
+
+    from optuna_rapidfire.demo import load_gsm8k
+
+    configs = [
+        (lora(r=4, lora_dropout=0.1), dpo_args(beta=0.1, per_device_eval_batch_size=3, seed=3)),
+        (lora(r=8, target_modules=MODULES["qkvo"]), dpo_args(beta=0.5, per_device_eval_batch_size=2)),
+    ]
+    data = {
+        "train_dataset": load_gsm8k("train", num_rows=16, format="preference"),
+        "eval_dataset": load_gsm8k("test", num_rows=5, format="preference"),
+    }
+    shared, sums, alone = _evaluated(make_executor, monkeypatch, shared=True, configs=configs, **data)
+    own, _, _ = _evaluated(make_executor, monkeypatch, shared=False, configs=configs, **data)
+    assert alone == 0 and sums and shared.keys() == own.keys()
+    terms = loss_terms(AutoConfig.from_pretrained(tiny_model), rows=2, length=256)
+    bound = rounding_bound(terms)
+    for (number, step), expected in own.items():
+        got, beta = shared[(number, step)], configs[number][1].beta
+        assert got.keys() == expected.keys() and "eval_rewards/margins" in got, (number, step)
+        # A log-ratio's rounding: that of the two sums of its row's log-probabilities.
+        logps = max(abs(expected["eval_logps/chosen"]), abs(expected["eval_logps/rejected"]))
+        reward_tolerance = 2 * beta * bound * logps
+        for name in ("eval_logps/chosen", "eval_logps/rejected", "eval_logits/chosen", "eval_logits/rejected"):
+            assert_within_rounding(got[name], expected[name], terms=terms, what=name)
+        assert_within_rounding(got["eval_entropy"], expected["eval_entropy"], terms=terms)
+        for name in ("eval_rewards/chosen", "eval_rewards/rejected"):
+            assert abs(got[name] - expected[name]) <= reward_tolerance, (name, got[name], expected[name])
+        assert abs(got["eval_rewards/margins"] - expected["eval_rewards/margins"]) <= 2 * reward_tolerance
+        # The loss moves at most by its slope (sigmoid, at most 1) times a margin's rounding.
+        assert abs(got["eval_loss"] - expected["eval_loss"]) <= 2 * reward_tolerance + bound * expected["eval_loss"]
+        # A share of pairs, which TRL averages in float32.
+        assert abs(got["eval_rewards/accuracies"] - expected["eval_rewards/accuracies"]) <= FLOAT32_EPS
+        one_token = 1 / min(sum(batch.tokens) for batch in sums)
+        assert abs(got["eval_mean_token_accuracy"] - expected["eval_mean_token_accuracy"]) <= one_token
+        assert got["eval_num_tokens"] == expected["eval_num_tokens"]
+        assert any(abs(got[n]) > 0 for n in ("eval_rewards/chosen", "eval_rewards/margins"))  # trained away from base

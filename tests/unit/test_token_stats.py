@@ -25,13 +25,17 @@ def test_the_chunked_kernel_gives_what_the_full_logits_give(monkeypatch, softcap
         if not kernel:
             monkeypatch.setattr(_token_stats, "_kernel", lambda: None)
         hidden = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        log_probs, entropy, top1 = token_stats(hidden, head, targets, config, ("entropy", "is_top1"))
+        log_probs, entropy, top1, mean = token_stats(
+            hidden, head, targets, config, ("entropy", "is_top1", "mean_logits")
+        )
         log_probs.sum().backward()
-        results.append((log_probs.detach(), entropy, top1, hidden.grad))
-    (kernel_lp, kernel_ent, kernel_top1, kernel_grad), (full_lp, full_ent, full_top1, full_grad) = results
+        results.append((log_probs.detach(), entropy, top1, mean, hidden.grad))
+    (kernel_lp, kernel_ent, kernel_top1, kernel_mean, kernel_grad) = results[0]
+    (full_lp, full_ent, full_top1, full_mean, full_grad) = results[1]
     terms = HIDDEN + VOCAB  # a logit's products, then the softmax's sum over the vocabulary
     assert_within_rounding(kernel_lp, full_lp, terms=terms, what="log-probabilities")
     assert_within_rounding(kernel_ent, full_ent, terms=terms, what="entropy")
+    assert_within_rounding(kernel_mean, full_mean, terms=terms, what="mean logits")
     assert_within_rounding(kernel_grad, full_grad, terms=2 * terms, what="gradient")
     assert torch.equal(kernel_top1, full_top1)
     assert bool((full_lp < 0).all())  # real log-probabilities: the comparison can fail
@@ -40,5 +44,5 @@ def test_the_chunked_kernel_gives_what_the_full_logits_give(monkeypatch, softcap
 def test_only_the_statistics_asked_for_are_computed() -> None:
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     config = types.SimpleNamespace()
-    _, entropy, top1 = token_stats(torch.randn(3, HIDDEN), head, torch.tensor([0, 1, 2]), config)
-    assert entropy is None and top1 is None
+    stats = token_stats(torch.randn(3, HIDDEN), head, torch.tensor([0, 1, 2]), config)
+    assert stats.entropy is None and stats.is_top1 is None and stats.mean_logits is None
