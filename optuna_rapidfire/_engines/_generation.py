@@ -123,7 +123,10 @@ class Generation:
         Returns:
             Each trial's result, or the exception that failed it alone.
         """
-        self._turns = Turns(self._shared, name="generating-gang")
+        device = self.trials.device
+        # A thread has its own current CUDA device: the members' must be the gang's.
+        setup = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self._turns = Turns(self._shared, name="generating-gang", setup=setup)
         self._gang, self._share_policy = list(runtimes), share_policy
         try:
             return self._turns.run([functools.partial(work, runtime) for runtime in runtimes])

@@ -43,11 +43,19 @@ class Turns(Generic[Request, Answer]):
         shared: Given the requests of every member waiting (in member order), their answers, one per
             request: an answer that is an exception is raised in that member alone.
         name: Names the members' threads (in debuggers and thread dumps).
+        setup: Run first in each member's thread, for what a thread has of its own (CUDA's current
+            device, for instance).
     """
 
-    def __init__(self, shared: Callable[[list[Request]], Sequence[Answer | BaseException]], name: str = "turn") -> None:
+    def __init__(
+        self,
+        shared: Callable[[list[Request]], Sequence[Answer | BaseException]],
+        name: str = "turn",
+        setup: Callable[[], None] | None = None,
+    ) -> None:
         self._shared = shared
         self._name = name
+        self._setup = setup
         self._turn: _Member | None = None  # the member allowed to run; None: the coordinator
         self._changed = threading.Condition()
         self._local = threading.local()
@@ -121,6 +129,8 @@ class Turns(Generic[Request, Answer]):
         with self._changed:
             self._changed.wait_for(lambda: self._turn is member)
         try:
+            if self._setup is not None:
+                self._setup()
             member.outcome = member.work()
         except BaseException as error:  # the member's own failure, handed back to the caller
             member.outcome = error

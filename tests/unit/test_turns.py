@@ -58,6 +58,13 @@ def test_a_members_failure_and_a_failed_answer_stay_its_own() -> None:
     assert results[2] == 6
 
 
+def test_each_member_thread_is_set_up_first() -> None:
+    local = threading.local()
+    turns: Turns[int, int] = Turns(lambda requests: requests, setup=lambda: setattr(local, "ready", True))
+    assert turns.run([lambda: getattr(local, "ready", False)] * 2) == [True, True]
+    assert not getattr(local, "ready", False)  # the caller's thread is not a member
+
+
 def test_a_shared_step_that_fails_fails_every_member_waiting_and_meet_needs_a_member() -> None:
     turns: Turns[int, int] = Turns(lambda requests: [1 // 0])
     results = turns.run([lambda: turns.meet(1), lambda: 7])
