@@ -24,11 +24,11 @@ metrics; any other gang trains time-sliced (with PEFT's dropout from the global 
 why once. A shared pass that fails before any member stepped is retried one member at a time.
 
 A fused gang then evaluates in shared forward passes too (each member's own eval batches and adapter,
-its kind's metrics from per-token sums: :meth:`FusedLoss.eval_metrics`), unless its kind's metrics need
-its trainer (DPO), when each member evaluates alone. A gang of trials that sample completions (GRPO)
-runs each member's TRL steps and evaluation in turns: the members waiting to generate decode in one
-batch (:mod:`optuna_rapidfire._engines._generation`), and those taking a policy step share its forward
-and backward passes (:mod:`optuna_rapidfire._engines._policy_pass`).
+and for DPO a pass with the adapters off; its kind's metrics from per-row sums:
+:meth:`FusedLoss.eval_metrics`); a kind without those metrics evaluates each member alone. A gang of
+trials that sample completions (GRPO) runs each member's TRL steps and evaluation in turns: the members
+waiting to generate decode in one batch (:mod:`optuna_rapidfire._engines._generation`), and those taking
+a policy step share its forward and backward passes (:mod:`optuna_rapidfire._engines._policy_pass`).
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ class FusedEngine(Engine):
                 return "the trials differ in trainer type"
             if bool(getattr(args, "fp16", False)):
                 return f"trial {runtime.spec.number} trains in fp16 (its grad scaler is per trial)"
-            if getattr(args, "padding_free", False):
+            if getattr(args, "padding_free", False) or getattr(runtime.trainer, "padding_free", False):
+                # SFTTrainer packs padding-free by itself with packing=True and its default strategy ("bfd").
                 return f"trial {runtime.spec.number} uses padding-free packing"
             if (bool(args.bf16), kind.checkpointing(args)[0]) != (
                 bool(first.args.bf16),
@@ -179,8 +180,9 @@ class FusedEngine(Engine):
         if policy is not None:
             self._say(f"Scoring each GRPO step alone, not in shared passes: {policy}.")
         self.trials.on_device(runtimes)
+        before = self.trials.generation.policy.passes
         results = self.trials.generation.run_gang(runtimes, self._alone.run_chunk, share_policy=policy is None)
-        self.fused_steps = self.trials.generation.policy.passes
+        self.fused_steps += self.trials.generation.policy.passes - before
         return results
 
     def _policy_refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:

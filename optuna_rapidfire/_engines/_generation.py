@@ -128,12 +128,22 @@ class Generation:
         setup = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
         self._turns = Turns(self._shared, name="generating-gang", setup=setup)
         self._gang, self._share_policy = list(runtimes), share_policy
+        self.trials.gang = self._gang  # a member paused at a meeting keeps its state on the device
         try:
-            return self._turns.run([functools.partial(work, runtime) for runtime in runtimes])
+            return self._turns.run([functools.partial(self._member, work, runtime) for runtime in runtimes])
         finally:
             self._turns, self._gang, self._share_policy = None, [], False
+            self.trials.gang = []
             self._shared_forward.clear()
             self.policy.close()
+
+    def _member(self, work: Callable[[TrialRuntime], Any], runtime: TrialRuntime) -> Any:
+        """A member's work in the gang; afterwards (or after its failure) no open pass waits for it."""
+        try:
+            return work(runtime)
+        finally:
+            self._shared_forward.discard(runtime)
+            self.policy.leave(runtime)
 
     # -- a gang's policy steps -------------------------------------------------------------------
 
@@ -173,10 +183,13 @@ class Generation:
             rng, training = RngState.capture(self.trials.device), self.trials.resident.module.training
             try:
                 answer = turns.meet(LogpsRequest(runtime, input_ids, attention_mask, logits_to_keep, compute_entropy))
-            except torch.cuda.OutOfMemoryError as error:
-                torch.cuda.empty_cache()
-                self._share_policy = False  # the rest of this gang's steps score alone
-                _logger.warning("A shared policy pass ran out of memory (%s); the gang's trials score alone.", error)
+            except Exception as error:  # the shared pass failed: this step (and the gang's next) score alone
+                if isinstance(error, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+                self._share_policy = False
+                _logger.warning(
+                    "A shared policy pass failed (%s: %s); the gang's trials score alone.", type(error).__name__, error
+                )
                 self.trials.resume(runtime, self._gang, rng, training)
                 return logps(
                     model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,

@@ -115,14 +115,28 @@ class PolicyPasses:
         return answers
 
     def backward(self, requests: Sequence[BackwardRequest]) -> list[None]:
-        """One backward of the members' losses; the graph is kept while a member of its pass has not come."""
+        """One backward of the members' losses; the graph is kept while a member of its pass has not come.
+
+        Other members ran since the forward pass, and PEFT may have frozen adapters meanwhile (leaving
+        ``disable_adapter()``, as TRL's reference pass does, makes only the active adapter trainable):
+        autograd would then skip their gradients. So the open passes' adapters are made trainable again
+        first.
+        """
         members = {request.runtime for request in requests}
         retain = not self._open <= members
+        self.trials.resident.set_trainable(sorted(runtime.state.adapter_name for runtime in self._open), True)
         torch.autograd.backward([request.loss for request in requests], retain_graph=retain)
         self._open -= members
         if not self._open:
             self.close()
         return [None] * len(requests)
+
+    def leave(self, runtime: TrialRuntime) -> None:
+        """The trial's work in the gang ended (a failure between its forward and backward passes included):
+        later backwards need not keep the graph for it."""
+        self._open.discard(runtime)
+        if not self._open:
+            self.close()
 
     def close(self) -> None:
         """Forget open passes (a member failed before its backward) and freeze their adapters again."""

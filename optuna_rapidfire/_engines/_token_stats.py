@@ -25,9 +25,19 @@ VOCAB_TILE = 32_768
 
 def head_settings(config: Any) -> tuple[float | None, float]:
     """The final logit soft-capping and logit scale of a model's text config (``None`` and 1.0 where it has
-    none), which the LM head's logits get before the softmax, as in TRL's fused LM head."""
+    none), which the LM head's logits get before the softmax, read as TRL's fused LM head reads them
+    (``add_fused_lm_head``, TRL 1.16): ``logit_scale``, else ``output_multiplier`` (Muse Glimmer), else
+    ``lm_head_multiplier`` (Falcon-H1), else ``logits_scaling`` (Granite and MiniCPM3 divide by it,
+    HyperCLOVA X multiplies)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     scale = getattr(text, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text, "lm_head_multiplier", None)
+    scaling = getattr(text, "logits_scaling", None)
+    if scale is None and scaling is not None:
+        scale = scaling if getattr(text, "model_type", None) == "hyperclovax" else 1 / scaling
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
 
 

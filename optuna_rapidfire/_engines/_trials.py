@@ -116,6 +116,8 @@ class DeviceTrials:
         self._current: TrialRuntime | None = None
         self._base_bytes = resident.base_nbytes()  # before any adapter is injected into the base
         self.generation = Generation(self)  # GRPO trials' completions
+        # The trials of a gang whose members run in turns: none is offloaded while another one runs.
+        self.gang: list[TrialRuntime] = []
 
     @property
     def device(self) -> torch.device:
@@ -360,7 +362,7 @@ class DeviceTrials:
         for victim in sorted(resident, key=lambda r: r.last_used):
             if used <= self.state_budget:
                 break
-            if any(victim is k for k in keep):
+            if any(victim is k for k in keep) or any(victim is k for k in self.gang):
                 continue
             used -= victim.state.nbytes()
             victim.state.offload(self.device)

@@ -71,6 +71,7 @@ class Turns(Generic[Request, Answer]):
         members' requests go to ``shared`` together and those members become ready to run again.
         """
         members = [_Member(item) for item in work]
+        interrupted: BaseException | None = None
         for position, member in enumerate(members):
             member.thread = threading.Thread(
                 target=self._body, args=(member,), name=f"{self._name}-{position}", daemon=True
@@ -87,13 +88,17 @@ class Turns(Generic[Request, Answer]):
                 answers = list(self._shared([member.request for member in waiting]))
                 if len(answers) != len(waiting):
                     raise RuntimeError(f"The shared step answered {len(answers)} of {len(waiting)} requests.")
-            except Exception as error:  # the shared step failed as a whole: every waiting member sees it
+            except BaseException as error:  # the shared step failed as a whole: every waiting member sees it
                 answers = [error] * len(waiting)
+                if not isinstance(error, Exception):  # an interrupt: raised here once the members have ended
+                    interrupted = interrupted or error
             for member, answer in zip(waiting, answers, strict=True):
                 member.request, member.answer = _NOTHING, answer
         for member in members:
             assert member.thread is not None
             member.thread.join()
+        if interrupted is not None:
+            raise interrupted
         return [member.outcome for member in members]
 
     def meet(self, request: Request) -> Answer:

@@ -4,7 +4,8 @@ The fused engine (:mod:`optuna_rapidfire._engines._fused_engine`) lays out and r
 a gang of trials of one kind; everything in it that differs between kinds is a method of the kind's
 :class:`FusedLoss`, which the engine calls and never compares names (as PEFT's LoRA layer calls its
 ``LoraVariant``): which trials the pass cannot train, which tokens carry the loss, how a micro-batch's loss
-is scaled, and the loss itself. A kind without one (GRPO) trains time-sliced.
+is scaled, and the loss itself, and the kind's evaluation metrics from a shared evaluation pass. A kind
+without one (GRPO) shares its passes otherwise (:mod:`optuna_rapidfire._engines._policy_pass`).
 
 Conventions of a pass, shared with the engine: a pass holds the micro-batches of its members one after
 another (``rows`` each); its loss tokens are listed in ``where`` (3 x tokens, on the device): each token's

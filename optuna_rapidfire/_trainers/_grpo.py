@@ -32,7 +32,8 @@ class GRPOKind(TrainerKind):
     default_metric = "eval_reward"
     needs_rewards = True
     # Generation dominates a GRPO step: the fused engine's GRPO gangs generate together, in one decode
-    # batch, and take their policy steps one trial at a time (no fused loss).
+    # batch, and share the forward and backward passes of their policy steps, each member computing TRL's
+    # own loss (no fused loss of its own: see _engines/_generation.py and _engines/_policy_pass.py).
     fused_loss = None
     samples_completions = True
 

@@ -93,6 +93,19 @@ def test_gangs_that_cannot_share_a_pass_train_time_sliced_and_say_why(make_execu
     assert "Training time-sliced, not fused: trial 0 uses a loss other than plain NLL" in caplog.text
 
 
+def test_default_packing_is_padding_free_and_trains_time_sliced(make_executor, caplog) -> None:
+    """``packing=True`` with TRL's default strategy ("bfd") packs padding-free (the trainer says so, not the
+    args' ``padding_free``): the fused pass, which drops the packed rows' positions, refuses it."""
+    configs = [(lora(r=4), sft_args(packing=True, max_length=64)), (lora(r=2), sft_args(packing=True, max_length=64))]
+    executor = make_executor(engine="fused", num_chunks=2, max_concurrent_trials=2)
+    study = optuna.create_study()
+    with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+        executor.optimize(study, by_number(configs), n_trials=2)
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    assert "Training time-sliced, not fused: trial 0 uses padding-free packing" in caplog.text
+    assert executor.stats().fused_steps == 0
+
+
 def _with_dropout(trial: optuna.Trial):
     peft_config, args = configure(trial)
     peft_config.lora_dropout = 0.2

@@ -117,6 +117,69 @@ def test_a_grpo_trial_generates_and_trains_the_same_alone_and_in_a_gang(
         assert_within_rounding(_numbers(fused_metrics[position]), _numbers(sliced_metrics[position]), terms=terms)
 
 
+def test_a_member_out_of_phase_with_a_kl_member_trains_as_alone(
+    make_executor, monkeypatch, prompts, tiny_model
+) -> None:
+    """A member whose shared pass is still open while another member computes its reference (adapters
+    off, as TRL does for ``beta`` > 0) still gets its whole gradient: the other finishes its chunk first
+    (fewer steps) and evaluates while this one trains, and this one trains as alone."""
+    early = (lora(r=4), grpo_args(seed=1, beta=0.1))  # 2 prompts a step: its chunk ends first
+    late = (lora(r=2), grpo_args(seed=2, per_device_train_batch_size=2, num_generations=2))
+    alone, alone_metrics, _ = _run(make_executor, monkeypatch, prompts, [late], "fused")
+    gang, gang_metrics, stats = _run(make_executor, monkeypatch, prompts, [early, late], "fused")
+    assert stats.fused_steps > 0
+    assert gang[1] == alone[0]
+    terms = gradient_terms(AutoConfig.from_pretrained(tiny_model), rows=8, length=64)
+    assert_within_rounding(_numbers(gang_metrics[1]), _numbers(alone_metrics[0]), terms=terms)
+
+
+def test_no_member_of_a_running_gang_is_offloaded(make_executor, prompts) -> None:
+    """With a state budget that fits no trial, members still paused at a meeting keep their states on the
+    device while the others run (the decode and the shared passes read them)."""
+    from optuna_rapidfire._engines._trials import DeviceTrials
+    from optuna_rapidfire._state import SwapState
+
+    offloaded_in_gang = []
+    offload, fit = SwapState.offload, DeviceTrials._fit_budget
+
+    def fitting(self, keep):
+        self._fitting_gang = list(self.gang)
+        return fit(self, keep)
+
+    def recording(state, device):
+        for trials in live:
+            if any(member.state is state for member in getattr(trials, "_fitting_gang", [])):
+                offloaded_in_gang.append(state.adapter_name)
+        return offload(state, device)
+
+    live: list = []
+    init = DeviceTrials.__init__
+
+    def tracking(self, **kwargs):
+        init(self, **kwargs)
+        live.append(self)
+
+    train, evaluation = prompts
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DeviceTrials, "__init__", tracking)
+        patch.setattr(DeviceTrials, "_fit_budget", fitting)
+        patch.setattr(SwapState, "offload", recording)
+        executor = make_executor(
+            engine="fused",
+            schedule="lockstep",
+            train_dataset=train,
+            eval_dataset=evaluation,
+            num_chunks=2,
+            max_concurrent_trials=2,
+            reward_funcs=[vowel_reward],
+            state_memory_budget=1,
+        )
+        study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+        executor.optimize(study, by_number([(lora(r=4), grpo_args()), (lora(r=2), grpo_args(seed=3))]), n_trials=2)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    assert executor.stats().fused_steps > 0 and not offloaded_in_gang
+
+
 def _numbers(chunks: list[dict[str, float]]) -> dict[str, float]:
     """A trial's chunk metrics as one flat mapping (chunk/name -> value), wall times left out."""
     return {

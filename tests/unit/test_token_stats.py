@@ -41,6 +41,21 @@ def test_the_chunked_kernel_gives_what_the_full_logits_give(monkeypatch, softcap
     assert bool((full_lp < 0).all())  # real log-probabilities: the comparison can fail
 
 
+@pytest.mark.parametrize(
+    ("settings", "scale"),
+    [
+        ({}, 1.0),
+        ({"logit_scale": 0.5, "logits_scaling": 4.0}, 0.5),
+        ({"output_multiplier": 2.0}, 2.0),
+        ({"lm_head_multiplier": 3.0}, 3.0),
+        ({"logits_scaling": 4.0, "model_type": "granite"}, 0.25),
+        ({"logits_scaling": 4.0, "model_type": "hyperclovax"}, 4.0),
+    ],
+)
+def test_the_logit_scale_is_read_as_trls_fused_head_reads_it(settings, scale) -> None:
+    assert _token_stats.head_settings(types.SimpleNamespace(**settings)) == (None, scale)
+
+
 def test_only_the_statistics_asked_for_are_computed() -> None:
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     config = types.SimpleNamespace()

@@ -58,6 +58,16 @@ def test_a_members_failure_and_a_failed_answer_stay_its_own() -> None:
     assert results[2] == 6
 
 
+def test_an_interrupt_in_the_shared_step_ends_the_members_then_is_raised() -> None:
+    def shared(requests: list[int]) -> list[int]:
+        raise KeyboardInterrupt
+
+    turns: Turns[int, int] = Turns(shared)
+    with pytest.raises(KeyboardInterrupt):
+        turns.run([lambda: turns.meet(1), lambda: turns.meet(2)])
+    assert threading.active_count() == 1 or all(not t.name.startswith("turn-") for t in threading.enumerate())
+
+
 def test_each_member_thread_is_set_up_first() -> None:
     local = threading.local()
     turns: Turns[int, int] = Turns(lambda requests: requests, setup=lambda: setattr(local, "ready", True))
