@@ -2,6 +2,7 @@
 
     CUDA_VISIBLE_DEVICES=0 python -m benchmarks.run --parts throughput,scale --out benchmarks/results
     CUDA_VISIBLE_DEVICES=0 python -m benchmarks.run --parts search --out benchmarks/results  # benchmarks/search.py
+    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.run --parts fused,grpo --out benchmarks/results  # benchmarks/grpo.py
     python -m benchmarks.run --parts multi_gpu --out benchmarks/results            # two GPUs
     python -m benchmarks.run --smoke --parts all --out /tmp/bench                  # CPU, tiny model, minutes
 
@@ -26,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import optuna
 import torch
@@ -96,8 +97,26 @@ def build_model(shape: str, tokenizer_dir: str) -> tuple[LlamaForCausalLM, Any]:
     return model, tokenizer
 
 
+TARGETS = {
+    "attn": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
 def lora(rank: int = 16) -> LoraConfig:
-    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS["attn"])
+
+
+def trial_lora(params: dict[str, Any]) -> LoraConfig:
+    """A trial's LoRA from its params: rank ``r`` (alpha 2r), ``targets`` (attention unless given),
+    ``lora_dropout`` (0 unless given). ``{"r": 16}`` is :func:`lora`'s config."""
+    rank = int(params["r"])
+    return LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=TARGETS[params.get("targets", "attn")],
+        lora_dropout=float(params.get("lora_dropout", 0.0)),
+    )
 
 
 def sft_args(learning_rate: float, batch: int, **overrides: Any) -> SFTConfig:
@@ -131,6 +150,31 @@ def _configure(trial: optuna.Trial, batch: int) -> tuple[LoraConfig, SFTConfig]:
     lr = trial.suggest_float("learning_rate", 1e-5, 1e-2, log=True)
     rank = trial.suggest_categorical("r", [8, 16])
     return lora(rank), sft_args(lr, batch)
+
+
+def mixed_params(index: int) -> dict[str, Any]:
+    """Trial ``index`` of a mixed gang: ranks 8, 16, 32, 64 in turn (alpha 2r), attention-only or
+    all-linear targets (each rank gets both in a gang of 8), dropout 0, 0.05, 0.1 in turn."""
+    return {
+        "learning_rate": 1e-4 * (1 + index),
+        "r": (8, 16, 32, 64)[index % 4],
+        "targets": ("attn", "all")[(index + index // 4) % 2],
+        "lora_dropout": (0.0, 0.05, 0.1)[index % 3],
+    }
+
+
+def configure_mixed(batch: int) -> Callable[[optuna.Trial], tuple[LoraConfig, SFTConfig]]:
+    return functools.partial(_configure_mixed, batch=batch)
+
+
+def _configure_mixed(trial: optuna.Trial, batch: int) -> tuple[LoraConfig, SFTConfig]:
+    params: dict[str, Any] = {
+        "learning_rate": trial.suggest_float("learning_rate", 1e-5, 1e-2, log=True),
+        "r": trial.suggest_categorical("r", [8, 16, 32, 64]),
+        "targets": trial.suggest_categorical("targets", list(TARGETS)),
+        "lora_dropout": trial.suggest_categorical("lora_dropout", [0.0, 0.05, 0.1]),
+    }
+    return trial_lora(params), sft_args(params["learning_rate"], batch)
 
 
 def configure_dpo(batch: int) -> Callable[[optuna.Trial], tuple[LoraConfig, Any]]:
@@ -441,30 +485,45 @@ class Bench:
 
         return search.run(self.options, lambda data: self.save("search", data))
 
+    def grpo(self, shape: str) -> dict[str, Any]:
+        """GRPO trials fused against time-sliced, and against the decode ceiling (benchmarks/grpo.py)."""
+        from benchmarks import grpo
+
+        return grpo.run(self, shape, lambda data: self.save("grpo", data))
+
     # (e)
     def fused(self, shape: str) -> dict[str, Any]:
-        """The fused engine against time slicing and against one adapter at saturation (issue 7).
+        """The fused engine against time slicing, against one adapter at saturation (issue 7), and with
+        mixed gangs, over a whole study and against plain-TRL processes sharing the GPU (issue 14).
 
-        Every configuration is a real study through the executor (chunks, per-chunk eval and reports);
-        tokens/s count training only, over each trial's chunks after its first.
+        Every executor configuration is a real study through the executor (chunks, per-chunk eval and
+        reports); tokens/s count training only, over each trial's chunks after its first. The
+        ``processes_*`` runs are one plain-TRL process per trial (benchmarks/processes.py).
         """
         k = 8 if not self.smoke else 3
-        # (label, engine, trials, per-trial batch, GSM8K examples per trial)
         configs = [
-            ("ceiling_bs32", "time_sliced", 1, 32, 2048),
-            (f"time_sliced_k{k}_bs2", "time_sliced", k, 2, 192),
-            (f"fused_k{k}_bs2", "fused", k, 2, 192),
-            ("time_sliced_k4_bs16", "time_sliced", 4, 16, 1024),
-            ("fused_k4_bs16", "fused", 4, 16, 1024),
-            ("time_sliced_k2_bs32", "time_sliced", 2, 32, 1024),
-            ("fused_k2_bs32", "fused", 2, 32, 1024),
-            (f"dpo_time_sliced_k{k}_bs2", "time_sliced", k, 2, 96),
-            (f"dpo_fused_k{k}_bs2", "fused", k, 2, 96),
+            FusedRun("ceiling_bs32", "time_sliced", 1, 32, 2048),
+            FusedRun(f"time_sliced_k{k}_bs2", "time_sliced", k, 2, 192),
+            FusedRun(f"fused_k{k}_bs2", "fused", k, 2, 192),
+            FusedRun(f"processes_k{k}_bs2", "processes", k, 2, 192),
+            FusedRun(f"fused_mixed_k{k}_bs2", "fused", k, 2, 192, "mixed"),
+            FusedRun(f"processes_mixed_k{k}_bs2", "processes", k, 2, 192, "mixed"),
+            FusedRun(f"time_sliced_mixed_k{k}_bs2", "time_sliced", k, 2, 192, "mixed"),
+            FusedRun(f"same_rows_bs{2 * k}", "time_sliced", 1, 2 * k, 1024),
+            # A whole study of 8 chunks: 4x the rows of fused_k8_bs2 (about 18 steps per chunk), which keeps
+            # its 4 chunks of 192 examples so that its numbers compare with earlier runs.
+            FusedRun(f"fused_study_k{k}_bs2", "fused", k, 2, 768, chunks=8),
+            FusedRun("time_sliced_k4_bs16", "time_sliced", 4, 16, 1024),
+            FusedRun("fused_k4_bs16", "fused", 4, 16, 1024),
+            FusedRun("time_sliced_k2_bs32", "time_sliced", 2, 32, 1024),
+            FusedRun("fused_k2_bs32", "fused", 2, 32, 1024),
+            FusedRun(f"dpo_time_sliced_k{k}_bs2", "time_sliced", k, 2, 96, "dpo"),
+            FusedRun(f"dpo_fused_k{k}_bs2", "fused", k, 2, 96, "dpo"),
         ]
         if self.smoke:
-            configs = [(label, engine, trials, batch, 32) for label, engine, trials, batch, _ in configs]
+            configs = [c._replace(examples=32) for c in configs]
         if self.options.fused_runs:  # measure only these, keeping the other runs of --out/fused.json
-            configs = [c for c in configs if c[0] in self.options.fused_runs.split(",")]
+            configs = [c for c in configs if c.label in self.options.fused_runs.split(",")]
         result: dict[str, Any] = {"model": shape, "pass_tokens": PASS_TOKENS, "num_chunks": 4, "runs": {}}
         reported: dict[str, list[dict[int, float]]] = {}
         earlier = Path(self.options.out) / "fused.json"
@@ -474,40 +533,59 @@ class Bench:
             reported = kept.get("reported", {})
             key = "per_chunk_values_max_relative_difference"
             result[key] = kept.get(key, {})
-        for label, engine, trials, batch, examples in configs:
-            dpo = label.startswith("dpo")
-            configure = configure_dpo(batch) if dpo else configure_from_params(batch)
-            executor = self.executor(shape, examples, 4, trials, engine=engine, data="preference" if dpo else "text")
+        for run in configs:
+            params = [_trial_params(run.kind, i) for i in range(run.trials)]
+            if run.engine == "processes":
+                from benchmarks.processes import run_processes
+
+                measured = run_processes(shape, self.tokenizer_dir, params, run.batch, run.examples)
+                result["runs"][run.label] = {**measured, "kind": run.kind, "examples": run.examples}
+                print(f"fused part, {run.label}: {measured['tokens_per_second']:.0f} tokens/s", flush=True)
+                self.save("fused", result)
+                continue
+            configure = {"sft": configure_from_params, "mixed": configure_mixed, "dpo": configure_dpo}[run.kind]
+            executor = self.executor(
+                shape,
+                run.examples,
+                run.chunks,
+                run.trials,
+                engine=run.engine,
+                data="preference" if run.kind == "dpo" else "text",
+            )
             study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-            for i in range(trials):
-                study.enqueue_trial({"learning_rate": 1e-4 * (1 + i), "r": 16})
-            executor.objective(configure)  # loads the model
+            for trial_params in params:
+                study.enqueue_trial(trial_params)
+            executor.objective(configure(run.batch))  # loads the model
             _reset_peak()
             with Recorder() as recorder:
                 start = time.perf_counter()
-                executor.optimize(study, configure, n_trials=trials)
+                executor.optimize(study, configure(run.batch), n_trials=run.trials)
                 wall = time.perf_counter() - start
-            if self.options.profile and engine == "fused" and batch == 2:
-                self._profile(executor, trials, batch, f"{label}_profile.txt")
-            steps = executor.stats().fused_steps if engine == "fused" else None
-            result["runs"][label] = {
-                "engine": engine,
-                "trials": trials,
-                "batch": batch,
+            if self.options.profile and run.engine == "fused" and run.batch == 2 and run.kind == "sft":
+                self._profile(executor, run.trials, run.batch, f"{run.label}_profile.txt")
+            steps = executor.stats().fused_steps if run.engine == "fused" else None
+            result["runs"][run.label] = {
+                "engine": run.engine,
+                "kind": run.kind,
+                "trials": run.trials,
+                "batch": run.batch,
+                "examples": run.examples,
+                "num_chunks": run.chunks,
                 "tokens": recorder.tokens,
                 "tokens_per_second": recorder.steady_tokens_per_second(),
                 "wall_seconds": wall,
+                "wall_tokens_per_second": recorder.tokens / wall,
                 "eval_seconds": recorder.eval_seconds,
                 "fused_steps": steps,
                 "peak_memory_gb": _peak_memory_gb(),
                 "failed": sum(t.state != optuna.trial.TrialState.COMPLETE for t in study.trials),
             }
-            reported[label] = [
+            reported[run.label] = [
                 {int(step): v for step, v in t.intermediate_values.items()}
                 for t in sorted(study.trials, key=lambda t: t.number)
             ]
             result["reported"] = reported
-            print(f"fused part, {label}: {result['runs'][label]['tokens_per_second']:.0f} tokens/s", flush=True)
+            print(f"fused part, {run.label}: {result['runs'][run.label]['tokens_per_second']:.0f} tokens/s", flush=True)
             _drop(executor)
             self.save("fused", result)
         _fused_ratios(result, k)
@@ -615,6 +693,25 @@ class Bench:
         return result
 
 
+class FusedRun(NamedTuple):
+    """One run of the fused part."""
+
+    label: str
+    engine: str  # "time_sliced", "fused", or "processes": one plain-TRL process per trial
+    trials: int
+    batch: int  # per trial
+    examples: int  # GSM8K examples per trial
+    kind: str = "sft"  # "sft" (LoRA r16 on q, k, v, o), "mixed" (mixed_params), "dpo"
+    chunks: int = 4
+
+
+def _trial_params(kind: str, index: int) -> dict[str, Any]:
+    """The params trial ``index`` of a fused-part run is enqueued with (and a process trains with)."""
+    if kind == "mixed":
+        return mixed_params(index)
+    return {"learning_rate": 1e-4 * (1 + index), "r": 16}
+
+
 def _fused_ratios(result: dict[str, Any], k: int) -> None:
     """The fused part's ratios, from whichever of its runs ``result`` holds."""
     tps = {label: run["tokens_per_second"] for label, run in result["runs"].items()}
@@ -627,10 +724,26 @@ def _fused_ratios(result: dict[str, Any], k: int) -> None:
         "fused_over_time_sliced_at_saturation": ("fused_k4_bs16", "time_sliced_k4_bs16"),
         "fused_over_time_sliced_k2_bs32": ("fused_k2_bs32", "time_sliced_k2_bs32"),
         "dpo_fused_over_time_sliced_k8": (f"dpo_fused_k{k}_bs2", f"dpo_time_sliced_k{k}_bs2"),
+        "fused_mixed_k8_bs2_over_ceiling": (f"fused_mixed_k{k}_bs2", "ceiling_bs32"),
+        "fused_mixed_over_time_sliced_k8": (f"fused_mixed_k{k}_bs2", f"time_sliced_mixed_k{k}_bs2"),
+        "fused_over_parallel_processes": (f"fused_k{k}_bs2", f"processes_k{k}_bs2"),
+        "fused_mixed_over_parallel_processes": (f"fused_mixed_k{k}_bs2", f"processes_mixed_k{k}_bs2"),
     }
     for key, (ours, theirs) in ratios.items():
         if ours in tps and theirs in tps:
             result[key] = tps[ours] / tps[theirs]
+    # Peak memory: a gang against one adapter at the gang's total rows, and against the processes' sum.
+    peaks = {label: run["peak_memory_gb"] for label, run in result["runs"].items()}
+    memory = {
+        "fused_memory_over_same_rows": (f"fused_k{k}_bs2", f"same_rows_bs{2 * k}"),
+        "fused_memory_over_parallel_processes": (f"fused_k{k}_bs2", f"processes_k{k}_bs2"),
+    }
+    for key, (ours, theirs) in memory.items():
+        if ours in peaks and theirs in peaks:
+            result[key] = peaks[ours] / peaks[theirs]
+    study = result["runs"].get(f"fused_study_k{k}_bs2")
+    if study:  # tokens over the study's whole wall time (building, evaluation, reports) against steady training
+        result["fused_study_wall_over_steady"] = study["tokens"] / study["wall_seconds"] / study["tokens_per_second"]
     # The same trials on both engines report per-chunk eval losses that differ by bf16 rounding only.
     diffs = result.setdefault("per_chunk_values_max_relative_difference", {})
     for name in (f"k{k}_bs2", "k4_bs16", "k2_bs32", f"dpo_k{k}_bs2"):
@@ -639,6 +752,18 @@ def _fused_ratios(result: dict[str, Any], k: int) -> None:
             sliced, fused = f"dpo_time_sliced_{name[4:]}", f"dpo_fused_{name[4:]}"
         if sliced in reported and fused in reported:
             diffs[name] = _max_relative_difference(reported[sliced], reported[fused])
+
+
+FUSED_ISSUE_14_KEYS = (
+    "fused_mixed_k8_bs2_over_ceiling",
+    "fused_mixed_over_time_sliced_k8",
+    "fused_study_wall_over_steady",
+    "fused_over_parallel_processes",
+    "fused_mixed_over_parallel_processes",
+    "fused_memory_over_same_rows",
+    "fused_memory_over_parallel_processes",
+)
+"""The fused part's summary keys of issue 14 (mixed gangs, whole study, plain-TRL processes, memory)."""
 
 
 def _max_relative_difference(a: list[dict[int, float]], b: list[dict[int, float]]) -> float | None:
@@ -715,7 +840,7 @@ def rebuild(out: Path) -> None:
         return json.loads(path.read_text()) if path.exists() else None
 
     summary: dict[str, Any] = {}
-    parts = {name: load(name) for name in ("throughput", "scale", "search", "fused", "multi_gpu")}
+    parts = {name: load(name) for name in ("throughput", "scale", "search", "fused", "grpo", "multi_gpu")}
     first = next((data for data in parts.values() if data), None)
     summary["device"] = ((first or {}).get("machine", {}).get("gpus") or ["cpu"])[0]
     throughput = parts["throughput"]
@@ -742,9 +867,16 @@ def rebuild(out: Path) -> None:
             "fused_over_time_sliced_at_saturation",
             "fused_over_time_sliced_k2_bs32",
             "dpo_fused_over_time_sliced_k8",
+            *FUSED_ISSUE_14_KEYS,
         ):
             if key in fused:
                 summary[key] = fused[key]
+    grpo = parts["grpo"]
+    if grpo:
+        from benchmarks import grpo as grpo_part
+
+        grpo_part.ratios(grpo)
+        summary.update({key: grpo[key] for key in grpo_part.KEYS if key in grpo})
     multi = parts["multi_gpu"]
     if multi:
         summary["two_gpu_over_one_gpu_throughput"] = multi["two_gpu_over_one_gpu_throughput"]
@@ -815,6 +947,10 @@ def _markdown(out: Path) -> str:
             "",
             f"## Fused engine ({data['model']}, LoRA r16, 512-token rows, real studies through the executor)",
             "",
+            "mixed: ranks 8-64, attention-only or all-linear targets, dropout 0-0.1; processes: one plain-TRL "
+            "process per trial sharing the GPU, tokens/s from the go to the last end, peak = the sum of the "
+            "processes' peaks (CUDA contexts not included).",
+            "",
             "| run | engine | trials x batch | training tok/s | wall s | peak GB |",
             "|---|---|---|---|---|---|",
         ]
@@ -829,6 +965,13 @@ def _markdown(out: Path) -> str:
             "at K=4 batch 16 (saturation)": "fused_over_time_sliced_at_saturation",
             "at K=2 batch 32": "fused_over_time_sliced_k2_bs32",
             "DPO fused / time-sliced at K=8 batch 2": "dpo_fused_over_time_sliced_k8",
+            "mixed gang fused / ceiling": "fused_mixed_k8_bs2_over_ceiling",
+            "mixed gang fused / time-sliced": "fused_mixed_over_time_sliced_k8",
+            "fused study of 8 chunks, tokens over its whole wall time / steady": "fused_study_wall_over_steady",
+            "fused / plain-TRL processes sharing the GPU": "fused_over_parallel_processes",
+            "mixed, fused / processes": "fused_mixed_over_parallel_processes",
+            "peak memory, fused gang / one adapter at the gang's rows": "fused_memory_over_same_rows",
+            "peak memory, fused gang / the processes' summed peaks": "fused_memory_over_parallel_processes",
         }
         said = [f"{text}: {data[key]:.3f}" for text, key in ratios.items() if key in data]
         diffs = data.get("per_chunk_values_max_relative_difference", {})
@@ -838,6 +981,11 @@ def _markdown(out: Path) -> str:
                 "Largest relative difference of the per-chunk eval losses the same trials reported on the two "
                 "engines (bf16): " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items() if v is not None) + "."
             )
+    data = load("grpo")
+    if data:
+        from benchmarks import grpo as grpo_part
+
+        lines += grpo_part.markdown(data)
     data = load("fused_bf16")
     if data:
         lines += [
@@ -902,6 +1050,12 @@ def _plots(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    grpo_path = out / "grpo.json"
+    if grpo_path.exists():
+        from benchmarks import grpo as grpo_part
+
+        grpo_part.plot(json.loads(grpo_path.read_text()), out / "grpo.png")
+
     scale_path = out / "scale.json"
     throughput_path = out / "throughput.json"
     fused_path = out / "fused.json"
@@ -949,11 +1103,13 @@ def _plots(out: Path) -> None:
         fused_runs = json.loads(fused_path.read_text())["runs"]
         labels = list(fused_runs)
         colors = ["gray" if r["engine"] == "time_sliced" and r["trials"] == 1 else "C0" for r in fused_runs.values()]
-        colors = [c if r["engine"] != "fused" else "C1" for c, r in zip(colors, fused_runs.values(), strict=True)]
+        engines = {"fused": "C1", "processes": "C2"}
+        colors = [engines.get(r["engine"], c) for c, r in zip(colors, fused_runs.values(), strict=True)]
         axes[2].bar(labels, [r["tokens_per_second"] for r in fused_runs.values()], color=colors)
         axes[2].set_ylabel("training tokens / s")
-        axes[2].tick_params(axis="x", labelrotation=30)
-        axes[2].set_title("Fused (orange), time-sliced (blue), ceiling (gray)", fontsize=10)
+        axes[2].tick_params(axis="x", labelrotation=60, labelsize=7)
+        plt.setp(axes[2].get_xticklabels(), ha="right", rotation_mode="anchor")
+        axes[2].set_title("Fused (orange), time-sliced (blue),\none adapter (gray), TRL processes (green)", fontsize=10)
     figure.tight_layout()
     figure.savefig(out / "performance.png", dpi=120)
 
@@ -961,7 +1117,7 @@ def _plots(out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--parts", default="throughput,scale", help="throughput, scale, search, fused, multi_gpu or all"
+        "--parts", default="throughput,scale", help="throughput, scale, search, fused, grpo, multi_gpu or all"
     )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--batch", type=int, default=4, help="per-trial batch of 512-token rows")
@@ -988,13 +1144,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--fused-runs", default="", help="fused part: only these runs (comma-separated), merged into --out/fused.json"
     )
+    parser.add_argument(
+        "--grpo-runs", default="", help="grpo part: only these runs (comma-separated), merged into --out/grpo.json"
+    )
     options = parser.parse_args(argv)
     if options.rebuild:
         rebuild(Path(options.out))
         return
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    known = ["throughput", "scale", "search", "fused", "multi_gpu"]
+    known = ["throughput", "scale", "search", "fused", "grpo", "multi_gpu"]
     parts = known if options.parts == "all" else options.parts.split(",")
     unknown = sorted(set(parts) - set(known))
     if unknown:
@@ -1017,7 +1176,7 @@ def main(argv: list[str] | None = None) -> None:
             for shape in shapes:
                 results[part]["runs"].append(bench.throughput(shape))
                 bench.save(part, results[part])
-        elif part in ("scale", "search", "fused", "multi_gpu"):
+        elif part in ("scale", "search", "fused", "grpo", "multi_gpu"):
             results[part] = getattr(bench, part)(shapes[0])
         else:
             raise SystemExit(f"unknown part {part!r}")

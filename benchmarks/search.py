@@ -795,10 +795,7 @@ def _worker_main(spec_path: str) -> None:
     base = Path(spec["base"])
     ready = time.time()
     warm = warm_up(settings, base)
-    (sync / f"ready-{index}").touch()
-    while not (sync / "go").exists():
-        time.sleep(0.01)
-    go = float((sync / "go").read_text())
+    go = wait_for_go(sync, index)
     result: dict[str, Any] = {"index": index, "started": ready - spec["spawned"], "warm_up": warm}
     if spec["mode"] == "calibrate":
         run = trl_trial(
@@ -833,11 +830,23 @@ def _worker_main(spec_path: str) -> None:
     (sync / f"result-{index}.json").write_text(json.dumps(result))
 
 
-def spawn_workers(specs: list[dict[str, Any]], stop_when_done: bool) -> list[dict[str, Any]]:
+def wait_for_go(sync: Path, index: int) -> float:
+    """A worker's side of :func:`spawn_workers`: say it is ready, wait until every worker is; the go time."""
+    (sync / f"ready-{index}").touch()
+    while not (sync / "go").exists():
+        time.sleep(0.01)
+    return float((sync / "go").read_text())
+
+
+def spawn_workers(
+    specs: list[dict[str, Any]], stop_when_done: bool, module: str = "benchmarks.search"
+) -> list[dict[str, Any]]:
     """Start one worker process per spec, let them go together once all are warm, collect their results.
 
     ``stop_when_done``: tell every worker to stop once all have trained their timed chunks, so each timed
-    chunk ran with every other process still training.
+    chunk ran with every other process still training. ``module``: the workers' code, run as ``python -m
+    module --worker SPEC``; a worker reads its spec (with ``index`` and the folder ``dir``), calls
+    :func:`wait_for_go` once it is ready and writes ``result-<index>.json`` in ``dir`` last.
     """
     sync = Path(tempfile.mkdtemp(prefix="search-workers-"))
     procs = []
@@ -845,7 +854,7 @@ def spawn_workers(specs: list[dict[str, Any]], stop_when_done: bool) -> list[dic
         spec = {**spec, "index": index, "dir": str(sync), "spawned": time.time()}
         path = sync / f"spec-{index}.json"
         path.write_text(json.dumps(spec))
-        command = [sys.executable, "-m", "benchmarks.search", "--worker", str(path)]
+        command = [sys.executable, "-m", module, "--worker", str(path)]
         with (sync / f"log-{index}.txt").open("w") as log:
             procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd()))
 

@@ -1,0 +1,396 @@
+"""The grpo part (issue 15): GRPO trials fused against time-sliced, and the gang's decodes against the ceiling.
+
+    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.run --parts grpo --out benchmarks/results
+    python -m benchmarks.run --parts grpo --smoke --out /tmp/bench      # CPU dry run, tiny sizes
+
+Runs, in this order (``--grpo-runs`` measures some of them and merges them into ``--out/grpo.json``):
+
+- ``grpo_fused_k8`` and ``grpo_time_sliced_k8``: one real study each through the executor, 8 GRPO trials
+  (see :data:`GPU` for the sizes), schedule ``"lockstep"`` on both engines, so that the fused engine's gang
+  holds every trial. Wall time is the whole study (trainer builds, generation, rewards, policy steps,
+  per-chunk evaluation, which generates too); the model is loaded before the clock starts. Every decode
+  the engine runs (``Generation._decode``: a trial alone, or the members of a gang together) is timed with
+  the device synchronized before and after, and its generated tokens are counted from the completions.
+- ``decode_ceiling``: a fresh model of the same shape with one LoRA adapter (r16), and one call of
+  :func:`~optuna_rapidfire._engines._fused_decode.decode` with ONE request holding the rows of one of the
+  gang's decodes (trials x completions per step: GSM8K train prompts, tokenized as TRL does, each
+  repeated per generation), with the trials' sampling settings (TRL's defaults: temperature 1, no top-k or
+  top-p) and precision: once to warm up, then timed :data:`CEILING_REPEATS` times (median).
+
+The model has random weights, so it almost never samples EOS: completions run to ``max_completion_length``
+(a trained model's would often stop sooner) and the rewards, hence the advantages, are about 0; a step's
+work does not depend on the rewards. The ceiling's prompts are the first train prompts; the gang's are
+each trial's own shuffled ones: both record the widest prompt of their decodes (``prompt_width``).
+
+Ratios: ``grpo_fused_over_time_sliced_k8`` = time-sliced wall / fused wall; ``grpo_generation_over_ceiling``
+= generated tokens / seconds inside the fused study's decodes that served the whole gang, over the
+ceiling's generated tokens / second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import optuna
+import torch
+from peft import LoraConfig, get_peft_model
+from trl import GRPOConfig
+
+from benchmarks.run import _drop, _peak_memory_gb, _reset_peak, _sync, build_model, lora
+from optuna_rapidfire import RapidFireExecutor
+from optuna_rapidfire._engines._fused_decode import DecodeRequest, decode
+from optuna_rapidfire._engines._generation import Generation
+from optuna_rapidfire._engines._trials import DeviceTrials
+from optuna_rapidfire.demo import gsm8k_reward, load_gsm8k
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from benchmarks.run import Bench
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Sizes of the GRPO studies (the same for both engines)."""
+
+    trials: int
+    prompts: int  # GSM8K train prompts every trial trains on, once
+    num_chunks: int
+    eval_prompts: int  # GSM8K test prompts of every evaluation (after each chunk)
+    generations: int  # completions per prompt (num_generations, for evaluation too)
+    batch: int  # completions per step and per decode (per_device_train_batch_size, eval batch too)
+    completion: int  # max_completion_length
+
+
+GPU = Sizes(trials=8, prompts=64, num_chunks=2, eval_prompts=16, generations=4, batch=16, completion=32)
+"""8 trials, each 64 prompts in 2 chunks: 16 decodes of 16 rows (4 prompts x 4 completions) for training
+and 4 per evaluation (16 test prompts), up to 32 tokens each; a fused gang's decode holds 128 rows."""
+SMOKE = Sizes(trials=3, prompts=8, num_chunks=2, eval_prompts=4, generations=4, batch=8, completion=4)
+CEILING_REPEATS = 3
+KEYS = ("grpo_fused_over_time_sliced_k8", "grpo_generation_over_ceiling")
+
+
+def params(index: int) -> dict[str, Any]:
+    """Trial ``index``'s params: learning rates 1e-5 to 8e-5, KL beta 0 and 0.04 in turn, its own seed."""
+    return {"learning_rate": 1e-5 * (1 + index), "beta": (0.0, 0.04)[index % 2], "seed": index}
+
+
+def grpo_args(learning_rate: float, beta: float, seed: int, sizes: Sizes) -> GRPOConfig:
+    gpu = torch.cuda.is_available()
+    return GRPOConfig(
+        learning_rate=learning_rate,
+        beta=beta,
+        num_generations=sizes.generations,
+        per_device_train_batch_size=sizes.batch,
+        per_device_eval_batch_size=sizes.batch,
+        max_completion_length=sizes.completion,
+        num_train_epochs=1,
+        bf16=gpu,
+        use_cpu=not gpu,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=seed,
+    )
+
+
+def _configure(trial: optuna.Trial, sizes: Sizes) -> tuple[LoraConfig, GRPOConfig]:
+    lr = trial.suggest_float("learning_rate", 1e-6, 1e-3, log=True)
+    beta = trial.suggest_categorical("beta", [0.0, 0.04])
+    seed = trial.suggest_int("seed", 0, 1000)
+    return lora(16), grpo_args(lr, beta, seed, sizes)
+
+
+class DecodeLog:
+    """Every decode an engine runs: its requests, rows, widest prompt, generated tokens, seconds (device
+    synchronized before and after) and phase ("train", "eval", "check": the metric-name check of the first
+    trial built, or "mixed"). Hooks ``Generation._decode`` and ``DeviceTrials.evaluate``."""
+
+    def __init__(self) -> None:
+        self.decodes: list[dict[str, Any]] = []
+        self.settings: dict[str, Any] | None = None  # the first request's sampling settings
+        self._phase: dict[str, str] = {}  # adapter -> "eval" or "check" while its trial evaluates
+        self._originals: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> DecodeLog:
+        log = self
+        run_decode, evaluate = self._originals = (Generation._decode, DeviceTrials.evaluate)
+
+        def timed(generation: Generation, requests: Any, first: Any) -> Any:
+            phases = {log._phase.get(r.adapter, "train") for r in requests}
+            _sync()
+            start = time.perf_counter()
+            out = run_decode(generation, requests, first)
+            _sync()
+            seconds = time.perf_counter() - start
+            if log.settings is None:
+                log.settings = _settings(requests[0])
+            log.decodes.append(
+                {
+                    "requests": len(requests),
+                    "rows": sum(len(r.prompts) for r in requests),
+                    "prompt_width": max(len(p) for r in requests for p in r.prompts),
+                    "tokens": sum(len(c) for completions in out for c in completions),
+                    "seconds": seconds,
+                    "phase": phases.pop() if len(phases) == 1 else "mixed",
+                }
+            )
+            return out
+
+        def flagged(trials: DeviceTrials, runtime: Any, max_batches: int | None = None) -> Any:
+            name = runtime.state.adapter_name
+            log._phase[name] = "eval" if max_batches is None else "check"
+            try:
+                return evaluate(trials, runtime, max_batches)
+            finally:
+                log._phase.pop(name, None)
+
+        Generation._decode = timed  # type: ignore[method-assign,assignment]
+        DeviceTrials.evaluate = flagged  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._originals is not None
+        Generation._decode, DeviceTrials.evaluate = self._originals  # type: ignore[method-assign]
+
+
+def _settings(request: DecodeRequest) -> dict[str, Any]:
+    keep = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
+    return {name: getattr(request, name) for name in keep} | {"eos_token_ids": list(request.eos_token_ids)}
+
+
+def _totals(decodes: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens, seconds = sum(d["tokens"] for d in decodes), sum(d["seconds"] for d in decodes)
+    return {
+        "decodes": len(decodes),
+        "rows": sum(d["rows"] for d in decodes),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds else None,
+    }
+
+
+def run_study(bench: Bench, shape: str, engine: Literal["fused", "time_sliced"], sizes: Sizes) -> dict[str, Any]:
+    """One study of ``sizes.trials`` GRPO trials on ``engine`` (lock-step); whole wall time and every decode."""
+    executor = RapidFireExecutor(
+        model=bench.factory(shape),
+        train_dataset=load_gsm8k("train", num_rows=sizes.prompts, format="prompt_only"),
+        eval_dataset=load_gsm8k("test", num_rows=sizes.eval_prompts, format="prompt_only"),
+        eval_samples=None,
+        reward_funcs=[gsm8k_reward],
+        num_chunks=sizes.num_chunks,
+        max_concurrent_trials=sizes.trials,
+        engine=engine,
+        schedule="lockstep",
+        output_dir=bench.workdir / "out",
+        show_progress_bar=False,
+        dashboard_controls=False,
+    )
+    configure = functools.partial(_configure, sizes=sizes)
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+    for index in range(sizes.trials):
+        study.enqueue_trial(params(index))
+    executor.objective(configure)  # loads the model
+    _reset_peak()
+    with DecodeLog() as log:
+        start = time.perf_counter()
+        executor.optimize(study, configure, n_trials=sizes.trials)
+        wall = time.perf_counter() - start
+    stats = executor.stats()
+    peak = _peak_memory_gb()
+    _drop(executor)
+    decoded = _totals(log.decodes)
+    gang = [d for d in log.decodes if d["requests"] == sizes.trials]
+    return {
+        "engine": engine,
+        "trials": sizes.trials,
+        "wall_seconds": wall,
+        "generated_tokens": decoded["tokens"],
+        "generated_tokens_per_second": decoded["tokens"] / wall,  # over the whole study
+        "decode_seconds": decoded["seconds"],
+        "rest_seconds": wall - decoded["seconds"],  # policy steps, rewards, builds, evaluation's other work
+        "decode": decoded,
+        "decode_by_phase": {
+            phase: _totals([d for d in log.decodes if d["phase"] == phase])
+            for phase in sorted({d["phase"] for d in log.decodes})
+        },
+        "whole_gang_decodes": _totals(gang),  # the decodes that served every trial (fused: the shared ones)
+        "engine_decodes": stats.decodes,
+        "engine_decoded_requests": stats.decoded_requests,
+        "decode_settings": log.settings,
+        "decodes": log.decodes,
+        "peak_memory_gb": peak,
+        "failed": sum(t.state != optuna.trial.TrialState.COMPLETE for t in study.trials),
+        "values": [dict(t.intermediate_values) for t in sorted(study.trials, key=lambda t: t.number)],
+    }
+
+
+def ceiling(bench: Bench, shape: str, sizes: Sizes) -> dict[str, Any]:
+    """One request with the gang's rows of one decode, through one adapter (see the module's docstring)."""
+    model, tokenizer = build_model(shape, bench.tokenizer_dir)
+    peft_model = get_peft_model(model, lora(16))
+    per_decode = sizes.batch // sizes.generations  # prompts of one trial's decode
+    texts = list(load_gsm8k("train", num_rows=sizes.trials * per_decode, format="prompt_only")["prompt"])
+    rows = [ids for ids in tokenizer(text=texts)["input_ids"] for _ in range(sizes.generations)]
+    args = grpo_args(1e-5, 0.0, 0, sizes)
+    device = torch.device(bench.device)
+    settings: dict[str, Any] = {
+        "max_new_tokens": args.max_completion_length,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "do_sample": True,
+    }
+    eos = (int(tokenizer.eos_token_id),)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
+    _reset_peak()
+    timed: list[tuple[float, int]] = []
+    for _ in range(1 + CEILING_REPEATS):  # the first warms up
+        generator = torch.Generator(device=device).manual_seed(0)
+        request = DecodeRequest(adapter="default", prompts=rows, generator=generator, eos_token_ids=eos, **settings)
+        _sync()
+        start = time.perf_counter()
+        with torch.no_grad(), autocast:
+            out = decode(peft_model, [request], int(tokenizer.pad_token_id))
+        _sync()
+        timed.append((time.perf_counter() - start, sum(len(c) for c in out[0])))
+    peak = _peak_memory_gb()
+    del peft_model, model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    seconds = statistics.median(s for s, _ in timed[1:])
+    tokens = timed[1][1]
+    return {
+        "rows": len(rows),
+        "prompt_width": max(len(r) for r in rows),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds,
+        "warm_up_seconds": timed[0][0],
+        "repeats": [{"seconds": s, "tokens": t} for s, t in timed[1:]],
+        "decode_settings": {**settings, "eos_token_ids": list(eos)},
+        "peak_memory_gb": peak,
+    }
+
+
+def run(bench: Bench, shape: str, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """The grpo part: the runs asked for (``--grpo-runs``, default all), merged into ``--out/grpo.json``."""
+    sizes = SMOKE if bench.smoke else GPU
+    k = sizes.trials
+    # The time-sliced study is the longest: last, so that a call cut short keeps the other two (each run is
+    # saved when it ends). The first study of the process pays the first kernels' start-up in its wall time.
+    labels = [f"grpo_fused_k{k}", "decode_ceiling", f"grpo_time_sliced_k{k}"]
+    chosen = bench.options.grpo_runs.split(",") if bench.options.grpo_runs else labels
+    unknown = sorted(set(chosen) - set(labels))
+    if unknown:
+        raise SystemExit(f"--grpo-runs: unknown runs {unknown}; choose among {', '.join(labels)}")
+    data: dict[str, Any] = {"model": shape, "sizes": asdict(sizes), "runs": {}}
+    earlier = Path(bench.options.out) / "grpo.json"
+    if bench.options.grpo_runs and earlier.exists():
+        kept = json.loads(earlier.read_text())
+        if kept.get("sizes") != data["sizes"]:
+            raise SystemExit(f"{earlier} holds GRPO runs of other sizes ({kept.get('sizes')}): use another --out")
+        data["runs"] = kept.get("runs", {})
+    for label in (label for label in labels if label in chosen):
+        if label == "decode_ceiling":
+            data["runs"][label] = ceiling(bench, shape, sizes)
+            said = f"{data['runs'][label]['tokens_per_second']:.0f} generated tokens/s"
+        else:
+            found = run_study(bench, shape, "fused" if "fused" in label else "time_sliced", sizes)
+            data["runs"][label] = found
+            said = f"{found['wall_seconds']:.1f} s" + (f", {found['failed']} trials failed" if found["failed"] else "")
+        print(f"grpo part, {label}: {said}", flush=True)
+        ratios(data)
+        save(data)
+    return data
+
+
+def ratios(data: dict[str, Any]) -> None:
+    """The part's summary keys, from whichever runs ``data`` holds."""
+    k = data["sizes"]["trials"]
+    runs = data["runs"]
+    sliced, fused, top = runs.get(f"grpo_time_sliced_k{k}"), runs.get(f"grpo_fused_k{k}"), runs.get("decode_ceiling")
+    if sliced and fused:
+        data["grpo_fused_over_time_sliced_k8"] = sliced["wall_seconds"] / fused["wall_seconds"]
+    if fused and top and fused["whole_gang_decodes"]["tokens_per_second"]:
+        data["grpo_generation_over_ceiling"] = (
+            fused["whole_gang_decodes"]["tokens_per_second"] / top["tokens_per_second"]
+        )
+
+
+def markdown(data: dict[str, Any]) -> list[str]:
+    ratios(data)
+    sizes = Sizes(**data["sizes"])
+    lines = [
+        "",
+        f"## GRPO gangs ({data['model']}, {sizes.trials} trials, LoRA r16, {sizes.prompts} prompts in "
+        f"{sizes.num_chunks} chunks, {sizes.generations} completions of up to {sizes.completion} tokens per "
+        f"prompt, {sizes.batch} per decode per trial)",
+        "",
+        "| run | wall s | decodes (requests) | generated tokens | in decodes s | decode tok/s | rest s | peak GB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, run in data["runs"].items():
+        if label == "decode_ceiling":
+            lines.append(
+                f"| {label} ({run['rows']} rows, one request) | - | 1 (1) | {run['tokens']} | {run['seconds']:.3f} | "
+                f"{run['tokens_per_second']:.0f} | - | {run['peak_memory_gb']:.2f} |"
+            )
+            continue
+        lines.append(
+            f"| {label} | {run['wall_seconds']:.1f} | {run['engine_decodes']} ({run['engine_decoded_requests']}) | "
+            f"{run['generated_tokens']} | {run['decode_seconds']:.1f} | {run['decode']['tokens_per_second']:.0f} | "
+            f"{run['rest_seconds']:.1f} | {run['peak_memory_gb']:.2f} |"
+        )
+    said = {
+        "time-sliced wall / fused wall": "grpo_fused_over_time_sliced_k8",
+        "fused gang's decodes / decode ceiling (generated tokens/s)": "grpo_generation_over_ceiling",
+    }
+    shown = [f"{text}: {data[key]:.3f}" for text, key in said.items() if key in data]
+    return lines + (["", "; ".join(shown) + "."] if shown else [])
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """``grpo.png``: each study's wall time split into decoding and the rest; generated tokens/s of the
+    decodes against the ceiling."""
+    import matplotlib.pyplot as plt
+
+    runs = data["runs"]
+    studies = {label: run for label, run in runs.items() if label != "decode_ceiling"}
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(studies)
+    axes[0].bar(names, [r["decode_seconds"] for r in studies.values()], label="decoding")
+    axes[0].bar(
+        names,
+        [r["rest_seconds"] for r in studies.values()],
+        bottom=[r["decode_seconds"] for r in studies.values()],
+        label="the rest",
+    )
+    axes[0].set_ylabel("whole-study wall seconds")
+    axes[0].legend()
+    axes[0].set_title(f"{data['sizes']['trials']} GRPO trials")
+    rates = {label: run["decode"]["tokens_per_second"] for label, run in studies.items()}
+    if "decode_ceiling" in runs:
+        rates["decode_ceiling"] = runs["decode_ceiling"]["tokens_per_second"]
+    colors = ["gray" if label == "decode_ceiling" else "C0" for label in rates]
+    axes[1].bar(list(rates), [v or 0.0 for v in rates.values()], color=colors)
+    axes[1].set_ylabel("generated tokens / s inside decodes")
+    axes[1].set_title("Decoding: engines against one request of the gang's rows", fontsize=10)
+    for axis in axes:
+        axis.tick_params(axis="x", labelrotation=15)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

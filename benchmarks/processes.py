@@ -1,0 +1,138 @@
+"""What users run today instead of the executor: one plain-TRL process per trial, all sharing one GPU.
+
+The fused part's ``processes_*`` runs (issue 14). Each trial is an OS process that builds its own copy of
+the model (the same random-weight shape and weights as the executor's), wraps it in the trial's LoRA and
+trains TRL's ``SFTTrainer`` on the same GSM8K rows, batch and ``max_length`` as the executor's trial, with
+no evaluation. The processes start together through :func:`benchmarks.search.spawn_workers`:
+
+- before it says it is ready, each process imports, builds its model, trains 3 untimed steps of its own
+  LoRA config (CUDA context, kernels, allocator) and builds its timed trainer (TRL tokenizes and packs
+  the rows then); model loading and all that is outside the clock;
+- once all are ready they get one go time; each trains, synchronizes the GPU and notes its end;
+- tokens/s = the tokens all processes trained (TRL's own count) / (the last end - go).
+
+Memory: each process reports ``torch.cuda.max_memory_allocated()`` over its timed training (model,
+adapter, optimizer, activations; the peak statistic is reset once the trainer is built), and the run sums
+them. Each process's CUDA context (several hundred MB, outside PyTorch's allocator) and allocator cache
+come on top of that sum; so do they for the executor, whose one context is not in its peak either.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import get_peft_model
+from trl import SFTTrainer
+
+from benchmarks.run import build_model, sft_args, trial_lora
+from benchmarks.search import spawn_workers, wait_for_go
+from optuna_rapidfire.demo import load_gsm8k
+
+
+def run_processes(
+    shape: str, tokenizer_dir: str, params: list[dict[str, Any]], batch: int, examples: int
+) -> dict[str, Any]:
+    """One plain-TRL process per entry of ``params`` (a trial's params), started together on one device."""
+    specs = [
+        {"shape": shape, "tokenizer": tokenizer_dir, "params": p, "batch": batch, "examples": examples} for p in params
+    ]
+    results = sorted(spawn_workers(specs, stop_when_done=False, module="benchmarks.processes"), key=_index)
+    tokens = sum(r["tokens"] for r in results)
+    window = max(r["end"] for r in results)  # seconds since the go
+    peaks = [r["peak_memory_gb"] for r in results]
+    return {
+        "engine": "processes",
+        "trials": len(params),
+        "batch": batch,
+        "tokens": tokens,
+        "tokens_per_second": tokens / window,
+        "wall_seconds": window,
+        "peak_memory_gb": sum(peaks),
+        "peak_memory_gb_per_process": peaks,
+        "reserved_memory_gb_per_process": [r["reserved_memory_gb"] for r in results],
+        "processes": results,
+        "failed": 0,  # a process that fails stops the run (spawn_workers raises with its log)
+    }
+
+
+def _index(result: dict[str, Any]) -> int:
+    return int(result["index"])
+
+
+def _memory_gb(statistic: Any) -> float:
+    """A ``torch.cuda`` memory statistic (a function) in GiB; NaN without a GPU."""
+    return statistic() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _worker_main(spec_path: str) -> None:
+    """``python -m benchmarks.processes --worker SPEC``: one trial's plain-TRL process (see the module)."""
+    spec = json.loads(Path(spec_path).read_text())
+    sync, index, batch = Path(spec["dir"]), spec["index"], spec["batch"]
+    params = spec["params"]
+    started = time.time() - spec["spawned"]  # interpreter and imports
+    model, tokenizer = build_model(spec["shape"], spec["tokenizer"])
+    loaded = time.time() - spec["spawned"]
+    rows = load_gsm8k("train", num_rows=spec["examples"], format="text")
+    with tempfile.TemporaryDirectory(prefix="bench-process-") as scratch:
+        warm = get_peft_model(model, trial_lora(params))
+        SFTTrainer(
+            model=warm,
+            args=sft_args(float(params["learning_rate"]), batch, output_dir=scratch, max_steps=3),
+            train_dataset=rows.select(range(min(16, len(rows)))),
+            processing_class=tokenizer,
+        ).train()
+        base = warm.unload()
+        del warm
+        trainer = SFTTrainer(
+            model=get_peft_model(base, trial_lora(params)),
+            args=sft_args(float(params["learning_rate"]), batch, output_dir=scratch),
+            train_dataset=rows,
+            processing_class=tokenizer,
+        )
+        _sync()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        ready = time.time() - spec["spawned"]
+        go = wait_for_go(sync, index)
+        begun = time.time()
+        trainer.train()
+        _sync()
+        end = time.time()
+        result = {
+            "index": index,
+            "params": params,
+            "imported_seconds": started,
+            "loaded_seconds": loaded,
+            "ready_seconds": ready,  # from spawn to ready: imports, model, warm-up steps, trainer
+            "start": begun - go,
+            "end": end - go,
+            "train_seconds": end - begun,
+            "tokens": int(trainer._total_train_tokens),
+            "steps": int(trainer.state.global_step),
+            "peak_memory_gb": _memory_gb(torch.cuda.max_memory_allocated),
+            "reserved_memory_gb": _memory_gb(torch.cuda.max_memory_reserved),
+        }
+    (sync / f"result-{index}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        import datasets
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        datasets.disable_progress_bars()
+        _worker_main(sys.argv[2])
+    else:
+        raise SystemExit("run the process baseline with: python -m benchmarks.run --parts fused --out DIR")
