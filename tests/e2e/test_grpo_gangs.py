@@ -36,12 +36,26 @@ def prompts():
     return load_gsm8k("train", num_rows=16, format="prompt_only"), load_gsm8k("test", num_rows=4, format="prompt_only")
 
 
+def _executor(make_executor, prompts, trials: int, engine: str = "fused", reward=vowel_reward, **kwargs):
+    """An executor over the prompts, lock-step (gangs of every live trial), 2 chunks, ``trials`` at once."""
+    train, evaluation = prompts
+    return make_executor(
+        engine=engine,
+        schedule="lockstep",
+        train_dataset=train,
+        eval_dataset=evaluation,
+        num_chunks=2,
+        max_concurrent_trials=trials,
+        reward_funcs=[reward],
+        **kwargs,
+    )
+
+
 def _run(make_executor, monkeypatch, prompts, configs, engine: str):
     """Each trial's completions in the order generated, its chunks' full metrics, and the engine's counters."""
     from optuna_rapidfire._engines._generation import Generation
     from optuna_rapidfire._engines._trials import DeviceTrials
 
-    train, evaluation = prompts
     completions: dict[str, list[list[list[int]]]] = {}
     metrics: dict[str, list[dict[str, float]]] = {}
     original, evaluate, finish = Generation._generate, DeviceTrials.evaluate, DeviceTrials.finish
@@ -68,15 +82,7 @@ def _run(make_executor, monkeypatch, prompts, configs, engine: str):
     monkeypatch.setattr(Generation, "_generate", recording)
     monkeypatch.setattr(DeviceTrials, "evaluate", flagging)
     monkeypatch.setattr(DeviceTrials, "finish", recording_finish)
-    executor = make_executor(
-        engine=engine,
-        schedule="lockstep",
-        train_dataset=train,
-        eval_dataset=evaluation,
-        num_chunks=2,
-        max_concurrent_trials=len(configs),
-        reward_funcs=[vowel_reward],
-    )
+    executor = _executor(make_executor, prompts, len(configs), engine)
     study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
     executor.optimize(study, by_number(configs), n_trials=len(configs))
     monkeypatch.undo()
@@ -159,21 +165,11 @@ def test_no_member_of_a_running_gang_is_offloaded(make_executor, prompts) -> Non
         init(self, **kwargs)
         live.append(self)
 
-    train, evaluation = prompts
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DeviceTrials, "__init__", tracking)
         patch.setattr(DeviceTrials, "_fit_budget", fitting)
         patch.setattr(SwapState, "offload", recording)
-        executor = make_executor(
-            engine="fused",
-            schedule="lockstep",
-            train_dataset=train,
-            eval_dataset=evaluation,
-            num_chunks=2,
-            max_concurrent_trials=2,
-            reward_funcs=[vowel_reward],
-            state_memory_budget=1,
-        )
+        executor = _executor(make_executor, prompts, 2, state_memory_budget=1)
         study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
         executor.optimize(study, by_number([(lora(r=4), grpo_args()), (lora(r=2), grpo_args(seed=3))]), n_trials=2)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
@@ -197,7 +193,6 @@ def test_what_the_shared_decode_does_not_cover_generates_as_trl_does_and_one_fai
     log says why, once); a member whose step fails fails alone, the rest of its gang completes."""
     from optuna_rapidfire._trainers._grpo import GRPOKind
 
-    train, evaluation = prompts
     accumulate = GRPOKind.accumulate
 
     def breaking(self, trainer, model, batches, device, scaler):
@@ -211,15 +206,7 @@ def test_what_the_shared_decode_does_not_cover_generates_as_trl_does_and_one_fai
         (lora(r=2), grpo_args(learning_rate=3e-2)),
         (lora(r=8), grpo_args(temperature=0.8)),
     ]
-    executor = make_executor(
-        engine="fused",
-        schedule="lockstep",
-        train_dataset=train,
-        eval_dataset=evaluation,
-        num_chunks=2,
-        max_concurrent_trials=3,
-        reward_funcs=[gsm8k_reward],
-    )
+    executor = _executor(make_executor, prompts, 3, reward=gsm8k_reward)
     study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
     with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
         executor.optimize(study, by_number(configs), n_trials=3)
