@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,14 @@ class FusedEngine(Engine):
         self.pass_tokens = PASS_TOKENS
         self._stepped = False
         self._said: set[str] = set()
+        # Each live trial's collated eval set (dropped with the trial).
+        self._eval_plans: weakref.WeakKeyDictionary[TrialRuntime, tuple[_MemberChunk, list[int]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def release(self, runtime: TrialRuntime) -> None:
+        self._eval_plans.pop(runtime, None)
+        super().release(runtime)
 
     def stats(self) -> EngineStats:
         return dataclasses.replace(self.trials.stats(), fused_steps=self.fused_steps, pass_tokens=self.pass_tokens)
@@ -333,11 +342,16 @@ class FusedEngine(Engine):
 
     def _eval_plan(self, runtime: TrialRuntime, loss: FusedLoss) -> tuple[_MemberChunk, list[int]]:
         """The trial's eval micro-batches, collated by its trainer, as :meth:`_plan` lays out a chunk, and
-        the examples of each (rows of the eval set)."""
-        dataset = self.trials.data.eval_set(runtime.data_key, runtime.prepare)
-        batches = runtime.spec.kind.eval_batches(runtime.args, len(dataset))
-        collated = [loss.collate(runtime.trainer, rows_of(dataset, indices)) for indices in batches]
-        return self._member_chunk(collated, loss, accumulation=1), [len(indices) for indices in batches]
+        the examples of each (rows of the eval set). The eval set does not change: each trial collates it
+        and copies it to the device once, not after every chunk."""
+        found = self._eval_plans.get(runtime)
+        if found is None:
+            dataset = self.trials.data.eval_set(runtime.data_key, runtime.prepare)
+            batches = runtime.spec.kind.eval_batches(runtime.args, len(dataset))
+            collated = [loss.collate(runtime.trainer, rows_of(dataset, indices)) for indices in batches]
+            found = self._member_chunk(collated, loss, accumulation=1), [len(indices) for indices in batches]
+            self._eval_plans[runtime] = found
+        return found
 
     # -- training a gang's chunk -----------------------------------------------------------------
 
