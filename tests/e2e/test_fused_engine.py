@@ -412,6 +412,7 @@ def _evaluated(make_executor, monkeypatch, *, shared: bool, configs=None, **exec
     return metrics, sums, alone[0]
 
 
+@pytest.mark.numerics
 def test_a_gang_evaluates_in_shared_passes_with_each_trials_own_metrics(
     make_executor, tiny_model, monkeypatch, caplog
 ) -> None:
@@ -440,6 +441,7 @@ def test_a_gang_evaluates_in_shared_passes_with_each_trials_own_metrics(
         assert got["train_loss"] == expected["train_loss"]  # the same gangs trained the same way
 
 
+@pytest.mark.numerics
 def test_a_dpo_gang_evaluates_in_shared_passes_with_trls_reward_metrics(make_executor, tiny_model, monkeypatch) -> None:
     """DPO: a reference pass with the adapters off and the members' own betas give every metric of TRL's
     DPO evaluation (loss, implicit rewards, their accuracy and margin, log-probabilities, mean logits,

@@ -91,6 +91,7 @@ def _run(make_executor, monkeypatch, prompts, configs, engine: str):
     return [completions[n] for n in names], [metrics[n] for n in names], executor.stats()
 
 
+@pytest.mark.numerics
 def test_a_grpo_trial_generates_and_trains_the_same_alone_and_in_a_gang(
     make_executor, monkeypatch, prompts, tiny_model, caplog
 ) -> None:
@@ -123,6 +124,7 @@ def test_a_grpo_trial_generates_and_trains_the_same_alone_and_in_a_gang(
         assert_within_rounding(_numbers(fused_metrics[position]), _numbers(sliced_metrics[position]), terms=terms)
 
 
+@pytest.mark.numerics
 def test_a_member_out_of_phase_with_a_kl_member_trains_as_alone(
     make_executor, monkeypatch, prompts, tiny_model
 ) -> None:
