@@ -8,7 +8,7 @@ import threading
 import optuna
 import pytest
 import torch
-from helpers import by_number, lora, wait_until
+from helpers import by_number, lora, vowel_reward, wait_until
 from optuna.trial import TrialState
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
@@ -251,10 +251,18 @@ def test_one_study_does_not_mix_trainer_types(make_executor, preference) -> None
         executor.optimize(study, by_number([None, (lora(), sft)]), n_trials=1)
 
 
-def test_grpo_warm_clone_continues_exactly_and_pauses_like_any_trial(make_executor, prompts) -> None:
+@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+def test_grpo_warm_clone_continues_exactly_and_pauses_like_any_trial(make_executor, prompts, engine) -> None:
+    """A paused GRPO trial's warm clone continues exactly as the trial does (its sampling and dropout
+    generators included), alone or in a fused gang with it; a reward that varies makes training move."""
     train, evaluation = prompts
     executor = make_executor(
-        train_dataset=train, eval_dataset=evaluation, num_chunks=4, max_concurrent_trials=2, reward_funcs=[gsm8k_reward]
+        engine=engine,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        num_chunks=4,
+        max_concurrent_trials=2,
+        reward_funcs=[vowel_reward],
     )
     study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
 

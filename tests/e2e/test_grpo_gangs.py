@@ -8,7 +8,7 @@ import logging
 import optuna
 import pytest
 from _numerics import assert_within_rounding, gradient_terms
-from helpers import by_number, lora
+from helpers import by_number, lora, vowel_reward
 from optuna.trial import TrialState
 from test_dpo_grpo import grpo_args
 from transformers import AutoConfig
@@ -24,11 +24,6 @@ OTHERS = [  # mixed ranks, targets, temperatures, generation counts, lengths, ba
     ),
     (lora(r=2), grpo_args(learning_rate=2e-2, top_p=0.9, per_device_train_batch_size=2, num_generations=2)),
 ]
-
-
-def vowel_reward(completions: list[str], **kwargs) -> list[float]:
-    """A reward that varies between a prompt's completions (so advantages, gradients and updates are not 0)."""
-    return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in completions]
 
 
 @pytest.fixture(scope="module")
