@@ -3,9 +3,11 @@
     python examples/grpo_gsm8k.py                                   # tiny local model, CPU, a few minutes
     python examples/grpo_gsm8k.py --model meta-llama/Llama-3.2-1B   # a real model on a GPU
 
-Completions are generated with the shared base and the trial's adapter; each chunk ends with the mean
-reward on the eval prompts, which the study maximizes. Reward models work too: pass their path or hub
-id in ``reward_funcs`` and they are loaded once for all trials.
+Completions are generated with the shared base and the trial's adapter, from the trial's own random
+generator; on a GPU (the fused engine) the live trials generate together, in one decode batch, and share
+the forward and backward passes of their policy steps. Each chunk ends with the mean reward on the eval
+prompts, which the study maximizes. Reward models work too: pass their path or hub id in
+``reward_funcs`` and they are loaded once for all trials.
 """
 
 from __future__ import annotations
