@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +45,7 @@ from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import ChunkResult, Engine, EngineStats
 from optuna_rapidfire._engines._fused_pass import (
     Gang,
+    backbone_and_head,
     base_only,
     clip_gang,
     fused_forward,
@@ -84,10 +84,8 @@ class FusedEngine(Engine):
         self.pass_tokens = PASS_TOKENS
         self._stepped = False
         self._said: set[str] = set()
-        # Each live trial's collated eval set (dropped with the trial).
-        self._eval_plans: weakref.WeakKeyDictionary[TrialRuntime, tuple[_MemberChunk, list[int]]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Each live trial's collated eval set (dropped when the trial is released).
+        self._eval_plans: dict[TrialRuntime, tuple[_MemberChunk, list[int]]] = {}
 
     def release(self, runtime: TrialRuntime) -> None:
         self._eval_plans.pop(runtime, None)
@@ -102,35 +100,23 @@ class FusedEngine(Engine):
         """Why these trials cannot share a pass (``None``: they can)."""
         first = runtimes[0]
         for runtime in runtimes:
-            kind, args = runtime.spec.kind, runtime.args
-            reason = kind.fused_refusal(runtime.trainer, args)
+            reason = runtime.spec.kind.fused_refusal(runtime.trainer, runtime.args)
             if reason is not None:
                 return f"trial {runtime.spec.number} {reason}"
-            if type(kind) is not type(first.spec.kind):
-                return "the trials differ in trainer type"
-            if bool(getattr(args, "fp16", False)):
-                return f"trial {runtime.spec.number} trains in fp16 (its grad scaler is per trial)"
-            if getattr(args, "padding_free", False) or getattr(runtime.trainer, "padding_free", False):
+            if getattr(runtime.args, "padding_free", False) or getattr(runtime.trainer, "padding_free", False):
                 # SFTTrainer packs padding-free by itself with packing=True and its default strategy ("bfd").
                 return f"trial {runtime.spec.number} uses padding-free packing"
-            if (bool(args.bf16), kind.checkpointing(args)[0]) != (
-                bool(first.args.bf16),
-                first.spec.kind.checkpointing(first.args)[0],
-            ):
-                return "the trials differ in precision or activation checkpointing"
-            if kind.base_dropout_off(args) != first.spec.kind.base_dropout_off(first.args):
-                return "the trials differ in disable_dropout"
-        checkpointing = first.spec.kind.checkpointing(first.args)[0]
-        for layer in lora_layers(self.trials.resident.module):
-            for runtime in runtimes:
-                name = runtime.state.adapter_name
-                reason = unsupported(layer, name)
-                if reason is not None:
-                    return reason
-                dropout = layer.lora_dropout[name] if name in layer.lora_dropout else None  # noqa: SIM401
-                if checkpointing and dropout is not None and float(getattr(dropout, "p", 0.0)) > 0:
-                    # Recomputing a checkpointed block would draw other masks from the trial's generator.
-                    return "activation checkpointing with lora_dropout > 0"
+        reason = self._pass_refusal(runtimes)
+        if reason is not None:
+            return reason
+        if first.spec.kind.checkpointing(first.args)[0]:
+            for layer in lora_layers(self.trials.resident.module):
+                for runtime in runtimes:
+                    name = runtime.state.adapter_name
+                    dropout = layer.lora_dropout[name] if name in layer.lora_dropout else None  # noqa: SIM401
+                    if dropout is not None and float(getattr(dropout, "p", 0.0)) > 0:
+                        # Recomputing a checkpointed block would draw other masks from the trial's generator.
+                        return "activation checkpointing with lora_dropout > 0"
         if (
             self.trials.extras.compute_metrics is not None
             or getattr(first.trainer, "compute_loss_func", None) is not None
@@ -176,10 +162,11 @@ class FusedEngine(Engine):
         (:class:`~optuna_rapidfire._engines._generation.Generation`)."""
         first = runtimes[0]
         reason = None
+        precision = (bool(first.args.bf16), bool(getattr(first.args, "fp16", False)))
         for runtime in runtimes[1:]:
             if type(runtime.spec.kind) is not type(first.spec.kind):
                 reason = "the trials differ in trainer type"
-            elif (bool(runtime.args.bf16), bool(runtime.args.fp16)) != (bool(first.args.bf16), bool(first.args.fp16)):
+            elif (bool(runtime.args.bf16), bool(getattr(runtime.args, "fp16", False))) != precision:
                 reason = "the trials differ in precision"
         if reason is not None:
             self._say(f"Generating trial by trial, not together: {reason}.")
@@ -196,17 +183,29 @@ class FusedEngine(Engine):
 
     def _policy_refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:
         """Why a GRPO gang's steps cannot share their forward and backward passes (``None``: they can)."""
-        first = runtimes[0]
         for runtime in runtimes:
-            kind, args = runtime.spec.kind, runtime.args
-            if bool(getattr(args, "fp16", False)):
-                return f"trial {runtime.spec.number} trains in fp16 (its grad scaler is per trial)"
-            if kind.checkpointing(args)[0]:
+            if runtime.spec.kind.checkpointing(runtime.args)[0]:
                 return f"trial {runtime.spec.number} uses activation checkpointing"
-            if kind.base_dropout_off(args) != first.spec.kind.base_dropout_off(first.args):
-                return "the trials differ in disable_dropout"
             if getattr(runtime.trainer, "aux_loss_enabled", False):
                 return f"trial {runtime.spec.number} adds a router auxiliary loss"
+        return self._pass_refusal(runtimes)
+
+    def _pass_refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:
+        """What keeps any gang from sharing a forward/backward pass (``None``: nothing): mixed trainer types,
+        fp16 (one grad scaler per trial), mixed precision, activation checkpointing or base dropout, and
+        LoRA variants the fused pass does not implement."""
+        first = runtimes[0]
+        settings = _pass_settings(first)
+        for runtime in runtimes:
+            if type(runtime.spec.kind) is not type(first.spec.kind):
+                return "the trials differ in trainer type"
+            if bool(getattr(runtime.args, "fp16", False)):
+                return f"trial {runtime.spec.number} trains in fp16 (its grad scaler is per trial)"
+            own = _pass_settings(runtime)
+            if own[:2] != settings[:2]:
+                return "the trials differ in precision or activation checkpointing"
+            if own[2] != settings[2]:
+                return "the trials differ in disable_dropout"
         for layer in lora_layers(self.trials.resident.module):
             for runtime in runtimes:
                 reason = unsupported(layer, runtime.state.adapter_name)
@@ -287,7 +286,7 @@ class FusedEngine(Engine):
         metrics compare against one; the sums reach the host once, at the end.
         """
         first, model = runtimes[0], self.trials.resident.module
-        backbone, head = self._backbone_and_head()
+        backbone, head = backbone_and_head(self.trials.resident.base)
         config = self.trials.resident.base.config
         plans = [self._eval_plan(runtime, loss) for runtime in runtimes]
         chunks = [chunk for chunk, _ in plans]
@@ -365,7 +364,7 @@ class FusedEngine(Engine):
         self.trials.enter_gang(runtimes)
         model = resident.module
         model.train()
-        backbone, head = self._backbone_and_head()
+        backbone, head = backbone_and_head(resident.base)
         losses: list[list[torch.Tensor]] = [[] for _ in runtimes]
         grad_norms: list[torch.Tensor | None] = [None for _ in runtimes]
         longest = max(len(plan.inputs) for plan in plans)
@@ -406,11 +405,6 @@ class FusedEngine(Engine):
             metrics.append(train_metrics(runtime, per_step, grad_norms[k]))
         self.trials.leave_gang(runtimes)
         return metrics
-
-    def _backbone_and_head(self) -> tuple[torch.nn.Module, torch.nn.Module]:
-        base = self.trials.resident.base
-        backbone = base.get_decoder() if hasattr(base, "get_decoder") else base.model
-        return backbone, base.get_output_embeddings()
 
     def _lay_out(
         self,
@@ -590,6 +584,12 @@ PASS_TOKENS = 16_384
 """The most tokens (rows x padded length) one shared pass takes: 32 rows of 512, where one adapter's pass
 already saturates an H200 on a 1B model. Larger gangs train in several passes of at most this size, so
 fusing never makes a step slower than the members' own passes would be."""
+
+
+def _pass_settings(runtime: TrialRuntime) -> tuple[bool, bool, bool]:
+    """What a shared pass sets for all its members: bf16, activation checkpointing, base dropout off."""
+    kind, args = runtime.spec.kind, runtime.args
+    return bool(args.bf16), kind.checkpointing(args)[0], kind.base_dropout_off(args)
 
 
 def _passes(members: list[int], tokens: list[int], limit: int = PASS_TOKENS) -> list[list[int]]:

@@ -314,6 +314,12 @@ def _dropout(x: torch.Tensor, p: float, generator: torch.Generator | None, lengt
     return x * keep / (1 - p)
 
 
+def backbone_and_head(base: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A causal LM's decoder (the model without its LM head) and its LM head."""
+    backbone = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+    return backbone, base.get_output_embeddings()
+
+
 def pad_token_id(trainer: Any) -> int:
     """The pad token of a trainer's tokenizer (or processor's tokenizer); 0 when it has none."""
     tokenizer: Any = getattr(trainer, "processing_class", None)

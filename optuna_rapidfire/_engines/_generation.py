@@ -27,6 +27,7 @@ import torch
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._fused_decode import DecodeRequest, decode
+from optuna_rapidfire._engines._fused_pass import pad_token_id
 from optuna_rapidfire._engines._policy_pass import BackwardRequest, LogpsRequest, PolicyPasses
 from optuna_rapidfire._engines._turns import Turns
 from optuna_rapidfire._logging import get_logger
@@ -164,25 +165,22 @@ class Generation:
             compute_aux_loss: bool = False,
             **others: Any,
         ) -> Any:
-            turns = self._turns
+            alone = functools.partial(
+                logps, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
+            )
             shared = (
                 self._share_policy
-                and turns is not None
-                and turns.inside()
+                and self._inside()
                 and torch.is_grad_enabled()
                 and not compute_aux_loss
                 and all(value is None for value in others.values())  # no images
             )
             if not shared:
-                return logps(
-                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                    **others,
-                )  # fmt: skip
-            assert turns is not None
-            # Until its backward, the trial only computes its loss from these: no model set-up to restore.
-            rng, training = RngState.capture(self.trials.device), self.trials.resident.module.training
+                return alone(**others)
             try:
-                answer = turns.meet(LogpsRequest(runtime, input_ids, attention_mask, logits_to_keep, compute_entropy))
+                answer = self._meet(
+                    runtime, LogpsRequest(runtime, input_ids, attention_mask, logits_to_keep, compute_entropy)
+                )
             except Exception as error:  # the shared pass failed: this step (and the gang's next) score alone
                 if isinstance(error, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
@@ -190,48 +188,46 @@ class Generation:
                 _logger.warning(
                     "A shared policy pass failed (%s: %s); the gang's trials score alone.", type(error).__name__, error
                 )
-                self.trials.resume(runtime, self._gang, rng, training)
-                return logps(
-                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                    **others,
-                )  # fmt: skip
-            rng.restore(self.trials.device)
-            self.trials.resident.module.train(training)
+                return alone(**others)
             self._shared_forward.add(runtime)
             return answer
 
         def shared_backward(loss: torch.Tensor, **kwargs: Any) -> None:
-            turns = self._turns
-            if runtime not in self._shared_forward or turns is None:
+            if runtime not in self._shared_forward or not self._inside():
                 backward(loss, **kwargs)
                 return
             self._shared_forward.discard(runtime)
-            rng, training = RngState.capture(self.trials.device), self.trials.resident.module.training
-            turns.meet(BackwardRequest(runtime, loss))
-            self.trials.resume(runtime, self._gang, rng, training)
+            self._meet(runtime, BackwardRequest(runtime, loss))
 
         _compat.set_grpo_logps(trainer, shared_logps)
         _compat.set_backward(trainer, shared_backward)
 
     # -- one trial's generation ------------------------------------------------------------------
 
+    def _inside(self) -> bool:
+        """Whether the calling thread is a member of a gang running in turns."""
+        return self._turns is not None and self._turns.inside()
+
+    def _meet(self, runtime: TrialRuntime, request: Any) -> Any:
+        """Hand the trial's ``request`` to the gang's shared step and wait for its answer. Other members run
+        meanwhile: afterwards the model is set up for the trial again, with its global RNG and train or eval
+        mode as it left them."""
+        assert self._turns is not None
+        rng, training = RngState.capture(self.trials.device), self.trials.resident.module.training
+        try:
+            return self._turns.meet(request)
+        finally:
+            self.trials.resume(runtime, self._gang, rng, training)
+
     def _generate(self, runtime: TrialRuntime, prompt_ids: list[list[int]]) -> Completions:
         """The trial's completions of ``prompt_ids``: decoded alone, or with the gang members waiting too."""
-        device, model = self.trials.device, self.trials.resident.module
-        generator = torch.Generator(device=device)
+        generator = torch.Generator(device=self.trials.device)
         if runtime.state.sample_rng is None:
             generator.manual_seed(int(runtime.args.seed) + _SEED_OFFSET)
         else:
             generator.set_state(runtime.state.sample_rng)
         request = self._request(runtime, prompt_ids, generator)
-        turns = self._turns
-        if turns is not None and turns.inside():
-            # Other members run until the decode: this trial's model set-up and global RNG come back after.
-            rng, training = RngState.capture(device), model.training
-            completions = turns.meet(request)
-            self.trials.resume(runtime, self._gang, rng, training)
-        else:
-            completions = self._decode([request], runtime)[0]
+        completions = self._meet(runtime, request) if self._inside() else self._decode([request], runtime)[0]
         runtime.state.sample_rng = generator.get_state()
         return completions
 
@@ -256,14 +252,10 @@ class Generation:
 
     def _decode(self, requests: Sequence[DecodeRequest], first: TrialRuntime) -> list[Completions]:
         """One decode batch for ``requests``, in the precision of ``first``'s trial (a gang's members share it)."""
-        tokenizer: Any = first.trainer.processing_class
-        pad = getattr(tokenizer, "pad_token_id", None)
-        if pad is None:  # a processor, not a tokenizer
-            pad = tokenizer.tokenizer.pad_token_id
         self.decodes += 1
         self.requests += len(requests)
         with torch.no_grad(), first.spec.kind.autocast(first.args, self.trials.device):
-            return decode(self.trials.resident.module, requests, int(pad))
+            return decode(self.trials.resident.module, requests, pad_token_id(first.trainer))
 
     def _shared(self, requests: list[Any]) -> list[Any]:
         """What the members waiting asked for, by kind: one decode, one policy forward, one backward."""

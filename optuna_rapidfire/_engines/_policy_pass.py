@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from optuna_rapidfire._engines._fused_pass import Gang, fused_forward, layer_plans, pad_right, pad_token_id
+from optuna_rapidfire._engines._fused_pass import (
+    Gang,
+    backbone_and_head,
+    fused_forward,
+    layer_plans,
+    pad_right,
+    pad_token_id,
+)
 from optuna_rapidfire._engines._token_stats import token_stats
 
 if TYPE_CHECKING:
@@ -77,8 +84,7 @@ class PolicyPasses:
         generators = [trials.dropout_generator(request.runtime) for request in requests]
         gang = Gang(names, rows, list(generators), [request.input_ids.shape[1] for request in requests])
         base = resident.base
-        backbone = base.get_decoder() if hasattr(base, "get_decoder") else base.model
-        head = base.get_output_embeddings()
+        backbone, head = backbone_and_head(base)
         resident.set_base_dropout(first.spec.kind.base_dropout_off(first.args))  # the gang's members agree
         resident.set_trainable(names, True)
         self._trainable.update(names)

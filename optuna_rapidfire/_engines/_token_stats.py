@@ -11,6 +11,7 @@ give the same numbers.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -94,6 +95,7 @@ def token_stats(
     return stats
 
 
+@functools.cache
 def _kernel() -> Any:
     """TRL's ``ChunkedLogProbFunction``, or ``None`` where the installed TRL has no such kernel."""
     try:

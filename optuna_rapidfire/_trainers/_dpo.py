@@ -37,9 +37,6 @@ class DPOFusedLoss(FusedLoss):
     eval_outputs = ("entropy", "is_top1", "mean_logits")
     eval_reference = True
 
-    def eval_refusal(self) -> str | None:
-        return None
-
     def eval_metrics(self, trainer: Trainer, args: TrainingArguments, batches: list[EvalRows]) -> dict[str, float]:
         """``DPOTrainer.evaluate``'s metrics: the sigmoid loss (each micro-batch's mean over its pairs, averaged
         over pairs), and per micro-batch, averaged: the entropy, the chosen and rejected completions' mean

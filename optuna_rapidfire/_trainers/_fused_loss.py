@@ -70,13 +70,14 @@ class FusedLoss(ABC):
 
     def eval_refusal(self) -> str | None:
         """Why the kind's trials evaluate one by one rather than in the gang's shared forward passes
-        (``None``: they evaluate together, and :meth:`eval_metrics` gives their metrics)."""
-        return "their evaluation metrics are computed by their trainers"
+        (``None``: they evaluate together, and :meth:`eval_metrics` gives their metrics). The text completes
+        "Evaluating trial by trial, not in shared passes: ..." in the log."""
+        return None
 
+    @abstractmethod
     def eval_metrics(self, trainer: Trainer, args: TrainingArguments, batches: list[EvalRows]) -> dict[str, float]:
         """The trial's eval metrics, as its trainer's own evaluation reports them, from its eval micro-batches'
         sums (:class:`EvalRows`)."""
-        raise NotImplementedError(f"{type(self).__name__} does not evaluate in shared passes: {self.eval_refusal()}")
 
     def refusal(self, trainer: Trainer, args: TrainingArguments) -> str | None:
         """Why the trial's settings ask for a loss this one does not compute (``None``: they do not).

@@ -43,9 +43,6 @@ class SFTFusedLoss(FusedLoss):
 
     eval_outputs = ("entropy", "is_top1")
 
-    def eval_refusal(self) -> str | None:
-        return None
-
     def eval_metrics(self, trainer: Trainer, args: TrainingArguments, batches: list[EvalRows]) -> dict[str, float]:
         """``SFTTrainer.evaluate``'s metrics: the loss (each micro-batch's mean over its tokens, averaged over
         examples), and the micro-batches' mean entropy and token accuracy, and the trained tokens."""
