@@ -227,6 +227,53 @@ def point_peft_at(peft: Any, layers: list[Any], name: str) -> None:
     peft.__dict__["active_adapter"] = name
 
 
+def lr_at(scheduler: Any, steps: int) -> float:
+    """The learning rate an LR schedule gives the first parameter group after ``steps`` optimizer steps, without
+    moving it: ``base_lrs`` times ``lr_lambdas`` for ``LambdaLR`` (every schedule of transformers), else the
+    closed form (``_get_closed_form_lr``) at ``last_epoch = steps``. Public alternative: stepping a copy."""
+    if hasattr(scheduler, "lr_lambdas"):
+        return float(scheduler.base_lrs[0] * scheduler.lr_lambdas[0](steps))
+    current = scheduler.last_epoch
+    try:
+        scheduler.last_epoch = steps
+        return float(scheduler._get_closed_form_lr()[0])
+    finally:
+        scheduler.last_epoch = current
+
+
+def compile_backend(name: str) -> Any:
+    """``torch._dynamo.lookup_backend``: the ``torch.compile`` backend callable registered as ``name``, so a
+    backend of our own can count compilations and hand each graph on. Public alternative: none (only
+    ``torch.compiler.list_backends`` lists the names)."""
+    import torch
+
+    return torch._dynamo.lookup_backend(name)
+
+
+def allow_recompiles(limit: int) -> None:
+    """Raise ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before torch 2.6) to ``limit``: how
+    many variants of one function ``torch.compile`` keeps before it stops compiling new ones (8 by default).
+    Dynamo's config is set per thread. Public alternative: none."""
+    import torch
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name) < limit:
+        setattr(config, name, limit)
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """Whether ``error`` came from ``torch.compile`` compiling (tracing, lowering, code generation) rather than
+    from running: ``torch._dynamo.exc.TorchDynamoException`` (backend failures, unsupported code, recompile
+    limits) or an error raised in dynamo, inductor or functorch. Public alternative: none."""
+    import torch
+
+    module = type(error).__module__ or ""
+    return isinstance(error, torch._dynamo.exc.TorchDynamoException) or module.startswith(
+        ("torch._dynamo", "torch._inductor", "torch._functorch")
+    )
+
+
 def seek_lr_scheduler(scheduler: Any, steps: int) -> None:
     """Move an LR schedule to ``steps`` optimizer steps and set the rates it gives there: ``last_epoch``,
     the closed form (``_get_closed_form_lr``) where the schedule has one, and ``_last_lr``. Public

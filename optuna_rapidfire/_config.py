@@ -119,6 +119,7 @@ class ExecutorConfig:
     storage_retry_seconds: float = 60.0
     engine: EngineName = "auto"
     schedule: BaseSchedule = field(default_factory=lambda: schedule_from(DEFAULT_SCHEDULE))
+    compile: bool | str = "auto"
 
     @classmethod
     def create(
@@ -149,6 +150,7 @@ class ExecutorConfig:
         storage_retry_seconds: float = 60.0,
         engine: EngineName = "auto",
         schedule: str | BaseSchedule = "default",
+        compile: bool | str = "auto",
     ) -> ExecutorConfig:
         """Validate the executor's keywords; every error names the bad value."""
         from datasets import Dataset
@@ -183,6 +185,7 @@ class ExecutorConfig:
         if not (isinstance(storage_retry_seconds, (int, float)) and storage_retry_seconds >= 0):
             raise ValueError(f"storage_retry_seconds must be a number of at least 0, but got {storage_retry_seconds=}.")
         _check_artifact_store(artifact_store)
+        _check_compile(compile)
         chosen = schedule_from(DEFAULT_SCHEDULE if schedule == "default" else schedule)
         return cls(
             model=model,
@@ -210,6 +213,7 @@ class ExecutorConfig:
             storage_retry_seconds=float(storage_retry_seconds),
             engine=engine,
             schedule=chosen,
+            compile=compile,
         )
 
     def replace(self, **changes: Any) -> ExecutorConfig:
@@ -220,6 +224,30 @@ class ExecutorConfig:
 def metric_key(metric: str) -> str:
     """The metric as evaluation reports it: ``"loss"`` → ``"eval_loss"``."""
     return metric if metric.startswith("eval_") else f"eval_{metric}"
+
+
+def compile_backend(setting: bool | str, device_type: str) -> str | bool:
+    """The ``torch.compile`` backend the fused engine's launched pass uses on a device of ``device_type``
+    (``False``: none): ``"auto"`` compiles with Inductor on a GPU only (on the CPU compiling costs more
+    than it saves in a study), ``True`` with Inductor anywhere."""
+    if setting == "auto":
+        return "inductor" if device_type == "cuda" else False
+    if setting is True:
+        return "inductor"
+    return setting
+
+
+def _check_compile(setting: Any) -> None:
+    if isinstance(setting, bool) or setting == "auto":
+        return
+    import torch
+
+    known = torch.compiler.list_backends(exclude_tags=())
+    if not isinstance(setting, str) or setting not in known:
+        raise ValueError(
+            f"compile must be 'auto', True, False or the name of a torch.compile backend ({', '.join(known)}), "
+            f"but got compile={setting!r}."
+        )
 
 
 def _check_artifact_store(store: Any) -> None:

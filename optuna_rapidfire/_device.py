@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from optuna_rapidfire._config import compile_backend
 from optuna_rapidfire._data import ChunkPlan, PreparedData
 from optuna_rapidfire._engines._fused_engine import FusedEngine
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
@@ -90,7 +91,15 @@ class DeviceRuntime:
                 output_dir=os.path.join(config.output_dir, ".trainer"),
                 state_budget=self._state_budget(),
             )
-            self.engine = FusedEngine(trials) if self.engine_name == "fused" else TimeSlicedEngine(trials)
+            self.engine = (
+                FusedEngine(
+                    trials,
+                    compile=compile_backend(config.compile, self.device.type),
+                    capacity=config.max_concurrent_trials,
+                )
+                if self.engine_name == "fused"
+                else TimeSlicedEngine(trials)
+            )
             self._worker = DeviceWorker(
                 self.engine,
                 self.scheduler,

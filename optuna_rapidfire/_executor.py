@@ -158,6 +158,14 @@ class RapidFireExecutor:
             end of their wave, which made a user wait longer for a good config than sequential Optuna
             (benchmarks/README.md); the search part is to measure both. Per-chunk values do not depend
             on the schedule.
+        compile: How the fused engine runs a gang's pass. ``"auto"`` (default): compiled with
+            ``torch.compile`` (Inductor) on a GPU, once per gang *layout* (the projections the members
+            adapt, their rank bucket, precision, dropout) and reused by every gang of that layout: a trial
+            joining a seen layout compiles nothing (the log says how long each layout's first pass took);
+            uncompiled on the CPU. ``True``: compiled on any device; ``False``: never; or the name of a
+            ``torch.compile`` backend. A layout that fails to compile runs uncompiled, the log says why,
+            and the results are the same. Llama-family models (Llama, Mistral, Qwen2, Qwen3) take this
+            pass; other models train in the model's own modules, uncompiled.
     """
 
     def __init__(
@@ -189,6 +197,7 @@ class RapidFireExecutor:
         storage_retry_seconds: float = 60.0,
         engine: EngineName = "auto",
         schedule: str | BaseSchedule = "default",
+        compile: bool | str = "auto",
     ) -> None:
         quiet_library_noise()
         self.config = ExecutorConfig.create(
@@ -217,6 +226,7 @@ class RapidFireExecutor:
             storage_retry_seconds=storage_retry_seconds,
             engine=engine,
             schedule=schedule,
+            compile=compile,
         )
         self._devices = resolve_devices(devices)
         self._several_explicit = len(self._devices) > 1 and not (isinstance(devices, str) and devices == "auto")

@@ -42,7 +42,7 @@ class TrialSnapshot:
         rng: Generator states to continue from.
         position: Chunks and optimizer steps done.
         history: Per-chunk metrics, one dict per chunk trained.
-        dropout_rng: The fused engine's adapter-dropout generator state, if any.
+        dropout_rng: The shared passes' adapter-dropout stream (key and passes taken), if any.
         sample_rng: The generator state of the trial's sampling of completions (GRPO), if any.
     """
 

@@ -94,7 +94,7 @@ class SwapState:
     rng: RngState
     position: Position = field(default_factory=Position)
     resident: bool = True
-    # The fused engine's adapter-dropout generator state (``torch.Generator.get_state()``), once it has one.
+    # The shared passes' adapter-dropout stream (``DropoutStream.state()``: key and passes), once it has one.
     dropout_rng: torch.Tensor | None = None
     # The generator state of the trial's own sampling when it generates completions (GRPO), once it has one.
     sample_rng: torch.Tensor | None = None

@@ -129,6 +129,10 @@ class EngineStats:
         decodes: Decode batches run for trials that sample completions (GRPO).
         decoded_requests: The trials' generation requests those batches served (more than ``decodes``
             when the members of a gang decoded together).
+        launched_steps: Of ``fused_steps``, those that took the launched pass (compiled or not).
+        compiles: Graphs the launched pass compiled (per layout and shape; a trial joining a seen layout
+            adds none).
+        compile_failures: Layouts whose compilation failed (they run uncompiled).
     """
 
     switches: int = 0
@@ -144,6 +148,9 @@ class EngineStats:
     eval_rows: int = 0
     decodes: int = 0
     decoded_requests: int = 0
+    launched_steps: int = 0
+    compiles: int = 0
+    compile_failures: int = 0
 
 
 class Engine(ABC):

@@ -286,7 +286,7 @@ class _Decode:
         # transformers renamed past_key_values to cache (5.x); logits_to_keep spares the prompt's logits.
         self.cache_key = "cache" if "cache" in parameters else "past_key_values"
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
-        self.gang = Gang([r.adapter for r in requests], [len(r.prompts) for r in requests], [None] * len(requests))
+        self.gang = Gang([r.adapter for r in requests], [len(r.prompts) for r in requests], [0] * len(requests))
         self.plans = layer_plans(model, self.gang)
         self.layout = 0  # counts the batch's layouts: the noise rows are kept for one layout
         self.noise_key: tuple[int, tuple[int, ...]] | None = None
@@ -362,9 +362,7 @@ class _Decode:
         for b in batch:
             counts[self.owner[b]] += 1
         present = [k for k, count in enumerate(counts) if count]
-        self.gang = Gang(
-            [self.requests[k].adapter for k in present], [counts[k] for k in present], [None] * len(present)
-        )
+        self.gang = Gang([self.requests[k].adapter for k in present], [counts[k] for k in present], [0] * len(present))
         self.plans = layer_plans(self.model, self.gang)
         self.layout += 1
 

@@ -33,6 +33,7 @@ a policy step share its forward and backward passes (:mod:`optuna_rapidfire._eng
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ import torch
 from optuna_rapidfire import _compat
 from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import ChunkResult, Engine, EngineStats
+from optuna_rapidfire._engines._decoder import Rows
+from optuna_rapidfire._engines._dropout import row_keys
 from optuna_rapidfire._engines._fused_pass import (
     Gang,
     backbone_and_head,
@@ -55,6 +58,8 @@ from optuna_rapidfire._engines._fused_pass import (
     pad_token_id,
     unsupported,
 )
+from optuna_rapidfire._engines._launched import LaunchedPasses
+from optuna_rapidfire._engines._slots import gcd_units
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 from optuna_rapidfire._engines._token_stats import token_stats
 from optuna_rapidfire._engines._trials import clips, train_metrics
@@ -66,6 +71,8 @@ from optuna_rapidfire._trainers._fused_loss import EvalRows
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from optuna_rapidfire._engines._dropout import DropoutStream
+    from optuna_rapidfire._engines._launched import Layout
     from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
     from optuna_rapidfire._trainers._fused_loss import FusedLoss
 
@@ -77,10 +84,13 @@ class FusedEngine(Engine):
 
     fuses = True
 
-    def __init__(self, trials: DeviceTrials) -> None:
+    def __init__(self, trials: DeviceTrials, *, compile: str | bool = False, capacity: int = 8) -> None:
         super().__init__(trials)
         self._alone = TimeSlicedEngine(trials)  # gangs that cannot share a pass, and retries one by one
+        self.launched = LaunchedPasses(trials.resident, compile, capacity)
         self.fused_steps = 0
+        self.launched_steps = 0  # fused steps that took the launched pass
+        self._layout: Layout | None = None  # the launched layout of the gang trained last (its slots hold it)
         self.pass_tokens = PASS_TOKENS
         self._stepped = False
         self._said: set[str] = set()
@@ -92,7 +102,14 @@ class FusedEngine(Engine):
         super().release(runtime)
 
     def stats(self) -> EngineStats:
-        return dataclasses.replace(self.trials.stats(), fused_steps=self.fused_steps, pass_tokens=self.pass_tokens)
+        return dataclasses.replace(
+            self.trials.stats(),
+            fused_steps=self.fused_steps,
+            pass_tokens=self.pass_tokens,
+            launched_steps=self.launched_steps,
+            compiles=self.launched.compiles,
+            compile_failures=self.launched.compile_failures,
+        )
 
     # -- which gangs can be fused ----------------------------------------------------------------
 
@@ -259,7 +276,14 @@ class FusedEngine(Engine):
             return [None] * len(runtimes)
         start = time.perf_counter()
         try:
-            sums = self._eval_passes(runtimes, loss)
+            try:
+                sums = self._eval_passes(runtimes, loss)
+            except Exception as error:
+                layout = self._layout
+                if layout is None or not layout.compiled or not _compat.is_compile_error(error):
+                    raise
+                self.launched.fall_back(layout, error)
+                sums = self._eval_passes(runtimes, loss)
         except Exception as error:
             if isinstance(error, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()
@@ -286,11 +310,12 @@ class FusedEngine(Engine):
         metrics compare against one; the sums reach the host once, at the end.
         """
         first, model = runtimes[0], self.trials.resident.module
-        backbone, head = backbone_and_head(self.trials.resident.base)
+        _, head = backbone_and_head(self.trials.resident.base)
         config = self.trials.resident.base.config
         plans = [self._eval_plan(runtime, loss) for runtime in runtimes]
         chunks = [chunk for chunk, _ in plans]
-        no_dropout: list[torch.Generator | None] = [None] * len(runtimes)
+        # Right after a launched chunk its slots still hold the members' weights: evaluate through them.
+        layout = self._layout if all(all(chunk.right_padded) for chunk in chunks) else None
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any] = {}
         sums: list[list[torch.Tensor]] = [[] for _ in runtimes]
         was_training = model.training
@@ -300,16 +325,16 @@ class FusedEngine(Engine):
                 members = [k for k, chunk in enumerate(chunks) if index < len(chunk.inputs)]
                 tokens = [chunks[k].inputs[index]["input_ids"].numel() for k in members]
                 for group in _passes(members, tokens, self.pass_tokens):
-                    shared = self._lay_out(runtimes, chunks, no_dropout, group, index, layouts, None)
+                    shared = self._lay_out(runtimes, chunks, None, group, index, layouts, None, layout)
                     autocast = first.spec.kind.autocast(first.args, self.device)
-                    with fused_forward(model, shared.gang, shared.layers), autocast:
-                        hidden = self._loss_hidden(shared, backbone)
+                    with self._eval_context(shared), autocast:
+                        hidden = self._loss_hidden(shared)
                         stats = token_stats(hidden, head, shared.where[2], config, loss.eval_outputs)
                     zeros = torch.zeros_like(stats.log_probs)
                     reference = zeros
                     if loss.eval_reference:
-                        with base_only(shared.layers), first.spec.kind.autocast(first.args, self.device):
-                            base = self._loss_hidden(shared, backbone)
+                        with self._eval_context(shared), first.spec.kind.autocast(first.args, self.device):
+                            base = self._loss_hidden(shared, base=True)
                             reference = token_stats(base, head, shared.where[2], config).log_probs
                     columns = [
                         stats.log_probs,
@@ -339,6 +364,12 @@ class FusedEngine(Engine):
             for (_, counts), member in zip(plans, sums, strict=True)
         ]
 
+    def _eval_context(self, shared: _Pass) -> contextlib.AbstractContextManager[Any]:
+        """The context of an eval pass: the gang's adapters on the model's modules, or none (launched)."""
+        if shared.layout is not None:
+            return self.launched.compiling(shared.layout)
+        return fused_forward(self.trials.resident.module, shared.gang, shared.layers)
+
     def _eval_plan(self, runtime: TrialRuntime, loss: FusedLoss) -> tuple[_MemberChunk, list[int]]:
         """The trial's eval micro-batches, collated by its trainer, as :meth:`_plan` lays out a chunk, and
         the examples of each (rows of the eval set). The eval set does not change: each trial collates it
@@ -355,20 +386,23 @@ class FusedEngine(Engine):
     # -- training a gang's chunk -----------------------------------------------------------------
 
     def _train_gang(self, runtimes: Sequence[TrialRuntime]) -> list[dict[str, float]]:
-        device, resident = self.device, self.trials.resident
+        device = self.device
         self._stepped = False
         first = runtimes[0]
         loss = first.spec.kind.fused_loss
         assert loss is not None  # refusal() lets only kinds with a fused loss through
         plans = [self._plan(runtime, loss) for runtime in runtimes]
         self.trials.enter_gang(runtimes)
-        model = resident.module
-        model.train()
-        backbone, head = backbone_and_head(resident.base)
+        self.trials.resident.module.train()
+        launched = self._launched_refusal(runtimes, plans)
+        if launched is not None and len(runtimes) > 1:
+            self._say(f"Training in the model's own modules, not the launched pass: {launched}.")
+        layout = self.launched.load(runtimes) if launched is None else None
+        self._layout = layout
         losses: list[list[torch.Tensor]] = [[] for _ in runtimes]
         grad_norms: list[torch.Tensor | None] = [None for _ in runtimes]
         longest = max(len(plan.inputs) for plan in plans)
-        generators = [self.trials.dropout_generator(runtime) for runtime in runtimes]
+        streams = [self.trials.dropout_stream(runtime) for runtime in runtimes]
         # Every pass of the chunk is laid out before the first runs, so the loop below only launches work:
         # no host-side preparation or synchronisation between one pass and the next.
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any] = {}
@@ -377,24 +411,31 @@ class FusedEngine(Engine):
             members = [k for k, plan in enumerate(plans) if index < len(plan.inputs)]
             tokens = [plans[k].inputs[index]["input_ids"].numel() for k in members]
             passes = [
-                self._lay_out(runtimes, plans, generators, group, index, layouts, loss)
+                self._lay_out(runtimes, plans, streams, group, index, layouts, loss, layout)
                 for group in _passes(members, tokens, self.pass_tokens)
             ]
             schedule.append((members, passes))
+        tables = _StepTables.of(runtimes, plans, self.launched.capacity, device) if layout is not None else None
         for index, (members, passes) in enumerate(schedule):
             for shared in passes:
-                for k, value in zip(shared.group, self._fused_pass(first, shared, backbone, head), strict=True):
+                for k, value in zip(shared.group, self._fused_pass(first, shared), strict=True):
                     losses[k].append(value)
             self.fused_steps += 1
+            self.launched_steps += layout is not None
             ready = [k for k in members if plans[k].steps_at(index)]
-            if ready:
+            if ready and layout is not None and tables is not None:
+                self._stepped = True
+                self.launched.step(layout, *tables.at(index))
+            elif ready:
                 self._step(runtimes, ready, grad_norms)
+        if layout is not None and tables is not None:
+            self._finish_launched(runtimes, layout, tables, grad_norms)
         metrics = []
         for k, runtime in enumerate(runtimes):
             state = runtime.state
             state.position.chunks_done += 1
             state.rng = RngState.capture(device)
-            state.dropout_rng = generators[k].get_state()
+            state.dropout_rng = streams[k].state()
             plan = plans[k]
             per_step = [
                 torch.stack(losses[k][i : i + plan.accumulation]).sum()
@@ -406,36 +447,71 @@ class FusedEngine(Engine):
         self.trials.leave_gang(runtimes)
         return metrics
 
+    def _launched_refusal(self, runtimes: Sequence[TrialRuntime], plans: Sequence[_MemberChunk]) -> str | None:
+        """Why this chunk of the gang cannot take the launched pass (``None``: it can)."""
+        reason = self.launched.refusal(runtimes)
+        if reason is not None:
+            return reason
+        if not all(all(plan.right_padded) for plan in plans):
+            return "a micro-batch is padded on the left or inside (the launched pass pads on the right only)"
+        longest = max(batch["input_ids"].shape[1] for plan in plans for batch in plan.inputs)
+        return self.launched.decoder.window_refusal(_bucket(longest))
+
+    def _finish_launched(
+        self,
+        runtimes: Sequence[TrialRuntime],
+        layout: Layout,
+        tables: _StepTables,
+        grad_norms: list[torch.Tensor | None],
+    ) -> None:
+        """After a launched chunk: every member's slot back into its own state, its schedule and step count
+        moved on by the steps it took, and its last gradient norm kept (when it clips)."""
+        self.launched.store(layout, runtimes)
+        assert layout.optimizer is not None
+        for k, runtime in enumerate(runtimes):
+            state = runtime.state
+            state.position.optimizer_steps += tables.steps[k]
+            _compat.seek_lr_scheduler(state.lr_scheduler, state.position.optimizer_steps)
+            runtime.trainer.state.global_step = state.position.optimizer_steps
+            if clips(runtime.args):
+                grad_norms[k] = layout.optimizer.last_norm[k].clone()
+
     def _lay_out(
         self,
         runtimes: Sequence[TrialRuntime],
         plans: list[_MemberChunk],
-        generators: Sequence[torch.Generator | None],
+        streams: Sequence[DropoutStream] | None,
         group: list[int],
         index: int,
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any],
         loss: FusedLoss | None,
+        layout: Layout | None = None,
     ) -> _Pass:
         """The ``group``'s ``index``-th micro-batches as one pass: inputs, loss token positions, gang.
 
-        ``loss``: the kind's loss, which says how the loss tokens are summed; ``None`` (evaluation): one
-        sum per row.
+        ``streams``: the members' dropout streams (each member's next key is drawn; ``None``: no dropout,
+        evaluation). ``loss``: the kind's loss, which says how the loss tokens are summed; ``None``
+        (evaluation): one sum per row. ``layout``: the launched pass's layout (member k in slot k), or
+        ``None`` for a pass through the model's own modules.
         """
         batches = [plans[k].inputs[index] for k in group]
         length = max(b["input_ids"].shape[1] for b in batches)
+        if layout is not None:
+            length = _bucket(length)  # few distinct shapes for the compiled pass
         pads = [pad_token_id(runtimes[k].trainer) for k in group]
         input_ids = torch.cat([pad_right(b["input_ids"], length, pad) for b, pad in zip(batches, pads, strict=True)])
         attention = None  # no mask at all when nothing is masked: the model then needs no check of it
         padded = any(b["input_ids"].shape[1] < length for b in batches)
-        if padded or not all(plans[k].unmasked[index] for k in group):
+        if layout is None and (padded or not all(plans[k].unmasked[index] for k in group)):
             attention = torch.cat(
                 [pad_right(b.get("attention_mask", torch.ones_like(b["input_ids"])), length, 0) for b in batches]
             )
         rows = [len(b["input_ids"]) for b in batches]
         names = [runtimes[k].state.adapter_name for k in group]
-        gang = Gang(names, rows, [generators[k] for k in group], [b["input_ids"].shape[1] for b in batches])
+        keys = [0] * len(group) if streams is None else [streams[k].next_key() for k in group]
+        gang = Gang(names, rows, keys)
         key = (tuple(names), tuple(rows))
-        if key not in layouts:
+        if layout is None and key not in layouts:
             layouts[key] = layer_plans(self.trials.resident.module, gang)
         flat, token_rows, target, offset = [], [], [], 0
         for j, k in enumerate(group):
@@ -452,49 +528,82 @@ class FusedEngine(Engine):
         where = _to_device_async(torch.stack([torch.cat(flat), segment, torch.cat(target)]), self.device)
         scales = torch.stack([plans[k].scales[index] for k in group]) if loss is not None else None
         on_device = tuple(_to_device_async(extra, self.device) for extra in extras)
-        return _Pass(group, gang, layouts[key], input_ids, attention, where, scales, loss, on_device)
+        unit_rows = None if layout is None else self._rows(layout, group, rows, keys, streams is not None)
+        return _Pass(
+            group, gang, layouts.get(key, []), input_ids, attention, where, scales, loss, on_device, layout, unit_rows
+        )
 
-    def _fused_pass(
-        self, first: TrialRuntime, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module
-    ) -> list[torch.Tensor]:
+    def _rows(self, layout: Layout, group: list[int], rows: list[int], keys: list[int], training: bool) -> Rows:
+        """The launched pass's row layout: units of equal rows (member k's in slot k) and, when a member
+        drops, each row's dropout key and probability."""
+        unit = gcd_units(rows)
+        units = [k for k, count in zip(group, rows, strict=True) for _ in range(count // unit)]
+        on = lambda values: _to_device_async(values, self.device)  # noqa: E731
+        if not (training and layout.key.dropout):
+            return Rows(on(torch.tensor(units)), None, None)
+        assert layout.slots is not None
+        slot_of_row = [k for k, count in zip(group, rows, strict=True) for _ in range(count)]
+        drops = layout.slots.drop.index_select(0, on(torch.tensor(slot_of_row)))
+        return Rows(on(torch.tensor(units)), on(row_keys(keys, rows)), drops)
+
+    def _fused_pass(self, first: TrialRuntime, shared: _Pass) -> list[torch.Tensor]:
         """One forward/backward of a laid-out pass; each member's loss, detached.
 
         The losses need no host synchronisation: the label positions were found on the host when the chunk
         was collated, and the per-member sums come from ``index_add_``. The kind's loss says what the pass
         compares against (DPO: a reference pass of the whole gang with the adapters off) and computes the
-        members' losses.
+        members' losses. A launched pass whose compilation fails runs again uncompiled (nothing of it was
+        applied: the compiler fails before the first kernel of the graph runs).
         """
+        layout = shared.layout
+        if layout is None:
+            # The gang's layers stay in place through the backward pass too: activation checkpointing
+            # recomputes forwards there.
+            with fused_forward(self.trials.resident.module, shared.gang, shared.layers):
+                return self._forward_backward(first, shared)
+        with self.launched.compiling(layout):
+            try:
+                return self._forward_backward(first, shared)
+            except Exception as error:
+                if not (layout.compiled and _compat.is_compile_error(error)):
+                    raise
+                self.launched.fall_back(layout, error)
+            return self._forward_backward(first, shared)
+
+    def _forward_backward(self, first: TrialRuntime, shared: _Pass) -> list[torch.Tensor]:
         loss, rows = shared.loss, len(shared.input_ids)
         assert loss is not None and shared.scales is not None  # a training pass
-        reference = loss.reference(lambda: self._base_nll(first, shared, backbone, head), shared.where, rows)
-        # The gang's layers stay in place through the backward pass too: activation checkpointing
-        # recomputes forwards there. Mixed precision covers the forward pass and the losses only.
-        with fused_forward(self.trials.resident.module, shared.gang, shared.layers):
-            with first.spec.kind.autocast(first.args, self.device):
-                nll = self._token_nll(shared, backbone, head)
-                sums = loss.losses(nll, reference, shared.where, shared.extras, rows, len(shared.group))
-                member_losses = sums * shared.scales
-            member_losses.sum().backward()
+        reference = loss.reference(lambda: self._token_nll(first, shared, base=True), shared.where, rows)
+        # Mixed precision covers the forward pass and the losses only.
+        with first.spec.kind.autocast(first.args, self.device):
+            nll = self._token_nll(first, shared)
+            sums = loss.losses(nll, reference, shared.where, shared.extras, rows, len(shared.group))
+            member_losses = sums * shared.scales
+        member_losses.sum().backward()
         return list(member_losses.detach().unbind())
 
-    def _base_nll(
-        self, first: TrialRuntime, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module
-    ) -> torch.Tensor:
-        """:meth:`_token_nll` with the adapters off and no gradients (a reference model)."""
-        with torch.no_grad(), base_only(shared.layers), first.spec.kind.autocast(first.args, self.device):
-            return self._token_nll(shared, backbone, head)
-
-    def _loss_hidden(self, shared: _Pass, backbone: torch.nn.Module) -> torch.Tensor:
-        """The backbone's last hidden state at every loss token's position (the one predicting it)."""
-        outputs = backbone(input_ids=shared.input_ids, attention_mask=shared.attention, use_cache=False)
-        hidden = outputs.last_hidden_state
+    def _loss_hidden(self, shared: _Pass, base: bool = False) -> torch.Tensor:
+        """The backbone's last hidden state at every loss token's position (the one predicting it); ``base``:
+        with the adapters off."""
+        if shared.rows is not None:  # the launched pass
+            hidden = self.launched.hidden(shared.input_ids, shared.rows, None if base else shared.layout)
+        else:
+            backbone, _ = backbone_and_head(self.trials.resident.base)
+            with base_only(shared.layers) if base else contextlib.nullcontext():
+                hidden = backbone(
+                    input_ids=shared.input_ids, attention_mask=shared.attention, use_cache=False
+                ).last_hidden_state
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, shared.where[0])
 
-    def _token_nll(self, shared: _Pass, backbone: torch.nn.Module, head: torch.nn.Module) -> torch.Tensor:
+    def _token_nll(self, first: TrialRuntime, shared: _Pass, base: bool = False) -> torch.Tensor:
         """The negative log-probability of every loss token of the pass (float32), without the pass's
-        float32 logits (:func:`~optuna_rapidfire._engines._token_stats.token_stats`)."""
-        hidden = self._loss_hidden(shared, backbone)
-        return -token_stats(hidden, head, shared.where[2], self.trials.resident.base.config).log_probs
+        float32 logits (:func:`~optuna_rapidfire._engines._token_stats.token_stats`); ``base``: with the
+        adapters off and no gradients (a reference model)."""
+        resident = self.trials.resident
+        _, head = backbone_and_head(resident.base)
+        with torch.no_grad() if base else contextlib.nullcontext(), first.spec.kind.autocast(first.args, self.device):
+            hidden = self._loss_hidden(shared, base)
+            return -token_stats(hidden, head, shared.where[2], resident.base.config).log_probs
 
     def _plan(self, runtime: TrialRuntime, loss: FusedLoss) -> _MemberChunk:
         """The trial's micro-batches of its next chunk, collated, with where their loss tokens are."""
@@ -513,16 +622,20 @@ class FusedEngine(Engine):
 
     def _member_chunk(self, collated: list[dict[str, Any]], loss: FusedLoss, accumulation: int) -> _MemberChunk:
         """Collated micro-batches on the device, with where their loss tokens are (found here, on the host)."""
-        targets, unmasked = [], []
+        targets, unmasked, right_padded = [], [], []
         for batch in collated:
             shifted = loss.labels(batch)
             row, column = (shifted != -100).nonzero(as_tuple=True)
             targets.append((row, column, shifted[row, column]))
-            unmasked.append("attention_mask" not in batch or bool(batch["attention_mask"].all()))
+            mask = batch.get("attention_mask")
+            unmasked.append(mask is None or bool(mask.all()))
+            # Right padding only: each row's mask is ones, then zeros.
+            right_padded.append(mask is None or bool((mask.cumprod(1).sum(1) == mask.sum(1)).all()))
         return _MemberChunk(
             inputs=[_to_device(batch, self.device) for batch in collated],
             targets=targets,
             unmasked=unmasked,
+            right_padded=right_padded,
             scales=[],
             accumulation=accumulation,
             tokens=sum(
@@ -546,14 +659,63 @@ class FusedEngine(Engine):
 
 
 @dataclass
+class _StepTables:
+    """A launched chunk's optimizer steps, worked out ahead: for each micro-batch index where members step,
+    which slots step (``ready``, 0/1) and each one's learning rate (its schedule's rate at that step), both
+    ``[steps, slots]`` on the device; and how many steps each member takes."""
+
+    indices: dict[int, int]
+    ready: torch.Tensor
+    lr: torch.Tensor
+    steps: list[int]
+
+    @classmethod
+    def of(
+        cls, runtimes: Sequence[TrialRuntime], plans: Sequence[_MemberChunk], slots: int, device: torch.device
+    ) -> _StepTables:
+        longest = max(len(plan.inputs) for plan in plans)
+        taken = [0] * len(runtimes)
+        indices: dict[int, int] = {}
+        ready_rows: list[list[float]] = []
+        lr_rows: list[list[float]] = []
+        for index in range(longest):
+            ready = [0.0] * slots
+            lr = [0.0] * slots
+            for k, (runtime, plan) in enumerate(zip(runtimes, plans, strict=True)):
+                if index < len(plan.inputs) and plan.steps_at(index):
+                    state = runtime.state
+                    ready[k] = 1.0
+                    lr[k] = _compat.lr_at(state.lr_scheduler, state.position.optimizer_steps + taken[k])
+                    taken[k] += 1
+            if any(ready):
+                indices[index] = len(ready_rows)
+                ready_rows.append(ready)
+                lr_rows.append(lr)
+        ready_t = _to_device_async(torch.tensor(ready_rows, dtype=torch.float32), device)
+        lr_t = _to_device_async(torch.tensor(lr_rows, dtype=torch.float64), device)
+        return cls(indices, ready_t, lr_t, taken)
+
+    def at(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``ready`` and ``lr`` rows of the step after micro-batch ``index``."""
+        row = self.indices[index]
+        return self.ready[row], self.lr[row]
+
+
+def _bucket(length: int) -> int:
+    """The padded length of a launched pass: a multiple of 64 tokens."""
+    return -(-length // 64) * 64
+
+
+@dataclass
 class _MemberChunk:
     """One trial's chunk in a gang: its micro-batches (on the device), each one's loss tokens (row,
-    column, label; on the host), whether nothing in it is masked, and its loss scale (training only);
-    the trial's accumulation steps and trained tokens."""
+    column, label; on the host), whether nothing in it is masked and whether it is padded on the right only,
+    and its loss scale (training only); the trial's accumulation steps and trained tokens."""
 
     inputs: list[dict[str, Any]]
     targets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     unmasked: list[bool]
+    right_padded: list[bool]
     scales: list[torch.Tensor]
     accumulation: int
     tokens: int
@@ -566,8 +728,9 @@ class _MemberChunk:
 @dataclass
 class _Pass:
     """One shared forward/backward, laid out ahead: members (gang positions), gang, LoRA layer plans,
-    inputs, the loss tokens' flat positions / sum / target (``where``, 3 x tokens), loss scales, and the
-    kind's loss with its own tensors for the pass (:meth:`FusedLoss.lay_out`)."""
+    inputs, the loss tokens' flat positions / sum / target (``where``, 3 x tokens), loss scales, the
+    kind's loss with its own tensors for the pass (:meth:`FusedLoss.lay_out`), and for a launched pass its
+    layout and row layout."""
 
     group: list[int]
     gang: Gang
@@ -578,6 +741,8 @@ class _Pass:
     scales: torch.Tensor | None
     loss: FusedLoss | None
     extras: tuple[torch.Tensor, ...]
+    layout: Layout | None = None
+    rows: Rows | None = None
 
 
 PASS_TOKENS = 16_384

@@ -7,8 +7,8 @@ all rows and adds each adapter's low-rank update to its own rows only, with two 
 over the K adapters: without copies when the adapters share rank and targets and the segments their row
 count, else over ranks and rows zero-padded to the largest, gathered by index (one gather of the rows,
 one of the stacked projections, one indexed add of the updates per layer, whatever K; an adapter that
-does not target the layer adds nothing). Dropout masks come from each adapter's own
-``torch.Generator``, so a trial draws the same masks whether it trains alone or in a gang. Per-trial
+does not target the layer adds nothing). Dropout masks are computed from each adapter's own stream
+(:mod:`optuna_rapidfire._engines._dropout`), so a trial gets the same masks alone or in any gang. Per-trial
 losses are computed on each segment (:func:`segment_losses`); backpropagating their sum gives every
 adapter the gradient of its own loss, since adapters share no parameters and the base is frozen.
 """
@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+from optuna_rapidfire._engines._dropout import apply, keep_scale, layer_salt, row_keys
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -29,24 +31,29 @@ if TYPE_CHECKING:
 
 @dataclass
 class Gang:
-    """K adapters sharing a pass: adapter names, rows per adapter (in order), dropout generators.
-
-    ``lengths`` (optional): each segment's own sequence length before the gang padded it to the longest;
-    dropout masks are drawn for that length only, so a trial draws the same masks in any gang.
-    """
+    """K adapters sharing a pass: adapter names, rows per adapter (in order), and each adapter's dropout key
+    for this pass (:meth:`~optuna_rapidfire._engines._dropout.DropoutStream.next_key`; ignored by adapters
+    without dropout)."""
 
     names: list[str]
     rows: list[int]
-    generators: list[torch.Generator | None]
-    lengths: list[int] | None = None
+    keys: list[int]
+    _row_keys: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if not (len(self.names) == len(self.rows) == len(self.generators)) or not self.names:
-            raise ValueError("A gang needs one row count and one generator (or None) per adapter.")
+        if not (len(self.names) == len(self.rows) == len(self.keys)) or not self.names:
+            raise ValueError("A gang needs one row count and one dropout key per adapter.")
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"A gang's adapters must differ, got {self.names}.")
         if any(r < 1 for r in self.rows):
             raise ValueError(f"Every adapter of a gang needs at least one row, got {self.rows}.")
+
+    def row_keys(self, device: torch.device) -> torch.Tensor:
+        """Each row's dropout key (:func:`~optuna_rapidfire._engines._dropout.row_keys`), on ``device``."""
+        found = self._row_keys.get(device)
+        if found is None:
+            found = self._row_keys[device] = _to_device(row_keys(self.keys, self.rows).tolist(), device)
+        return found
 
 
 def unsupported(layer: Any, name: str) -> str | None:
@@ -60,9 +67,20 @@ def unsupported(layer: Any, name: str) -> str | None:
 
 def lora_layers(model: torch.nn.Module) -> list[Any]:
     """PEFT's LoRA ``Linear`` layers of ``model``."""
+    return [layer for _, layer in named_lora_layers(model)]
+
+
+def named_lora_layers(model: torch.nn.Module) -> list[tuple[str, Any]]:
+    """PEFT's LoRA ``Linear`` layers of ``model`` with the base model's name for each (``model.layers.0.
+    self_attn.q_proj``, whether ``model`` is the ``PeftModel`` or the base it wraps)."""
     from peft.tuners.lora.layer import Linear
 
-    return [m for m in model.modules() if isinstance(m, Linear)]
+    prefix = "base_model.model."
+    return [
+        (name[len(prefix) :] if name.startswith(prefix) else name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, Linear)
+    ]
 
 
 def layer_plans(model: torch.nn.Module, gang: Gang) -> list[tuple[Any, _LayerPlan]]:
@@ -73,12 +91,12 @@ def layer_plans(model: torch.nn.Module, gang: Gang) -> list[tuple[Any, _LayerPla
         ValueError: If an adapter cannot be fused (a LoRA variant such as DoRA).
     """
     plans = []
-    for layer in lora_layers(model):
+    for module_name, layer in named_lora_layers(model):
         for name in gang.names:
             reason = unsupported(layer, name)
             if reason is not None:
                 raise ValueError(reason)
-        plans.append((layer, _LayerPlan.of(layer, gang)))
+        plans.append((layer, _LayerPlan.of(layer, gang, layer_salt(module_name))))
     return plans
 
 
@@ -127,7 +145,7 @@ class _LayerPlan:
     ``present``: the gang's adapters that target the layer (positions in the gang); ``uniform``: every
     adapter targets it with the same rank and the segments have equal rows, so the rows reshape to
     ``[K, rows * tokens, in]`` without copies and the ranks need no padding; ``dropout``: each present
-    adapter's dropout probability.
+    adapter's dropout probability; ``salt``: the layer's dropout salt.
     """
 
     present: list[int]
@@ -135,9 +153,11 @@ class _LayerPlan:
     scales: list[float]
     dropout: list[float]
     rank: int
+    salt: int
+    _row_drop: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, layer: Any, gang: Gang) -> _LayerPlan:
+    def of(cls, layer: Any, gang: Gang, salt: int) -> _LayerPlan:
         present = [i for i, name in enumerate(gang.names) if name in layer.lora_A]
         ranks = [layer.lora_A[gang.names[i]].weight.shape[0] for i in present]
         uniform = len(present) == len(gang.names) and len(set(ranks)) <= 1 and len(set(gang.rows)) == 1
@@ -147,7 +167,17 @@ class _LayerPlan:
             scales=[float(layer.scaling[gang.names[i]]) for i in present],
             dropout=[float(getattr(layer.lora_dropout[gang.names[i]], "p", 0.0)) for i in present],
             rank=max(ranks, default=0),
+            salt=salt,
         )
+
+    def row_drop(self, gang: Gang, device: torch.device) -> torch.Tensor:
+        """Each row's dropout probability in this layer (0 for adapters that do not target it)."""
+        found = self._row_drop.get(device)
+        if found is None:
+            own = dict(zip(self.present, self.dropout, strict=True))
+            values = [own.get(i, 0.0) for i, count in enumerate(gang.rows) for _ in range(count)]
+            found = self._row_drop[device] = torch.tensor(values, dtype=torch.float32).to(device)
+        return found
 
 
 def _bound_forward(gang: Gang, plan: _LayerPlan) -> Any:
@@ -178,10 +208,9 @@ def fused_linear(layer: Any, gang: Gang, plan: _LayerPlan, x: torch.Tensor, *arg
     view of the input, the second adding onto the base output (``baddbmm``) when the dtypes allow. Else
     one gather of the present adapters' rows (zero-padded to the longest segment), one of their
     projections (zero-padded to the largest rank), two batched matmuls and one indexed add of the
-    updates onto the base output: the operators launched do not grow with the number of adapters, except
-    for dropout, drawn per adapter from its own generator. The scalings are folded
-    into the stacked up-projections, and under mixed precision the input is not cast to the adapters'
-    dtype first (autocast casts it for the matmul, as it would PEFT's).
+    updates onto the base output: the operators launched do not grow with the number of adapters. The
+    scalings are folded into the stacked up-projections, and under mixed precision the input is not cast to
+    the adapters' dtype first (autocast casts it for the matmul, as it would PEFT's).
     """
     result = layer.base_layer(x, *args, **kwargs)
     if not plan.present or layer.disable_adapters:
@@ -195,13 +224,11 @@ def fused_linear(layer: Any, gang: Gang, plan: _LayerPlan, x: torch.Tensor, *arg
         x = x.to(weight_dtype)
     inner = x.shape[1:-1].numel()  # tokens per row
     dropping = layer.training and any(p > 0 for p in plan.dropout)
-    if dropping:
-        segments = list(torch.split(x, gang.rows, dim=0))
-        for p, i in zip(plan.dropout, plan.present, strict=True):
-            if p > 0:
-                length = None if gang.lengths is None or x.dim() < 3 else gang.lengths[i]
-                segments[i] = _dropout(segments[i], p, gang.generators[i], length)
-        x = torch.cat(segments, dim=0)
+    if dropping:  # one computed mask for all rows (each row's own key and probability)
+        if x.dim() != 3:
+            raise ValueError(f"Adapter dropout in a shared pass needs rows x tokens x features, got {tuple(x.shape)}.")
+        scale = keep_scale(gang.row_keys(x.device), plan.salt, plan.row_drop(gang, x.device), x.shape[1], x.shape[2])
+        x = apply(x, scale)
     if plan.uniform:
         # Every adapter targets the layer with one rank, on equal row counts: no copies, no padding.
         stacked = x.reshape(len(names), -1, x.shape[-1])  # a view: segments are contiguous rows
@@ -301,17 +328,6 @@ def _stacked_weights(
     up = F.pad(torch.cat(ups, dim=1), (0, 1)).index_select(1, index)  # [out, K * r]
     k = len(names)
     return down.view(k, plan.rank, -1).transpose(1, 2), up.view(up.shape[0], k, plan.rank).permute(1, 2, 0)
-
-
-def _dropout(x: torch.Tensor, p: float, generator: torch.Generator | None, length: int | None = None) -> torch.Tensor:
-    """Inverted dropout with masks from ``generator``, drawn for the first ``length`` positions only."""
-    if p >= 1.0:
-        return torch.zeros_like(x)
-    shape = x.shape if length is None else (x.shape[0], length, *x.shape[2:])
-    keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=generator)
-    if length is not None and length < x.shape[1]:
-        keep = torch.cat([keep, keep.new_ones(x.shape[0], x.shape[1] - length, *x.shape[2:])], dim=1)
-    return x * keep / (1 - p)
 
 
 def backbone_and_head(base: Any) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -13,7 +13,7 @@ adapter the gradient of its own loss (adapters share no parameters; the base is 
 then clips and steps its own optimizer, as alone.
 
 Rows are padded on the right to the pass's longest (causal attention: a row's tokens never see its
-padding), adapter dropout masks come from each trial's own generator (as in the fused engine's SFT
+padding), adapter dropout masks come from each trial's own stream (as in the fused engine's SFT
 passes), and only grad-enabled calls are shared: the log-probabilities TRL computes without gradients
 (the old policy's, the reference's, evaluation's) stay each trial's own.
 """
@@ -81,8 +81,8 @@ class PolicyPasses:
         pad = pad_token_id(first.trainer)
         input_ids = torch.cat([pad_right(request.input_ids, length, pad) for request in requests])
         attention = torch.cat([pad_right(request.attention_mask, length, 0) for request in requests])
-        generators = [trials.dropout_generator(request.runtime) for request in requests]
-        gang = Gang(names, rows, list(generators), [request.input_ids.shape[1] for request in requests])
+        streams = [trials.dropout_stream(request.runtime) for request in requests]
+        gang = Gang(names, rows, [stream.next_key() for stream in streams])
         base = resident.base
         backbone, head = backbone_and_head(base)
         resident.set_base_dropout(first.spec.kind.base_dropout_off(first.args))  # the gang's members agree
@@ -94,7 +94,7 @@ class PolicyPasses:
             hidden = backbone(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
         answers: list[tuple[torch.Tensor, torch.Tensor | None, None]] = []
         start = 0
-        for request, count, generator in zip(requests, rows, generators, strict=True):
+        for request, count, stream in zip(requests, rows, streams, strict=True):
             own = request.input_ids.shape[1]
             keep = request.logits_to_keep
             # Position j predicts token j + 1: the last ``keep`` tokens are predicted from the ``keep`` before.
@@ -114,7 +114,7 @@ class PolicyPasses:
             if entropy is not None:
                 entropy = entropy.view(count, keep).masked_fill(~mask, 0.0)
             answers.append((log_probs, entropy, None))
-            request.runtime.state.dropout_rng = generator.get_state()
+            request.runtime.state.dropout_rng = stream.state()
             start += count
         self.passes += 1
         self._open.update(request.runtime for request in requests)

@@ -26,6 +26,7 @@ import torch
 from optuna_rapidfire import _compat
 from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, EngineStats, TrialSpec
+from optuna_rapidfire._engines._dropout import DropoutStream
 from optuna_rapidfire._engines._generation import Generation
 from optuna_rapidfire._snapshot import TrialSnapshot
 from optuna_rapidfire._state import Position, RngState, SwapState
@@ -411,15 +412,11 @@ class DeviceTrials:
         self.resident.module.train(training)
         self._current = runtime
 
-    def dropout_generator(self, runtime: TrialRuntime) -> torch.Generator:
-        """The trial's own adapter-dropout generator for shared passes: seeded from its args' seed, continued
-        from its state (whoever uses it saves its state back in ``runtime.state.dropout_rng``)."""
-        generator = torch.Generator(device=self.device)
-        if runtime.state.dropout_rng is None:
-            generator.manual_seed(int(runtime.args.seed) + 0x5EED)
-        else:
-            generator.set_state(runtime.state.dropout_rng)
-        return generator
+    @staticmethod
+    def dropout_stream(runtime: TrialRuntime) -> DropoutStream:
+        """The trial's own adapter-dropout stream for shared passes: keyed by its args' seed, continued from
+        its state (whoever uses it saves its state back in ``runtime.state.dropout_rng``)."""
+        return DropoutStream.of(runtime.state.dropout_rng, int(runtime.args.seed))
 
     def enter_gang(self, runtimes: Sequence[TrialRuntime]) -> None:
         """Set the model up to train the trials together: their states on the device, their adapters

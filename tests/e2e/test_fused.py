@@ -60,7 +60,7 @@ def _run(
 ) -> dict[str, tuple[float, dict[str, torch.Tensor]]]:
     batches = _batches()
     rows = [ADAPTERS[n][1] for n in names]
-    gang = Gang(names, rows, [torch.Generator().manual_seed(100 + list(ADAPTERS).index(n)) for n in names])
+    gang = Gang(names, rows, [100 + list(ADAPTERS).index(n) for n in names])
     if not dropout:
         model.eval()  # no dropout masks: only the rounding of the shared pass differs
     ids = torch.cat([batches[n][0] for n in names])
@@ -107,13 +107,13 @@ def test_equal_adapters_take_the_batched_path_and_give_each_trial_its_own_gradie
             for i, name in enumerate(names)
         },
     )
-    plans = layer_plans(model, Gang(names, [2, 2, 2], [None] * 3))
+    plans = layer_plans(model, Gang(names, [2, 2, 2], [0] * 3))
     assert plans and all(plan.uniform for _, plan in plans)
     ids = torch.randint(0, 1024, (6, TOKENS), generator=torch.Generator().manual_seed(1))
 
     def run(chosen: list[str], rows: torch.Tensor) -> tuple[list[float], dict[str, torch.Tensor]]:
         model.zero_grad(set_to_none=True)
-        with fused_forward(model, Gang(chosen, [2] * len(chosen), [None] * len(chosen))):
+        with fused_forward(model, Gang(chosen, [2] * len(chosen), [0] * len(chosen))):
             losses = segment_losses(model(input_ids=rows).logits, rows, [2] * len(chosen))
         torch.stack(losses).sum().backward()
         grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
@@ -169,10 +169,10 @@ def test_the_fused_pass_equals_peft_s_own_forward_without_dropout(model: torch.n
 
 def test_a_gang_refuses_bad_shapes(model: torch.nn.Module) -> None:
     with pytest.raises(ValueError, match="at least one row"):
-        Gang(["t0", "t1"], [2, 0], [None, None])
+        Gang(["t0", "t1"], [2, 0], [0, 0])
     with pytest.raises(ValueError, match="must differ"):
-        Gang(["t0", "t0"], [1, 1], [None, None])
-    gang = Gang(["t0", "t1"], [2, 3], [None, None])
+        Gang(["t0", "t0"], [1, 1], [0, 0])
+    gang = Gang(["t0", "t1"], [2, 3], [0, 0])
     with fused_forward(model, gang), pytest.raises(ValueError, match="gang expects 5"):
         model(input_ids=torch.zeros(4, TOKENS, dtype=torch.long))
 

@@ -59,7 +59,9 @@ def _values(make_executor, engine: str, concurrent: int = 3, **kwargs) -> list[d
     executor.optimize(study, configure, n_trials=len(CONFIGS))
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * len(CONFIGS)
     if engine == "fused":
-        assert executor.stats().fused_steps > 0  # the gang really shared passes
+        stats = executor.stats()
+        assert stats.fused_steps > 0  # the gang really shared passes
+        assert stats.launched_steps == stats.fused_steps  # through the launched pass (uncompiled on the CPU)
     if kwargs.get("state_memory_budget") == 1:
         assert executor.stats().offloads > 0
     return [dict(t.intermediate_values) for t in study.trials]
@@ -300,10 +302,10 @@ def test_a_failed_shared_pass_fails_only_the_trial_that_fails_alone(
     sliced = _values(make_executor, "time_sliced")
     shared_pass, own_chunk = FusedEngine._fused_pass, TimeSlicedEngine._train_chunk
 
-    def crowded(self, first, shared, backbone, head):
+    def crowded(self, first, shared):
         if len(shared.group) > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return shared_pass(self, first, shared, backbone, head)
+        return shared_pass(self, first, shared)
 
     def broken(self, runtime):
         if runtime.spec.number == 1:

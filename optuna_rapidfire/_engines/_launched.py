@@ -1,0 +1,356 @@
+"""The fused engine's launched pass: a gang's forward/backward compiled once per layout and reused by every gang.
+
+A *layout* is what a gang's pass graph depends on: which projections of the model carry LoRA (the union of
+the members' targets), the rank bucket their ranks are padded to, the adapters' dtype, and whether any member
+drops. Gangs of one layout share a :class:`Layout`: the slot storage of their adapters and Adam moments
+(:class:`~optuna_rapidfire._engines._slots.GangSlots`), the slots' AdamW (one launch per step for the whole
+gang) and the per-layer LoRA inputs. The pass itself is :func:`~optuna_rapidfire._engines._decoder.
+decoder_layer`, compiled by ``torch.compile`` (``fullgraph``, one graph for every layer of the model) the
+first time a layout and shape is met, and reused afterwards: a trial joining a gang of a seen layout only
+changes the values in the slots, so it triggers no compilation. Shapes (rows, tokens) that change make the
+compiler generalise them once (``torch.compile``'s automatic dynamic shapes).
+
+Compilation is counted (:attr:`LaunchedPasses.compiles`), and the first pass of each layout is timed and
+logged once. A layout whose compilation fails runs the same functions uncompiled, with the reason logged:
+results are the same (up to the rounding of fused kernels). ``compile=False`` runs every layout uncompiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from optuna_rapidfire import _compat
+from optuna_rapidfire._engines._decoder import (
+    PROJECTIONS,
+    Decoder,
+    Lora,
+    Rows,
+    decoder_layer,
+    projection_of,
+    salts_of,
+)
+from optuna_rapidfire._engines._dropout import layer_salt
+from optuna_rapidfire._engines._fused_pass import named_lora_layers, unsupported
+from optuna_rapidfire._engines._slots import (
+    AdamSettings,
+    GangAdamW,
+    GangSlots,
+    MemberAdapter,
+    Projection,
+    adam_settings,
+    adamw_step,
+    rank_bucket,
+)
+from optuna_rapidfire._logging import get_logger
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+
+    from optuna_rapidfire._engines._trials import TrialRuntime
+    from optuna_rapidfire._model import ResidentModel
+
+_logger = get_logger(__name__)
+
+# Variants of one compiled function the compiler keeps (layouts x shapes) before it stops compiling new ones.
+_RECOMPILE_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class LayoutKey:
+    """What a gang's compiled pass depends on."""
+
+    projections: frozenset[Projection]
+    rank: int
+    dtype: torch.dtype
+    dropout: bool
+
+    def describe(self) -> str:
+        layers = {p.layer for p in self.projections}
+        names = sorted({p.name for p in self.projections}, key=PROJECTIONS.index)
+        return (
+            f"{'/'.join(n.removesuffix('_proj') for n in names)} on {len(layers)} layers, rank <= {self.rank}, "
+            f"{str(self.dtype).removeprefix('torch.')}{', dropout' if self.dropout else ''}"
+        )
+
+
+@dataclass(eq=False)
+class Layout:
+    """A layout's state: its key, slot storage and optimizer (allocated while the layout is in use), the
+    per-layer LoRA inputs and dropout salts, whether it runs compiled, and its compilation counters."""
+
+    key: LayoutKey
+    compiled: bool
+    slots: GangSlots | None = None
+    optimizer: GangAdamW | None = None
+    loras: list[tuple[Lora | None, ...]] = field(default_factory=list)
+    salts: torch.Tensor | None = None
+    compiles: int = 0
+    first_pass_seconds: float | None = None
+
+
+@dataclass
+class Member:
+    """A gang member as the launched pass sees it: its adapter in slot terms and AdamW settings."""
+
+    adapter: MemberAdapter
+    settings: AdamSettings
+
+
+class LaunchedPasses:
+    """The launched passes of one device's fused engine.
+
+    Args:
+        resident: The base model with the trials' adapters.
+        compile: ``False`` (run uncompiled), or the ``torch.compile`` backend (``"inductor"``...).
+        capacity: Slots per layout: the most trials a gang holds.
+    """
+
+    def __init__(self, resident: ResidentModel, compile: str | bool, capacity: int) -> None:
+        self.resident = resident
+        self.backend = compile if isinstance(compile, str) else ("inductor" if compile else None)
+        self.capacity = capacity
+        self.compiles = 0
+        self.compile_failures = 0
+        self._layouts: dict[LayoutKey, Layout] = {}
+        self._active: Layout | None = None
+        self._current: Layout | None = None
+        self._decoder: Decoder | None = None
+        self._refusal = Decoder.refusal(resident.base)
+        # What each trial is in slot terms, for the model's adapters as they are (see :meth:`member`).
+        self._members_of: tuple[str, ...] | None = None
+        self._members: dict[str, Member | str] = {}
+        self._named: list[tuple[str, Any]] = []
+        self._layer_fn: Callable[..., torch.Tensor] = decoder_layer
+        self._step_fn: Callable[..., None] = adamw_step
+        if self.backend is not None and self._refusal is None:
+            # Functions of their own (fresh code objects): the compiler's cache lives and dies with this engine.
+            self._layer_fn = torch.compile(_fresh(decoder_layer), fullgraph=True, backend=self._count)
+            self._step_fn = torch.compile(_fresh(adamw_step), fullgraph=True, backend=self._count)
+
+    # -- which gangs it runs ---------------------------------------------------------------------
+
+    def refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:
+        """Why these trials cannot take the launched pass (``None``: they can)."""
+        if self._refusal is not None:
+            return self._refusal
+        first = runtimes[0]
+        if first.spec.kind.checkpointing(first.args)[0]:
+            return "activation checkpointing is on"
+        for runtime in runtimes:
+            found = self.member(runtime)
+            if isinstance(found, str):
+                return f"trial {runtime.spec.number} {found}"
+        return None
+
+    def member(self, runtime: TrialRuntime) -> Member | str:
+        """The trial as the launched pass sees it, or why it cannot take it (kept while the model's adapters
+        stay the same)."""
+        peft = self.resident.peft
+        adapters = tuple(peft.peft_config) if peft is not None else ()
+        if self._members_of != adapters:
+            self._members_of, self._members = adapters, {}
+            self._named = named_lora_layers(self.resident.module)
+        name = runtime.state.adapter_name
+        found = self._members.get(name)
+        if found is None:
+            found = self._members[name] = self._describe(runtime)
+        return found
+
+    def _describe(self, runtime: TrialRuntime) -> Member | str:
+        name = runtime.state.adapter_name
+        projections: dict[Projection, tuple[torch.nn.Parameter, torch.nn.Parameter, float]] = {}
+        drops: set[float] = set()
+        for module_name, layer in self._named:
+            if name not in layer.lora_A:
+                continue
+            where = projection_of(module_name)
+            reason = unsupported(layer, name)
+            if where is None or reason is not None:
+                return reason or f"adapts {module_name}, which the launched pass does not"
+            if getattr(layer.lora_B[name], "bias", None) is not None:
+                return "has a LoRA bias"
+            a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+            projection = Projection(where[0], where[1], a.shape[1], b.shape[0])
+            projections[projection] = (a, b, float(layer.scaling[name]))
+            drops.add(float(getattr(layer.lora_dropout[name], "p", 0.0)))
+        params = runtime.state.params
+        owned = {id(t) for a, b, _ in projections.values() for t in (a, b)}
+        if not projections or owned != {id(p) for p in params}:
+            return "trains parameters besides LoRA's A and B (modules_to_save?)"
+        if len(drops) > 1 or len({a.dtype for a, _, _ in projections.values()}) > 1:
+            return "has per-layer dropout or dtypes"
+        settings = adam_settings(runtime.state.optimizer, params, runtime.args.max_grad_norm)
+        if isinstance(settings, str):
+            return settings
+        rank = max(a.shape[0] for a, _, _ in projections.values())
+        return Member(MemberAdapter(projections, rank, drops.pop()), settings)
+
+    @property
+    def decoder(self) -> Decoder:
+        if self._decoder is None:
+            self._decoder = Decoder(self.resident.base)
+        return self._decoder
+
+    # -- layouts ---------------------------------------------------------------------------------
+
+    def load(self, runtimes: Sequence[TrialRuntime]) -> Layout:
+        """Put the gang's members into the slots of their layout (member k in slot k) and return it."""
+        members = [self.member(runtime) for runtime in runtimes]
+        assert all(isinstance(m, Member) for m in members), "refusal() lets only such gangs through"
+        typed = [m for m in members if isinstance(m, Member)]
+        if len(typed) > self.capacity:
+            raise ValueError(f"A gang of {len(typed)} trials exceeds the {self.capacity} slots of a layout.")
+        key = LayoutKey(
+            projections=frozenset(p for m in typed for p in m.adapter.projections),
+            rank=rank_bucket(max(m.adapter.rank for m in typed)),
+            dtype=next(iter(typed[0].adapter.projections.values()))[0].dtype,
+            dropout=any(m.adapter.dropout > 0 for m in typed),
+        )
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = Layout(key, compiled=self.backend is not None)
+        self._activate(layout)
+        slots, optimizer = layout.slots, layout.optimizer
+        assert slots is not None and optimizer is not None
+        for slot, (member, runtime) in enumerate(zip(typed, runtimes, strict=True)):
+            slots.load(slot, member.adapter, runtime.state.optimizer)
+            optimizer.configure(slot, member.settings)
+        return layout
+
+    def store(self, layout: Layout, runtimes: Sequence[TrialRuntime]) -> None:
+        """Copy every member's slot back into its own parameters and optimizer state."""
+        assert layout.slots is not None
+        for slot, runtime in enumerate(runtimes):
+            layout.slots.store(slot, runtime.state.optimizer)
+
+    def _activate(self, layout: Layout) -> None:
+        """Give ``layout`` its storage, freeing the previous layout's (one layout's storage lives at a time)."""
+        if self._active is layout:
+            return
+        if self._active is not None:
+            self._active.slots = self._active.optimizer = self._active.salts = None
+            self._active.loras = []
+        device = self.resident.device
+        projections = sorted(layout.key.projections, key=lambda p: (p.layer, PROJECTIONS.index(p.name)))
+        slots = GangSlots(projections, layout.key.rank, self.capacity, layout.key.dtype, device)
+        layout.slots = slots
+        layout.optimizer = GangAdamW(slots, self._step_fn if self.backend is not None else None)
+        by_layer: list[list[Lora | None]] = [[None] * len(PROJECTIONS) for _ in self.decoder.layers]
+        for p in projections:
+            by_layer[p.layer][PROJECTIONS.index(p.name)] = Lora(slots.a[p], slots.b[p], slots.scale[p])
+        layout.loras = [tuple(entries) for entries in by_layer]
+        named = [(projection_of(n), n) for n, _ in self._named]
+        places = [(where, layer_salt(n)) for where, n in named if where is not None]
+        table = salts_of(len(self.decoder.layers), [w for w, _ in places], [s for _, s in places])
+        layout.salts = torch.tensor(table, dtype=torch.int64, device=device)
+        self._active = layout
+
+    def release(self) -> None:
+        """Free the active layout's storage (the compiled code stays)."""
+        if self._active is not None:
+            self._active.slots = self._active.optimizer = self._active.salts = None
+            self._active.loras = []
+            self._active = None
+
+    def storage_bytes(self) -> int:
+        """Bytes of the active layout's slot storage."""
+        slots = None if self._active is None else self._active.slots
+        return 0 if slots is None else slots.nbytes()
+
+    # -- the pass --------------------------------------------------------------------------------
+
+    def hidden(self, input_ids: torch.Tensor, rows: Rows, layout: Layout | None) -> torch.Tensor:
+        """The final hidden states ``[rows, tokens, hidden]`` of a pass: the frozen base with every member's
+        LoRA on its units (``layout``), or the base alone (``None``, a reference pass)."""
+        decoder = self.decoder
+        _compat.allow_recompiles(_RECOMPILE_LIMIT)  # on the thread that compiles
+        h = decoder.embed(input_ids)
+        if layout is not None and torch.is_grad_enabled():
+            # Every layer then sees an input that requires grad: one compiled graph serves the first layer too.
+            h.requires_grad_(True)
+        cos, sin = decoder.tables(input_ids.shape[1], h.dtype, h.device)
+        compiled = layout is None or layout.compiled
+        fn = self._layer_fn if compiled and self.backend is not None else decoder_layer
+        loras: Sequence[tuple[Lora | None, ...]] = (
+            layout.loras if layout is not None else [(None,) * len(PROJECTIONS)] * len(decoder.layers)
+        )
+        salts = layout.salts if layout is not None else None
+        zeros = torch.zeros(len(PROJECTIONS), dtype=torch.int64, device=h.device) if salts is None else None
+        for index, weights in enumerate(decoder.layers):
+            layer_salts = salts[index] if salts is not None else zeros
+            assert layer_salts is not None
+            h = fn(h, cos, sin, weights, loras[index], rows, layer_salts, decoder.shape)
+        return decoder.norm(h)
+
+    @contextlib.contextmanager
+    def compiling(self, layout: Layout) -> Iterator[None]:
+        """Context of one pass of ``layout``: compilations in it are counted for the layout, and its first pass
+        is timed (compilation included) and logged once."""
+        self._current = layout
+        first = layout.first_pass_seconds is None and layout.compiled and self.backend is not None
+        start = time.perf_counter()
+        try:
+            with warnings.catch_warnings():
+                # The slots' gradients are views of one matrix (the gradient layout contract is about speed).
+                warnings.filterwarnings("ignore", message=".*gradient layout contract.*")
+                yield
+        finally:
+            self._current = None
+        if first:
+            layout.first_pass_seconds = time.perf_counter() - start
+            _logger.info(
+                "Compiled the launched pass for layout [%s]: first pass %.1f s, %d compilation(s).",
+                layout.key.describe(),
+                layout.first_pass_seconds,
+                layout.compiles,
+            )
+
+    def fall_back(self, layout: Layout, error: BaseException) -> None:
+        """Run ``layout`` uncompiled from now on, and say why."""
+        layout.compiled = False
+        self.compile_failures += 1
+        _logger.warning(
+            "Compiling the launched pass for layout [%s] failed (%s: %s); running it uncompiled.",
+            layout.key.describe(),
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+        )
+
+    def step(self, layout: Layout, ready: torch.Tensor, lr: torch.Tensor) -> None:
+        """The gang's optimizer step (compiled with the layout unless it fell back; a step whose compilation
+        fails runs uncompiled: the compiler fails before anything is updated)."""
+        optimizer = layout.optimizer
+        assert optimizer is not None
+        _compat.allow_recompiles(_RECOMPILE_LIMIT)  # on the thread that compiles
+        if not (layout.compiled and self.backend is not None):
+            optimizer.compiled = False
+        try:
+            optimizer.step(ready, lr)
+        except Exception as error:
+            if not (optimizer.compiled and _compat.is_compile_error(error)):
+                raise
+            self.fall_back(layout, error)
+            optimizer.compiled = False
+            optimizer.step(ready, lr)
+
+    def _count(self, graph: Any, example_inputs: Any) -> Any:
+        """The compile backend: count the compilation, then hand the graph to the chosen backend."""
+        self.compiles += 1
+        if self._current is not None:
+            self._current.compiles += 1
+        assert self.backend is not None
+        return _compat.compile_backend(self.backend)(graph, example_inputs)
+
+
+def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` with a code object of its own (``torch.compile`` keeps its cache on the code object)."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__doc__ = fn.__doc__
+    return copy

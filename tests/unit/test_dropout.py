@@ -1,0 +1,52 @@
+"""Counter-based adapter dropout: a row's mask depends on its own key and position only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optuna_rapidfire._engines._dropout import DropoutStream, apply, keep_scale, layer_salt, mix, mix_tensor, row_keys
+
+
+def test_the_mixer_is_the_same_on_the_host_and_on_tensors() -> None:
+    values = [0, 1, 2**31, 2**32 - 1, 123456789]
+    assert mix_tensor(torch.tensor(values)).tolist() == [mix(v) for v in values]
+
+
+def test_a_rows_mask_does_not_depend_on_its_gang_or_padding() -> None:
+    keys = row_keys([11, 22], [2, 3])
+    drop = torch.tensor([0.3] * 5)
+    gang = keep_scale(keys, layer_salt("model.layers.0.self_attn.q_proj"), drop, 40, 16)
+    # The second member alone, its rows padded to another length: the same masks on its own positions.
+    alone = keep_scale(row_keys([22], [3]), layer_salt("model.layers.0.self_attn.q_proj"), drop[:3], 24, 16)
+    assert torch.equal(gang[2:, :24], alone)
+    # Another layer, another mask.
+    other = keep_scale(keys, layer_salt("model.layers.0.self_attn.v_proj"), drop, 40, 16)
+    assert not torch.equal(gang, other)
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3])
+def test_masks_drop_at_the_asked_rate_and_keep_the_expectation(p: float) -> None:
+    scale = keep_scale(row_keys([5], [64]), 7, torch.full((64,), p), 128, 64)
+    dropped = float((scale == 0).float().mean())
+    # 524k draws: the share is p within 6 standard deviations of a binomial.
+    assert abs(dropped - p) < 6 * (p * (1 - p) / scale.numel()) ** 0.5
+    kept = scale[scale > 0]
+    assert torch.allclose(kept, torch.full_like(kept, 1 / (1 - p)))
+
+
+def test_no_dropout_leaves_the_input_unchanged() -> None:
+    x = torch.randn(3, 5, 8, dtype=torch.bfloat16)
+    scale = keep_scale(row_keys([1, 2], [1, 2]), 3, torch.zeros(3), 5, 8)
+    assert torch.equal(apply(x, scale), x)
+
+
+def test_a_stream_continues_from_its_state_and_differs_by_seed() -> None:
+    stream = DropoutStream.seeded(11)
+    first = [stream.next_key() for _ in range(3)]
+    resumed = DropoutStream.of(stream.state(), seed=11)
+    again = DropoutStream.of(None, seed=11)
+    assert [again.next_key() for _ in range(3)] == first
+    assert resumed.next_key() == again.next_key()  # both took three keys
+    assert DropoutStream.seeded(12).next_key() != first[0]
+    assert len(set(first)) == 3
