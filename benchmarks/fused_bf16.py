@@ -67,7 +67,7 @@ def main() -> None:
         rows = [ADAPTERS[n][1] for n in names]
         ids = torch.cat([batches[n] for n in names])
         peft.zero_grad(set_to_none=True)
-        with fused_forward(peft, Gang(names, rows, [None] * len(names))):
+        with fused_forward(peft, Gang(names, rows, [0] * len(names))):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == torch.bfloat16):
                 losses = segment_losses(peft(input_ids=ids).logits, ids, rows)
             torch.stack(losses).sum().backward()

@@ -66,8 +66,7 @@ def count(kind: str, k: int, length: int, shape: dict[str, Any]) -> dict[str, An
     peft: Any = resident.peft
     peft.train()
     rows = [m["rows"] for m in members]
-    generators = [torch.Generator().manual_seed(i) for i in range(len(members))]
-    gang = Gang(names=names, rows=rows, generators=generators)
+    gang = Gang(names=names, rows=rows, keys=list(range(len(members))))
     plans = layer_plans(peft, gang)
     ids = torch.randint(0, MODEL["vocab_size"], (sum(rows), length))
 

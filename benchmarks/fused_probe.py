@@ -74,7 +74,7 @@ def main() -> None:
             optimizers[name].zero_grad(set_to_none=True)
         return K * BATCH * TOKENS
 
-    gang = Gang(names, [BATCH] * K, [None] * K)
+    gang = Gang(names, [BATCH] * K, [0] * K)
 
     def fused_step() -> int:
         for name in names:

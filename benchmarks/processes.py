@@ -9,7 +9,9 @@ no evaluation. The processes start together through :func:`benchmarks.search.spa
   LoRA config (CUDA context, kernels, allocator) and builds its timed trainer (TRL tokenizes and packs
   the rows then); model loading and all that is outside the clock;
 - once all are ready they get one go time; each trains, synchronizes the GPU and notes its end;
-- tokens/s = the tokens all processes trained (TRL's own count) / (the last end - go).
+- tokens/s = the tokens all processes trained (TRL's own count) / (the last end - go);
+- ``compiled``: each timed trainer has TRL's ``torch_compile=True`` and compiles inside the window, as a user's
+  process compiles for each trial; the rate after every process's second step is reported beside it.
 
 Memory: each process reports ``torch.cuda.max_memory_allocated()`` over its timed training (model,
 adapter, optimizer, activations; the peak statistic is reset once the trainer is built), and the run sums
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 from peft import get_peft_model
+from transformers import TrainerCallback
 from trl import SFTTrainer
 
 from benchmarks.run import build_model, sft_args, trial_lora
@@ -36,22 +39,37 @@ from optuna_rapidfire.demo import load_gsm8k
 
 
 def run_processes(
-    shape: str, tokenizer_dir: str, params: list[dict[str, Any]], batch: int, examples: int
+    shape: str, tokenizer_dir: str, params: list[dict[str, Any]], batch: int, examples: int, compiled: bool = False
 ) -> dict[str, Any]:
-    """One plain-TRL process per entry of ``params`` (a trial's params), started together on one device."""
+    """One plain-TRL process per entry of ``params`` (a trial's params), started together on one device;
+    ``compiled``: each trains with TRL's ``torch_compile=True`` (each compiles inside the timed window)."""
     specs = [
-        {"shape": shape, "tokenizer": tokenizer_dir, "params": p, "batch": batch, "examples": examples} for p in params
+        {
+            "shape": shape,
+            "tokenizer": tokenizer_dir,
+            "params": p,
+            "batch": batch,
+            "examples": examples,
+            "compiled": compiled,
+        }
+        for p in params
     ]
     results = sorted(spawn_workers(specs, stop_when_done=False, module="benchmarks.processes"), key=_index)
     tokens = sum(r["tokens"] for r in results)
     window = max(r["end"] for r in results)  # seconds since the go
     peaks = [r["peak_memory_gb"] for r in results]
+    # After each process's second step (compilation done), up to the last end: the rate they reach once warm.
+    warm = [r for r in results if r.get("warm_tokens")]
+    warm_window = max(r["end"] for r in warm) - max(r["warm_start"] for r in warm) if warm else 0.0
     return {
         "engine": "processes",
         "trials": len(params),
         "batch": batch,
         "tokens": tokens,
         "tokens_per_second": tokens / window,
+        "tokens_per_second_after_second_step": (
+            sum(r["warm_tokens"] for r in warm) / warm_window if warm_window > 0 else None
+        ),
         "wall_seconds": window,
         "peak_memory_gb": sum(peaks),
         "peak_memory_gb_per_process": peaks,
@@ -59,6 +77,18 @@ def run_processes(
         "processes": results,
         "failed": 0,  # a process that fails stops the run (spawn_workers raises with its log)
     }
+
+
+class _StepTimes(TrainerCallback):
+    """Notes when each optimizer step ends (the GPU synchronized), to tell compilation from steady training."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if len(self.times) < 3:
+            _sync()
+        self.times.append(time.time())
 
 
 def _index(result: dict[str, Any]) -> int:
@@ -94,11 +124,15 @@ def _worker_main(spec_path: str) -> None:
         ).train()
         base = warm.unload()
         del warm
+        stamps = _StepTimes()
         trainer = SFTTrainer(
             model=get_peft_model(base, trial_lora(params)),
-            args=sft_args(float(params["learning_rate"]), batch, output_dir=scratch),
+            args=sft_args(
+                float(params["learning_rate"]), batch, output_dir=scratch, torch_compile=bool(spec.get("compiled"))
+            ),
             train_dataset=rows,
             processing_class=tokenizer,
+            callbacks=[stamps],
         )
         _sync()
         if torch.cuda.is_available():
@@ -109,6 +143,11 @@ def _worker_main(spec_path: str) -> None:
         trainer.train()
         _sync()
         end = time.time()
+        steps = int(trainer.state.global_step)
+        tokens = int(trainer._total_train_tokens)
+        # Steps are equal (packed rows): the tokens after the second step, from its end to the last.
+        warm_start = stamps.times[1] - go if len(stamps.times) > 2 else None
+        warm_tokens = tokens * (steps - 2) // steps if warm_start is not None else 0
         result = {
             "index": index,
             "params": params,
@@ -118,8 +157,11 @@ def _worker_main(spec_path: str) -> None:
             "start": begun - go,
             "end": end - go,
             "train_seconds": end - begun,
-            "tokens": int(trainer._total_train_tokens),
-            "steps": int(trainer.state.global_step),
+            "tokens": tokens,
+            "steps": steps,
+            "warm_start": warm_start,
+            "warm_tokens": warm_tokens,
+            "first_step_seconds": stamps.times[0] - begun if stamps.times else None,
             "peak_memory_gb": _memory_gb(torch.cuda.max_memory_allocated),
             "reserved_memory_gb": _memory_gb(torch.cuda.max_memory_reserved),
         }

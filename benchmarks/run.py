@@ -60,6 +60,24 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "tie_word_embeddings": False,
     },
+    "search-82m": {  # the search part's base (benchmarks/search.py BASE_MODEL), random weights
+        "vocab_size": 8192,
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": True,
+    },
+    "llama-3.1-8b": {
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
     "tiny": {  # --smoke: CPU dry runs of the whole harness
         "vocab_size": 2048,
         "hidden_size": 64,
@@ -493,26 +511,41 @@ class Bench:
 
     # (e)
     def fused(self, shape: str) -> dict[str, Any]:
-        """The fused engine against time slicing, against one adapter at saturation (issue 7), and with
-        mixed gangs, over a whole study and against plain-TRL processes sharing the GPU (issue 14).
+        """The fused engine against time slicing, against one adapter at saturation (issue 7), with mixed gangs,
+        over a whole study and against plain-TRL processes sharing the GPU (issue 14), compiled once per gang
+        layout, on three model shapes, with its GPU busy share (issue 19).
 
         Every executor configuration is a real study through the executor (chunks, per-chunk eval and
-        reports); tokens/s count training only, over each trial's chunks after its first. The
-        ``processes_*`` runs are one plain-TRL process per trial (benchmarks/processes.py).
+        reports); tokens/s count training only, over each trial's chunks after its first (the first holds
+        the compilation). The ``processes_*`` runs are one plain-TRL process per trial
+        (benchmarks/processes.py), eager or with TRL's ``torch_compile=True`` (compilation inside their wall).
         """
         k = 8 if not self.smoke else 3
+        small, large = ("search-82m", "llama-3.1-8b") if not self.smoke else ("tiny", "tiny")
+        fit = 4 if not self.smoke else 2  # plain-TRL processes of the 8B shape that fit on one H200 (8 do not)
         configs = [
             FusedRun("ceiling_bs32", "time_sliced", 1, 32, 2048),
-            FusedRun(f"time_sliced_k{k}_bs2", "time_sliced", k, 2, 192),
+            FusedRun("ceiling_bs32_compiled", "fused", 1, 32, 2048),
             FusedRun(f"fused_k{k}_bs2", "fused", k, 2, 192),
-            FusedRun(f"processes_k{k}_bs2", "processes", k, 2, 192),
-            FusedRun(f"fused_mixed_k{k}_bs2", "fused", k, 2, 192, "mixed"),
+            # A whole study of 8 mixed trials x 8 chunks (about 18 steps each): its steady rate is the mixed
+            # gang's, its whole wall (compilation, builds, 64 evaluations, reports) the study's.
+            FusedRun(f"fused_mixed_k{k}_bs2", "fused", k, 2, 768, "mixed", chunks=8),
+            FusedRun(f"profile_mixed_k{k}_bs2", "profile", k, 2, 192, "mixed", chunks=2),
             FusedRun(f"processes_mixed_k{k}_bs2", "processes", k, 2, 192, "mixed"),
+            FusedRun(f"processes_compiled_mixed_k{k}_bs2", "processes", k, 2, 192, "mixed", compiled=True),
+            FusedRun(f"processes_k{k}_bs2", "processes", k, 2, 192),
+            FusedRun(f"processes_compiled_k{k}_bs2", "processes", k, 2, 192, compiled=True),
+            FusedRun(f"fused_mixed_k{k}_bs2_82m", "fused", k, 2, 768, "mixed", chunks=8, shape=small),
+            FusedRun(f"processes_mixed_k{k}_bs2_82m", "processes", k, 2, 768, "mixed", shape=small),
+            FusedRun(
+                f"processes_compiled_mixed_k{k}_bs2_82m", "processes", k, 2, 768, "mixed", shape=small, compiled=True
+            ),
+            FusedRun(f"fused_k{k}_bs2_8b", "fused", k, 2, 192, shape=large),
+            FusedRun(f"fused_mixed_k{k}_bs2_8b", "fused", k, 2, 192, "mixed", shape=large),
+            FusedRun(f"processes_mixed_k{fit}_bs2_8b", "processes", fit, 2, 192, "mixed", shape=large),
+            FusedRun(f"time_sliced_k{k}_bs2", "time_sliced", k, 2, 192),
             FusedRun(f"time_sliced_mixed_k{k}_bs2", "time_sliced", k, 2, 192, "mixed"),
             FusedRun(f"same_rows_bs{2 * k}", "time_sliced", 1, 2 * k, 1024),
-            # A whole study of 8 chunks: 4x the rows of fused_k8_bs2 (about 18 steps per chunk), which keeps
-            # its 4 chunks of 192 examples so that its numbers compare with earlier runs.
-            FusedRun(f"fused_study_k{k}_bs2", "fused", k, 2, 768, chunks=8),
             FusedRun("time_sliced_k4_bs16", "time_sliced", 4, 16, 1024),
             FusedRun("fused_k4_bs16", "fused", 4, 16, 1024),
             FusedRun("time_sliced_k2_bs32", "time_sliced", 2, 32, 1024),
@@ -523,7 +556,11 @@ class Bench:
         if self.smoke:
             configs = [c._replace(examples=32) for c in configs]
         if self.options.fused_runs:  # measure only these, keeping the other runs of --out/fused.json
-            configs = [c for c in configs if c.label in self.options.fused_runs.split(",")]
+            wanted = self.options.fused_runs.split(",")
+            unknown = sorted(set(wanted) - {c.label for c in configs})
+            if unknown:
+                raise SystemExit(f"unknown fused runs {unknown}: choose among {', '.join(c.label for c in configs)}")
+            configs = [c for c in configs if c.label in wanted]
         result: dict[str, Any] = {"model": shape, "pass_tokens": PASS_TOKENS, "num_chunks": 4, "runs": {}}
         reported: dict[str, list[dict[int, float]]] = {}
         earlier = Path(self.options.out) / "fused.json"
@@ -531,27 +568,43 @@ class Bench:
             kept = json.loads(earlier.read_text())
             result["runs"] = kept.get("runs", {})
             reported = kept.get("reported", {})
-            key = "per_chunk_values_max_relative_difference"
-            result[key] = kept.get(key, {})
+            for key in ("per_chunk_values_max_relative_difference", "profiles"):
+                result[key] = kept.get(key, {})
         for run in configs:
+            run_shape = run.shape or shape
             params = [_trial_params(run.kind, i) for i in range(run.trials)]
             if run.engine == "processes":
                 from benchmarks.processes import run_processes
 
-                measured = run_processes(shape, self.tokenizer_dir, params, run.batch, run.examples)
-                result["runs"][run.label] = {**measured, "kind": run.kind, "examples": run.examples}
+                measured = run_processes(
+                    run_shape, self.tokenizer_dir, params, run.batch, run.examples, compiled=run.compiled
+                )
+                result["runs"][run.label] = {
+                    **measured,
+                    "kind": run.kind,
+                    "examples": run.examples,
+                    "model": run_shape,
+                    "compiled": run.compiled,
+                }
                 print(f"fused part, {run.label}: {measured['tokens_per_second']:.0f} tokens/s", flush=True)
                 self.save("fused", result)
                 continue
             configure = {"sft": configure_from_params, "mixed": configure_mixed, "dpo": configure_dpo}[run.kind]
             executor = self.executor(
-                shape,
+                run_shape,
                 run.examples,
                 run.chunks,
                 run.trials,
-                engine=run.engine,
+                engine="fused" if run.engine == "profile" else run.engine,
                 data="preference" if run.kind == "dpo" else "text",
             )
+            if run.engine == "profile":  # a study per gang layout: compile it first, then profile a second one
+                profile = self._profile_busy(executor, configure(run.batch), params, run.label)
+                result.setdefault("profiles", {})[run.label] = profile
+                print(f"fused part, {run.label}: GPU busy {profile['busy_share']}", flush=True)
+                _drop(executor)
+                self.save("fused", result)
+                continue
             study = optuna.create_study(pruner=optuna.pruners.NopPruner())
             for trial_params in params:
                 study.enqueue_trial(trial_params)
@@ -563,10 +616,11 @@ class Bench:
                 wall = time.perf_counter() - start
             if self.options.profile and run.engine == "fused" and run.batch == 2 and run.kind == "sft":
                 self._profile(executor, run.trials, run.batch, f"{run.label}_profile.txt")
-            steps = executor.stats().fused_steps if run.engine == "fused" else None
+            stats = executor.stats()
             result["runs"][run.label] = {
                 "engine": run.engine,
                 "kind": run.kind,
+                "model": run_shape,
                 "trials": run.trials,
                 "batch": run.batch,
                 "examples": run.examples,
@@ -576,7 +630,10 @@ class Bench:
                 "wall_seconds": wall,
                 "wall_tokens_per_second": recorder.tokens / wall,
                 "eval_seconds": recorder.eval_seconds,
-                "fused_steps": steps,
+                "fused_steps": stats.fused_steps if run.engine == "fused" else None,
+                "launched_steps": stats.launched_steps if run.engine == "fused" else None,
+                "compiles": stats.compiles,
+                "compile_failures": stats.compile_failures,
                 "peak_memory_gb": _peak_memory_gb(),
                 "failed": sum(t.state != optuna.trial.TrialState.COMPLETE for t in study.trials),
             }
@@ -590,6 +647,51 @@ class Bench:
             self.save("fused", result)
         _fused_ratios(result, k)
         return result
+
+    def _profile_busy(
+        self, executor: RapidFireExecutor, configure: Any, params: list[dict[str, Any]], label: str
+    ) -> dict[str, Any]:
+        """How busy the GPU is while a fused gang trains: one study compiles the gang's layout, a second one
+        of the same configs runs under torch's profiler; the share of the training phase's wall time (the
+        engine's gang chunks, which end with a synchronisation) during which a kernel, copy or memset ran."""
+        from torch.profiler import ProfilerActivity, profile
+
+        def study() -> optuna.Study:
+            fresh = optuna.create_study(pruner=optuna.pruners.NopPruner())
+            for trial_params in params:
+                fresh.enqueue_trial(trial_params)
+            return fresh
+
+        executor.optimize(study(), configure, n_trials=len(params))  # loads the model, compiles the layout
+        original = FusedEngine._train_gang
+        windows: list[tuple[int, int]] = []  # wall-clock ns of each gang chunk's training (the worker thread's)
+
+        def timed(engine: FusedEngine, runtimes: Any) -> Any:
+            _sync()
+            begin = time.time_ns()
+            try:
+                return original(engine, runtimes)
+            finally:
+                _sync()
+                windows.append((begin, time.time_ns()))
+
+        FusedEngine._train_gang = timed  # type: ignore[method-assign]
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        try:
+            with profile(activities=activities) as prof:
+                executor.optimize(study(), configure, n_trials=len(params))
+        finally:
+            FusedEngine._train_gang = original  # type: ignore[method-assign]
+        trace = self.workdir / f"{label}.trace.json"
+        prof.export_chrome_trace(str(trace))
+        exported = json.loads(trace.read_text())
+        base = int(exported.get("baseTimeNanoseconds", 0))
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        Path(self.options.out).mkdir(parents=True, exist_ok=True)
+        (Path(self.options.out) / f"{label}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=30))
+        # The trace's timestamps are microseconds after its base time (wall clock, ns).
+        ranges = [((a - base) / 1e3, (b - base) / 1e3) for a, b in windows]
+        return busy_share(exported.get("traceEvents", []), ranges)
 
     def _profile(self, executor: RapidFireExecutor, trials: int, batch: int, name: str) -> None:
         """One more study on ``executor`` under torch's profiler; its top operators go to ``name`` in --out."""
@@ -697,12 +799,15 @@ class FusedRun(NamedTuple):
     """One run of the fused part."""
 
     label: str
-    engine: str  # "time_sliced", "fused", or "processes": one plain-TRL process per trial
+    engine: str  # "time_sliced", "fused", "processes" (one plain-TRL process per trial), "profile" (a fused study
+    # under torch's profiler)
     trials: int
     batch: int  # per trial
     examples: int  # GSM8K examples per trial
     kind: str = "sft"  # "sft" (LoRA r16 on q, k, v, o), "mixed" (mixed_params), "dpo"
     chunks: int = 4
+    shape: str | None = None  # the part's shape unless given
+    compiled: bool = False  # processes: TRL's torch_compile=True (executor runs compile on a GPU by default)
 
 
 def _trial_params(kind: str, index: int) -> dict[str, Any]:
@@ -712,38 +817,103 @@ def _trial_params(kind: str, index: int) -> dict[str, Any]:
     return {"learning_rate": 1e-4 * (1 + index), "r": 16}
 
 
+def busy_share(events: list[dict[str, Any]], ranges: list[tuple[float, float]]) -> dict[str, Any]:
+    """From a chrome trace's events: the share of the wall time of ``ranges`` (trace microseconds) during which
+    the GPU ran a kernel, a copy or a memset (the union of their intervals, clipped to the ranges)."""
+    device = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"
+    )
+    wall = sum(end - begin for begin, end in ranges)
+    busy, kernels = 0.0, 0
+    for begin, end in ranges:
+        inside = [(max(a, begin), min(b, end)) for a, b in device if b > begin and a < end]
+        busy += _union(inside)
+        kernels += len(inside)
+    return {
+        "busy_share": busy / wall if wall and device else None,
+        # A check of the time base: every device event of the whole profiled study, and its span.
+        "study_gpu_busy_seconds": _union(device) / 1e6,
+        "study_span_seconds": (device[-1][1] - device[0][0]) / 1e6 if device else 0.0,
+        "training_wall_seconds": wall / 1e6,
+        "gpu_busy_seconds": busy / 1e6,
+        "device_events": kernels,
+        "gang_chunks": len(ranges),
+    }
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals``."""
+    total, reach = 0.0, float("-inf")
+    for begin, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(begin, reach)
+        reach = end
+    return total
+
+
+def _best(tps: dict[str, float], *labels: str) -> float | None:
+    """The best tokens/s among the runs ``labels`` that were measured (``None``: none was)."""
+    found = [tps[label] for label in labels if label in tps]
+    return max(found) if found else None
+
+
 def _fused_ratios(result: dict[str, Any], k: int) -> None:
-    """The fused part's ratios, from whichever of its runs ``result`` holds."""
+    """The fused part's ratios, from whichever of its runs ``result`` holds.
+
+    The ceiling is the better of one adapter at batch 32 eager (TRL's loss, time-sliced engine) and compiled
+    (the launched pass); a baseline of plain-TRL processes is the better of eager and ``torch_compile=True``.
+    """
     tps = {label: run["tokens_per_second"] for label, run in result["runs"].items()}
     reported = {
         label: [{int(s): v for s, v in t.items()} for t in runs] for label, runs in result.get("reported", {}).items()
     }
+    fit = 4 if k == 8 else 2
+    bests = {
+        "ceiling": _best(tps, "ceiling_bs32", "ceiling_bs32_compiled"),
+        "processes": _best(tps, f"processes_k{k}_bs2", f"processes_compiled_k{k}_bs2"),
+        "processes_mixed": _best(tps, f"processes_mixed_k{k}_bs2", f"processes_compiled_mixed_k{k}_bs2"),
+        "processes_mixed_82m": _best(tps, f"processes_mixed_k{k}_bs2_82m", f"processes_compiled_mixed_k{k}_bs2_82m"),
+        "processes_mixed_8b": _best(tps, f"processes_mixed_k{fit}_bs2_8b", f"processes_compiled_mixed_k{fit}_bs2_8b"),
+    }
+    tps.update({f"best:{name}": value for name, value in bests.items() if value is not None})
     ratios = {
-        "fused_k8_bs2_over_ceiling": (f"fused_k{k}_bs2", "ceiling_bs32"),
+        "fused_k8_bs2_over_ceiling": (f"fused_k{k}_bs2", "best:ceiling"),
         "fused_over_time_sliced_throughput_k8": (f"fused_k{k}_bs2", f"time_sliced_k{k}_bs2"),
         "fused_over_time_sliced_at_saturation": ("fused_k4_bs16", "time_sliced_k4_bs16"),
         "fused_over_time_sliced_k2_bs32": ("fused_k2_bs32", "time_sliced_k2_bs32"),
         "dpo_fused_over_time_sliced_k8": (f"dpo_fused_k{k}_bs2", f"dpo_time_sliced_k{k}_bs2"),
-        "fused_mixed_k8_bs2_over_ceiling": (f"fused_mixed_k{k}_bs2", "ceiling_bs32"),
+        "fused_mixed_k8_bs2_over_ceiling": (f"fused_mixed_k{k}_bs2", "best:ceiling"),
         "fused_mixed_over_time_sliced_k8": (f"fused_mixed_k{k}_bs2", f"time_sliced_mixed_k{k}_bs2"),
-        "fused_over_parallel_processes": (f"fused_k{k}_bs2", f"processes_k{k}_bs2"),
-        "fused_mixed_over_parallel_processes": (f"fused_mixed_k{k}_bs2", f"processes_mixed_k{k}_bs2"),
+        "fused_over_parallel_processes": (f"fused_k{k}_bs2", "best:processes"),
+        "fused_mixed_over_parallel_processes": (f"fused_mixed_k{k}_bs2", "best:processes_mixed"),
+        "fused_mixed_over_parallel_processes_82m": (f"fused_mixed_k{k}_bs2_82m", "best:processes_mixed_82m"),
+        "fused_mixed_over_parallel_processes_8b": (f"fused_mixed_k{k}_bs2_8b", "best:processes_mixed_8b"),
+        "compiled_ceiling_over_eager_ceiling": ("ceiling_bs32_compiled", "ceiling_bs32"),
     }
     for key, (ours, theirs) in ratios.items():
         if ours in tps and theirs in tps:
             result[key] = tps[ours] / tps[theirs]
-    # Peak memory: a gang against one adapter at the gang's total rows, and against the processes' sum.
+    # Peak memory: a gang against one adapter at the gang's total rows, against the processes' sum, and a mixed
+    # gang against an equal one at the same rows (8B shape).
     peaks = {label: run["peak_memory_gb"] for label, run in result["runs"].items()}
     memory = {
         "fused_memory_over_same_rows": (f"fused_k{k}_bs2", f"same_rows_bs{2 * k}"),
         "fused_memory_over_parallel_processes": (f"fused_k{k}_bs2", f"processes_k{k}_bs2"),
+        "fused_memory_mixed_over_equal": (f"fused_mixed_k{k}_bs2_8b", f"fused_k{k}_bs2_8b"),
     }
     for key, (ours, theirs) in memory.items():
         if ours in peaks and theirs in peaks:
             result[key] = peaks[ours] / peaks[theirs]
-    study = result["runs"].get(f"fused_study_k{k}_bs2")
-    if study:  # tokens over the study's whole wall time (building, evaluation, reports) against steady training
+    study = result["runs"].get(f"fused_mixed_k{k}_bs2")
+    if study and study.get("num_chunks", 4) >= 8:
+        # Tokens over the study's whole wall time (compilation, building, evaluation, reports) against steady.
         result["fused_study_wall_over_steady"] = study["tokens"] / study["wall_seconds"] / study["tokens_per_second"]
+    profile = result.get("profiles", {}).get(f"profile_mixed_k{k}_bs2")
+    if profile and profile.get("busy_share") is not None:
+        result["fused_gpu_busy_share"] = profile["busy_share"]
     # The same trials on both engines report per-chunk eval losses that differ by bf16 rounding only.
     diffs = result.setdefault("per_chunk_values_max_relative_difference", {})
     for name in (f"k{k}_bs2", "k4_bs16", "k2_bs32", f"dpo_k{k}_bs2"):
@@ -764,6 +934,15 @@ FUSED_ISSUE_14_KEYS = (
     "fused_memory_over_parallel_processes",
 )
 """The fused part's summary keys of issue 14 (mixed gangs, whole study, plain-TRL processes, memory)."""
+
+FUSED_ISSUE_19_KEYS = (
+    "fused_gpu_busy_share",
+    "fused_mixed_over_parallel_processes_82m",
+    "fused_mixed_over_parallel_processes_8b",
+    "fused_memory_mixed_over_equal",
+    "compiled_ceiling_over_eager_ceiling",
+)
+"""The fused part's summary keys added by issue 19 (compiled passes: busy share, shapes, memory)."""
 
 
 def _max_relative_difference(a: list[dict[int, float]], b: list[dict[int, float]]) -> float | None:
@@ -868,6 +1047,7 @@ def rebuild(out: Path) -> None:
             "fused_over_time_sliced_k2_bs32",
             "dpo_fused_over_time_sliced_k8",
             *FUSED_ISSUE_14_KEYS,
+            *FUSED_ISSUE_19_KEYS,
         ):
             if key in fused:
                 summary[key] = fused[key]
