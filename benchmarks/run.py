@@ -529,16 +529,16 @@ class Bench:
             FusedRun(f"fused_k{k}_bs2", "fused", k, 2, 192),
             # A whole study of 8 mixed trials x 8 chunks (about 18 steps each): its steady rate is the mixed
             # gang's, its whole wall (compilation, builds, 64 evaluations, reports) the study's.
-            FusedRun(f"fused_mixed_k{k}_bs2", "fused", k, 2, 768, "mixed", chunks=8),
-            FusedRun(f"profile_mixed_k{k}_bs2", "profile", k, 2, 192, "mixed", chunks=2),
+            # Then two of its chunks again under torch's profiler (the layout compiled): the GPU busy share.
+            FusedRun(f"fused_mixed_k{k}_bs2", "fused", k, 2, 768, "mixed", chunks=8, busy=True),
             FusedRun(f"processes_mixed_k{k}_bs2", "processes", k, 2, 192, "mixed"),
             FusedRun(f"processes_compiled_mixed_k{k}_bs2", "processes", k, 2, 192, "mixed", compiled=True),
             FusedRun(f"processes_k{k}_bs2", "processes", k, 2, 192),
             FusedRun(f"processes_compiled_k{k}_bs2", "processes", k, 2, 192, compiled=True),
-            FusedRun(f"fused_mixed_k{k}_bs2_82m", "fused", k, 2, 768, "mixed", chunks=8, shape=small),
-            FusedRun(f"processes_mixed_k{k}_bs2_82m", "processes", k, 2, 768, "mixed", shape=small),
+            FusedRun(f"fused_mixed_k{k}_bs2_82m", "fused", k, 2, 192, "mixed", shape=small),
+            FusedRun(f"processes_mixed_k{k}_bs2_82m", "processes", k, 2, 192, "mixed", shape=small),
             FusedRun(
-                f"processes_compiled_mixed_k{k}_bs2_82m", "processes", k, 2, 768, "mixed", shape=small, compiled=True
+                f"processes_compiled_mixed_k{k}_bs2_82m", "processes", k, 2, 192, "mixed", shape=small, compiled=True
             ),
             FusedRun(f"fused_k{k}_bs2_8b", "fused", k, 2, 192, shape=large),
             FusedRun(f"fused_mixed_k{k}_bs2_8b", "fused", k, 2, 192, "mixed", shape=large),
@@ -595,16 +595,9 @@ class Bench:
                 run.examples,
                 run.chunks,
                 run.trials,
-                engine="fused" if run.engine == "profile" else run.engine,
+                engine=run.engine,
                 data="preference" if run.kind == "dpo" else "text",
             )
-            if run.engine == "profile":  # a study per gang layout: compile it first, then profile a second one
-                profile = self._profile_busy(executor, configure(run.batch), params, run.label)
-                result.setdefault("profiles", {})[run.label] = profile
-                print(f"fused part, {run.label}: GPU busy {profile['busy_share']}", flush=True)
-                _drop(executor)
-                self.save("fused", result)
-                continue
             study = optuna.create_study(pruner=optuna.pruners.NopPruner())
             for trial_params in params:
                 study.enqueue_trial(trial_params)
@@ -617,6 +610,11 @@ class Bench:
             if self.options.profile and run.engine == "fused" and run.batch == 2 and run.kind == "sft":
                 self._profile(executor, run.trials, run.batch, f"{run.label}_profile.txt")
             stats = executor.stats()
+            if run.busy:  # its first two chunks again, the layout compiled, under the profiler
+                partial = functools.partial(_configure_partial, configure=configure(run.batch), epochs=2 / run.chunks)
+                profile = self._profile_busy(executor, partial, params, f"{run.label}_busy")
+                result.setdefault("profiles", {})[run.label] = profile
+                print(f"fused part, {run.label}: GPU busy {profile['busy_share']}", flush=True)
             result["runs"][run.label] = {
                 "engine": run.engine,
                 "kind": run.kind,
@@ -651,9 +649,9 @@ class Bench:
     def _profile_busy(
         self, executor: RapidFireExecutor, configure: Any, params: list[dict[str, Any]], label: str
     ) -> dict[str, Any]:
-        """How busy the GPU is while a fused gang trains: one study compiles the gang's layout, a second one
-        of the same configs runs under torch's profiler; the share of the training phase's wall time (the
-        engine's gang chunks, which end with a synchronisation) during which a kernel, copy or memset ran."""
+        """How busy the GPU is while a fused gang trains: a study of ``params`` on ``executor`` (whose layout is
+        compiled already) under torch's profiler; the share of the training phase's wall time (the engine's gang
+        chunks, synchronised at both ends) during which a kernel, copy or memset ran."""
         from torch.profiler import ProfilerActivity, profile
 
         def study() -> optuna.Study:
@@ -662,7 +660,6 @@ class Bench:
                 fresh.enqueue_trial(trial_params)
             return fresh
 
-        executor.optimize(study(), configure, n_trials=len(params))  # loads the model, compiles the layout
         original = FusedEngine._train_gang
         windows: list[tuple[int, int]] = []  # wall-clock ns of each gang chunk's training (the worker thread's)
 
@@ -799,8 +796,7 @@ class FusedRun(NamedTuple):
     """One run of the fused part."""
 
     label: str
-    engine: str  # "time_sliced", "fused", "processes" (one plain-TRL process per trial), "profile" (a fused study
-    # under torch's profiler)
+    engine: str  # "time_sliced", "fused", or "processes": one plain-TRL process per trial
     trials: int
     batch: int  # per trial
     examples: int  # GSM8K examples per trial
@@ -808,6 +804,7 @@ class FusedRun(NamedTuple):
     chunks: int = 4
     shape: str | None = None  # the part's shape unless given
     compiled: bool = False  # processes: TRL's torch_compile=True (executor runs compile on a GPU by default)
+    busy: bool = False  # fused: then profile two chunks of the same trials for the GPU busy share
 
 
 def _trial_params(kind: str, index: int) -> dict[str, Any]:
@@ -911,7 +908,7 @@ def _fused_ratios(result: dict[str, Any], k: int) -> None:
     if study and study.get("num_chunks", 4) >= 8:
         # Tokens over the study's whole wall time (compilation, building, evaluation, reports) against steady.
         result["fused_study_wall_over_steady"] = study["tokens"] / study["wall_seconds"] / study["tokens_per_second"]
-    profile = result.get("profiles", {}).get(f"profile_mixed_k{k}_bs2")
+    profile = result.get("profiles", {}).get(f"fused_mixed_k{k}_bs2")
     if profile and profile.get("busy_share") is not None:
         result["fused_gpu_busy_share"] = profile["busy_share"]
     # The same trials on both engines report per-chunk eval losses that differ by bf16 rounding only.
@@ -949,6 +946,13 @@ def _max_relative_difference(a: list[dict[int, float]], b: list[dict[int, float]
     """The largest relative difference between two studies' per-chunk values, trial by trial, step by step."""
     pairs = [(x[step], y[step]) for x, y in zip(a, b, strict=True) for step in x if step in y]
     return max((abs(x - y) / max(abs(x), 1e-12) for x, y in pairs), default=None)
+
+
+def _configure_partial(trial: optuna.Trial, configure: Any, epochs: float) -> tuple[LoraConfig, SFTConfig]:
+    """``configure``'s trial, trained for ``epochs`` of the data only (the first chunks)."""
+    peft_config, args = configure(trial)
+    args.num_train_epochs = epochs
+    return peft_config, args
 
 
 def _configure_two_chunks(trial: optuna.Trial, batch: int, chunks: int) -> tuple[LoraConfig, SFTConfig]:
