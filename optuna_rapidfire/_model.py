@@ -123,6 +123,8 @@ class ResidentModel:
         self._params: dict[str, list[torch.nn.Parameter]] = {}  # each adapter's parameters
         self._checkpointing: tuple[bool, str] = (False, "")
         self._lock = threading.RLock()
+        # Counts every adapter added or removed: what is known of the adapters is stale once it changes.
+        self.adapters_version = 0
 
     @property
     def module(self) -> torch.nn.Module:
@@ -157,6 +159,7 @@ class ResidentModel:
                     raise
             self._layers = None
             self._params.clear()
+            self.adapters_version += 1
             # Only the active adapter is trainable: its trainer's optimizer takes every trainable parameter.
             for param_name, param in self.peft.named_parameters():
                 param.requires_grad_(f".{name}." in f".{param_name}.")
@@ -280,6 +283,7 @@ class ResidentModel:
             self._discard(name)
 
     def _discard(self, name: str) -> None:
+        self.adapters_version += 1
         if self.peft is None:
             return
         if name in self.peft.peft_config:

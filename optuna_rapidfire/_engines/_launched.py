@@ -124,7 +124,7 @@ class LaunchedPasses:
         self._decoder: Decoder | None = None
         self._refusal = Decoder.refusal(resident.base)
         # What each trial is in slot terms, for the model's adapters as they are (see :meth:`member`).
-        self._members_of: tuple[str, ...] | None = None
+        self._members_of: int | None = None
         self._members: dict[str, Member | str] = {}
         self._named: list[tuple[str, Any]] = []
         self._layer_fn: Callable[..., torch.Tensor] = decoder_layer
@@ -150,12 +150,11 @@ class LaunchedPasses:
         return None
 
     def member(self, runtime: TrialRuntime) -> Member | str:
-        """The trial as the launched pass sees it, or why it cannot take it (kept while the model's adapters
-        stay the same)."""
-        peft = self.resident.peft
-        adapters = tuple(peft.peft_config) if peft is not None else ()
-        if self._members_of != adapters:
-            self._members_of, self._members = adapters, {}
+        """The trial as the launched pass sees it, or why it cannot take it (kept until an adapter is added to
+        or removed from the model: a trial of a later study may have an earlier trial's adapter name)."""
+        version = self.resident.adapters_version
+        if self._members_of != version:
+            self._members_of, self._members = version, {}
             self._named = named_lora_layers(self.resident.module)
         name = runtime.state.adapter_name
         found = self._members.get(name)
@@ -316,12 +315,15 @@ class LaunchedPasses:
         """Run ``layout`` uncompiled from now on, and say why."""
         layout.compiled = False
         self.compile_failures += 1
+        lines = str(error).strip().splitlines()
         _logger.warning(
             "Compiling the launched pass for layout [%s] failed (%s: %s); running it uncompiled.",
             layout.key.describe(),
             type(error).__name__,
-            str(error).splitlines()[0] if str(error) else "",
+            lines[0] if lines else "",
         )
+        # What the compiler said (a kernel that failed in a compile worker says it on the following lines).
+        _logger.info("The compiler's error, in full:\n%s", "\n".join(lines[-60:]))
 
     def step(self, layout: Layout, ready: torch.Tensor, lr: torch.Tensor) -> None:
         """The gang's optimizer step (compiled with the layout unless it fell back; a step whose compilation

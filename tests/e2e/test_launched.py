@@ -244,3 +244,20 @@ def test_compile_must_be_a_known_backend(make_executor) -> None:
         ValueError, match=r"compile must be 'auto', True, False or the name of a torch\.compile backend"
     ):
         make_executor(compile="warp")
+
+
+def test_a_trial_that_takes_an_earlier_trials_adapter_name_is_seen_as_itself(tiny_model: str) -> None:
+    """A later study's trials reuse the adapter names of an earlier one's (``trial_0``...): what the launched
+    pass knew of the earlier trial must not serve the later one (its parameters, its targets)."""
+    resident = ResidentModel(_tiny("llama", tiny_model), tokenizer=None, device=torch.device("cpu"))  # type: ignore[arg-type]
+    launched = LaunchedPasses(resident, compile=False, capacity=2)
+    resident.add_adapter("trial_0", LoraConfig(r=4, target_modules=["q_proj"]), seed=0)
+    before = launched.member(_runtime(resident, "trial_0", 0))
+    resident.delete_adapter("trial_0")
+    resident.add_adapter("trial_0", LoraConfig(r=8, target_modules=["q_proj", "down_proj"]), seed=1)
+    runtime = _runtime(resident, "trial_0", 0)
+    after = launched.member(runtime)
+    assert not isinstance(before, str) and not isinstance(after, str)
+    assert after.adapter.rank == 8 and {p.name for p in after.adapter.projections} == {"q_proj", "down_proj"}
+    owned = {id(t) for a, b, _ in after.adapter.projections.values() for t in (a, b)}
+    assert owned == {id(p) for p in runtime.state.params}
