@@ -55,12 +55,14 @@ def _inputs(device: torch.device, dropout: bool) -> tuple[Any, ...]:
     units = torch.arange(SLOTS, device=device)
     keys = _dropout.row_keys(list(range(SLOTS)), [ROWS // SLOTS] * SLOTS).to(device) if dropout else None
     drop = torch.full((ROWS,), 0.1, device=device) if dropout else None
+    tokens = _dropout.position_keys(TOKENS, device) if dropout else None
+    features = tuple(_dropout.feature_keys(width, device) for width in ins) if dropout else None
     cos = torch.randn(1, TOKENS, HEAD_DIM, generator=generator, device=device).to(torch.bfloat16)
     sin = torch.randn(1, TOKENS, HEAD_DIM, generator=generator, device=device).to(torch.bfloat16)
     h = w(ROWS, TOKENS, HIDDEN, scale=1.0).requires_grad_()
     salts = torch.arange(7, device=device, dtype=torch.int64) * 7919
     shape = Shape(HEADS, KV, HEAD_DIM, 1e-5, HEAD_DIM**-0.5)
-    return h, cos, sin, weights, loras, Rows(units, keys, drop), salts, shape
+    return h, cos, sin, weights, loras, Rows(units, keys, drop, tokens, features), salts, shape
 
 
 def _run(fn: Any, device: torch.device, dropout: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -71,14 +73,6 @@ def _run(fn: Any, device: torch.device, dropout: bool) -> tuple[torch.Tensor, li
     if device.type == "cuda":
         torch.cuda.synchronize()
     return out.detach().float(), [t.grad for lora in loras for t in (lora.a, lora.b)]
-
-
-def _shift_free(x: torch.Tensor) -> torch.Tensor:
-    """:func:`optuna_rapidfire._engines._dropout.mix_tensor` with floor division and remainder for the shifts
-    and masks (the same values on values in [0, 2**32))."""
-    x = (torch.bitwise_xor(x // 65536, x) * 0x45D9F3B) % 2**32
-    x = (torch.bitwise_xor(x // 65536, x) * 0x45D9F3B) % 2**32
-    return torch.bitwise_xor(x // 65536, x)
 
 
 def main() -> None:
@@ -94,10 +88,7 @@ def main() -> None:
     inductor_config.compile_threads = 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
-    original = _dropout.mix_tensor
-    for name, dropout in (("no_dropout", False), ("dropout", True), ("dropout_shift_free", True)):
-        _dropout.mix_tensor = _shift_free if name == "dropout_shift_free" else original
-        torch._dynamo.reset()
+    for name, dropout in (("no_dropout", False), ("dropout", True)):
         expected, expected_grads = _run(decoder_layer, device, dropout)
         start = time.perf_counter()
         try:

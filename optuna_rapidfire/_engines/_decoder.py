@@ -69,11 +69,15 @@ class Lora(NamedTuple):
 
 class Rows(NamedTuple):
     """A pass's row layout: the slot of each unit (int64 ``[units]``, each unit ``rows / units`` consecutive
-    rows of one member) and, when any member drops, each row's dropout key (int64) and probability."""
+    rows of one member) and, when any member drops, each row's dropout key (int64) and probability, the
+    token positions' keys and each projection's input features' keys (:mod:`~optuna_rapidfire._engines.
+    _dropout`)."""
 
     units: torch.Tensor
-    keys: torch.Tensor | None
-    drop: torch.Tensor | None
+    keys: torch.Tensor | None = None
+    drop: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    features: tuple[torch.Tensor, ...] | None = None
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,15 +98,17 @@ def _project(
     bias: torch.Tensor | None,
     lora: Lora | None,
     rows: Rows,
-    salt: torch.Tensor,
+    salts: torch.Tensor,
+    index: int,
 ) -> torch.Tensor:
-    """The base projection of ``x`` (``[rows, tokens, in]``) plus each unit's LoRA update on its rows."""
+    """The base projection of ``x`` (``[rows, tokens, in]``) plus each unit's LoRA update on its rows
+    (projection ``index`` of :data:`PROJECTIONS`)."""
     out = F.linear(x, weight, bias)
     if lora is None:
         return out
     units = rows.units
-    if rows.keys is not None and rows.drop is not None:
-        x = apply(x, keep_scale(rows.keys, salt, rows.drop, x.shape[1], x.shape[2]))
+    if rows.keys is not None and rows.drop is not None and rows.tokens is not None and rows.features is not None:
+        x = apply(x, keep_scale(rows.keys, salts[index], rows.drop, rows.tokens, rows.features[index]))
     # Transposed before the gather: Inductor (torch 2.13, CPU) scatters a one-unit gather's gradient with the
     # wrong strides when the transpose comes after it.
     a = lora.a.transpose(1, 2).index_select(0, units)  # [units, in, r]
@@ -137,9 +143,9 @@ def decoder_layer(
     count, tokens, _ = h.shape
     x = _rms(h, weights.input_norm, shape.eps)
     w, b = weights.weights, weights.biases
-    q = _project(x, w[0], b[0], loras[0], rows, salts[0]).view(count, tokens, shape.heads, shape.head_dim)
-    k = _project(x, w[1], b[1], loras[1], rows, salts[1]).view(count, tokens, shape.kv_heads, shape.head_dim)
-    v = _project(x, w[2], b[2], loras[2], rows, salts[2]).view(count, tokens, shape.kv_heads, shape.head_dim)
+    q = _project(x, w[0], b[0], loras[0], rows, salts, 0).view(count, tokens, shape.heads, shape.head_dim)
+    k = _project(x, w[1], b[1], loras[1], rows, salts, 1).view(count, tokens, shape.kv_heads, shape.head_dim)
+    v = _project(x, w[2], b[2], loras[2], rows, salts, 2).view(count, tokens, shape.kv_heads, shape.head_dim)
     if weights.q_norm is not None and weights.k_norm is not None:
         q, k = _rms(q, weights.q_norm, shape.eps), _rms(k, weights.k_norm, shape.eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -150,11 +156,11 @@ def decoder_layer(
         q, k, v, is_causal=True, scale=shape.scaling, enable_gqa=shape.kv_heads != shape.heads
     )
     attended = attended.transpose(1, 2).reshape(count, tokens, shape.heads * shape.head_dim)
-    h = h + _project(attended, w[3], b[3], loras[3], rows, salts[3])
+    h = h + _project(attended, w[3], b[3], loras[3], rows, salts, 3)
     x = _rms(h, weights.post_norm, shape.eps)
-    gate = _project(x, w[4], b[4], loras[4], rows, salts[4])
-    up = _project(x, w[5], b[5], loras[5], rows, salts[5])
-    return h + _project(F.silu(gate) * up, w[6], b[6], loras[6], rows, salts[6])
+    gate = _project(x, w[4], b[4], loras[4], rows, salts, 4)
+    up = _project(x, w[5], b[5], loras[5], rows, salts, 5)
+    return h + _project(F.silu(gate) * up, w[6], b[6], loras[6], rows, salts, 6)
 
 
 class Decoder:
@@ -215,6 +221,10 @@ class Decoder:
                 cos, sin = self.rotary(probe, positions)
             found = self._tables[key] = (cos, sin)
         return found
+
+    def feature_widths(self) -> list[int]:
+        """Each projection's input width (:data:`PROJECTIONS` order)."""
+        return [int(weight.shape[1]) for weight in self.layers[0].weights]
 
     def window_refusal(self, tokens: int) -> str | None:
         """Why rows of ``tokens`` tokens cannot take the launched pass (a sliding window shorter than them)."""

@@ -16,6 +16,7 @@ it saves (:meth:`DropoutStream.state`) is those two numbers.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 
@@ -91,26 +92,38 @@ def row_keys(keys: list[int], rows: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+@functools.cache
+def position_keys(count: int, device: torch.device) -> torch.Tensor:
+    """Each token position's key (int64 ``[count]``), computed once per length and device.
+
+    Tables rather than ``arange`` inside the compiled graph: the compiler makes an ``arange`` an int32 index,
+    which a 32-bit hash constant overflows (Triton refuses the kernel)."""
+    return mix_tensor((torch.arange(count, dtype=torch.int64) * _GOLDEN) & _M32).to(device)
+
+
+@functools.cache
+def feature_keys(count: int, device: torch.device) -> torch.Tensor:
+    """Each input feature's key (int64 ``[count]``), computed once per width and device."""
+    return mix_tensor(torch.arange(count, dtype=torch.int64) + _GOLDEN).to(device)
+
+
 def keep_scale(
-    rows: torch.Tensor, salt: torch.Tensor | int, drop: torch.Tensor, length: int, features: int
+    rows: torch.Tensor, salt: torch.Tensor | int, drop: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor
 ) -> torch.Tensor:
-    """The mask an input ``[len(rows), length, features]`` is multiplied by (float32): ``1 / (1 - p)`` where
-    kept, ``0`` where dropped, with ``p`` each row's dropout probability (``drop``, ``[rows]``). Multiply in
-    float32 and round once to the input's dtype (:func:`apply`), as ``torch.nn.Dropout`` does.
+    """The mask an input ``[len(rows), len(tokens), len(features)]`` is multiplied by (float32): ``1 / (1 - p)``
+    where kept, ``0`` where dropped, with ``p`` each row's dropout probability (``drop``, ``[rows]``). Multiply
+    in float32 and round once to the input's dtype (:func:`apply`), as ``torch.nn.Dropout`` does.
 
     Args:
         rows: Each row's key (:func:`row_keys`), int64 on the device.
         salt: The layer's salt (:func:`layer_salt`), an int or an int64 tensor.
         drop: Each row's dropout probability; 0 keeps every element unchanged (the scale is exactly 1).
-        length: Tokens per row.
-        features: Input features of the layer.
+        tokens: The positions' keys (:func:`position_keys` of the row length).
+        features: The input features' keys (:func:`feature_keys` of the layer's input width).
     """
-    device = rows.device
     row = mix_tensor(torch.bitwise_xor(rows, salt))  # [rows]
-    tokens = (torch.arange(length, device=device, dtype=torch.int64) * _GOLDEN) & _M32
     token = mix_tensor(torch.bitwise_xor(row[:, None], tokens))  # [rows, length]
-    feature = mix_tensor(torch.arange(features, device=device, dtype=torch.int64) + _GOLDEN)
-    bits = mix_tensor(torch.bitwise_xor(token[:, :, None], feature)) & 0xFFFFFF  # [rows, length, features]
+    bits = mix_tensor(torch.bitwise_xor(token[:, :, None], features)) & 0xFFFFFF  # [rows, length, features]
     uniform = bits.to(torch.float32) * _UNIT
     p = drop.to(torch.float32)[:, None, None]
     return torch.where(uniform >= p, 1.0 / (1.0 - p).clamp(min=_UNIT), torch.zeros_like(p))

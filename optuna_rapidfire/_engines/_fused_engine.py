@@ -45,7 +45,7 @@ from optuna_rapidfire import _compat
 from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import ChunkResult, Engine, EngineStats
 from optuna_rapidfire._engines._decoder import Rows
-from optuna_rapidfire._engines._dropout import row_keys
+from optuna_rapidfire._engines._dropout import feature_keys, position_keys, row_keys
 from optuna_rapidfire._engines._fused_pass import (
     Gang,
     backbone_and_head,
@@ -528,12 +528,14 @@ class FusedEngine(Engine):
         where = _to_device_async(torch.stack([torch.cat(flat), segment, torch.cat(target)]), self.device)
         scales = torch.stack([plans[k].scales[index] for k in group]) if loss is not None else None
         on_device = tuple(_to_device_async(extra, self.device) for extra in extras)
-        unit_rows = None if layout is None else self._rows(layout, group, rows, keys, streams is not None)
+        unit_rows = None if layout is None else self._rows(layout, group, rows, keys, length, streams is not None)
         return _Pass(
             group, gang, layouts.get(key, []), input_ids, attention, where, scales, loss, on_device, layout, unit_rows
         )
 
-    def _rows(self, layout: Layout, group: list[int], rows: list[int], keys: list[int], training: bool) -> Rows:
+    def _rows(
+        self, layout: Layout, group: list[int], rows: list[int], keys: list[int], length: int, training: bool
+    ) -> Rows:
         """The launched pass's row layout: units of equal rows (member k's in slot k) and, when a member
         drops, each row's dropout key and probability."""
         unit = gcd_units(rows)
@@ -544,7 +546,11 @@ class FusedEngine(Engine):
         assert layout.slots is not None
         slot_of_row = [k for k, count in zip(group, rows, strict=True) for _ in range(count)]
         drops = layout.slots.drop.index_select(0, on(torch.tensor(slot_of_row)))
-        return Rows(on(torch.tensor(units)), on(row_keys(keys, rows)), drops)
+        widths = self.launched.decoder.feature_widths()
+        features = tuple(feature_keys(width, self.device) for width in widths)
+        return Rows(
+            on(torch.tensor(units)), on(row_keys(keys, rows)), drops, position_keys(length, self.device), features
+        )
 
     def _fused_pass(self, first: TrialRuntime, shared: _Pass) -> list[torch.Tensor]:
         """One forward/backward of a laid-out pass; each member's loss, detached.

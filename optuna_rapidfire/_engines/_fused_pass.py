@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from optuna_rapidfire._engines._dropout import apply, keep_scale, layer_salt, row_keys
+from optuna_rapidfire._engines._dropout import apply, feature_keys, keep_scale, layer_salt, position_keys, row_keys
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -227,7 +227,8 @@ def fused_linear(layer: Any, gang: Gang, plan: _LayerPlan, x: torch.Tensor, *arg
     if dropping:  # one computed mask for all rows (each row's own key and probability)
         if x.dim() != 3:
             raise ValueError(f"Adapter dropout in a shared pass needs rows x tokens x features, got {tuple(x.shape)}.")
-        scale = keep_scale(gang.row_keys(x.device), plan.salt, plan.row_drop(gang, x.device), x.shape[1], x.shape[2])
+        tokens, features = position_keys(x.shape[1], x.device), feature_keys(x.shape[2], x.device)
+        scale = keep_scale(gang.row_keys(x.device), plan.salt, plan.row_drop(gang, x.device), tokens, features)
         x = apply(x, scale)
     if plan.uniform:
         # Every adapter targets the layer with one rank, on equal row counts: no copies, no padding.

@@ -19,7 +19,7 @@ from peft import LoraConfig
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from optuna_rapidfire._engines._decoder import Rows
-from optuna_rapidfire._engines._dropout import row_keys
+from optuna_rapidfire._engines._dropout import feature_keys, position_keys, row_keys
 from optuna_rapidfire._engines._fused_pass import Gang, backbone_and_head, fused_forward
 from optuna_rapidfire._engines._launched import LaunchedPasses
 from optuna_rapidfire._model import ResidentModel
@@ -95,7 +95,9 @@ def test_the_launched_pass_computes_what_the_models_own_modules_compute(tiny_mod
     layout = launched.load(runtimes)
     drops = [p for _, _, p, count in MEMBERS for _ in range(count)]
     units = torch.tensor([k for k, count in enumerate(rows) for _ in range(count // 2)])
-    hidden = launched.hidden(ids, Rows(units, row_keys(keys, rows), torch.tensor(drops)), layout)
+    features = tuple(feature_keys(width, ids.device) for width in launched.decoder.feature_widths())
+    pass_rows = Rows(units, row_keys(keys, rows), torch.tensor(drops), position_keys(TOKENS, ids.device), features)
+    hidden = launched.hidden(ids, pass_rows, layout)
     (hidden.flatten() * weights).sum().backward()
     launched.store(layout, runtimes)  # the weights come back unchanged (no step was taken)
 

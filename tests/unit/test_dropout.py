@@ -5,7 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optuna_rapidfire._engines._dropout import DropoutStream, apply, keep_scale, layer_salt, mix, mix_tensor, row_keys
+from optuna_rapidfire._engines._dropout import (
+    DropoutStream,
+    apply,
+    feature_keys,
+    keep_scale,
+    layer_salt,
+    mix,
+    mix_tensor,
+    position_keys,
+    row_keys,
+)
+
+CPU = torch.device("cpu")
+
+
+def _scale(keys, salt, drop, length, features):
+    return keep_scale(keys, salt, drop, position_keys(length, CPU), feature_keys(features, CPU))
 
 
 def test_the_mixer_is_the_same_on_the_host_and_on_tensors() -> None:
@@ -16,18 +32,18 @@ def test_the_mixer_is_the_same_on_the_host_and_on_tensors() -> None:
 def test_a_rows_mask_does_not_depend_on_its_gang_or_padding() -> None:
     keys = row_keys([11, 22], [2, 3])
     drop = torch.tensor([0.3] * 5)
-    gang = keep_scale(keys, layer_salt("model.layers.0.self_attn.q_proj"), drop, 40, 16)
+    gang = _scale(keys, layer_salt("model.layers.0.self_attn.q_proj"), drop, 40, 16)
     # The second member alone, its rows padded to another length: the same masks on its own positions.
-    alone = keep_scale(row_keys([22], [3]), layer_salt("model.layers.0.self_attn.q_proj"), drop[:3], 24, 16)
+    alone = _scale(row_keys([22], [3]), layer_salt("model.layers.0.self_attn.q_proj"), drop[:3], 24, 16)
     assert torch.equal(gang[2:, :24], alone)
     # Another layer, another mask.
-    other = keep_scale(keys, layer_salt("model.layers.0.self_attn.v_proj"), drop, 40, 16)
+    other = _scale(keys, layer_salt("model.layers.0.self_attn.v_proj"), drop, 40, 16)
     assert not torch.equal(gang, other)
 
 
 @pytest.mark.parametrize("p", [0.05, 0.3])
 def test_masks_drop_at_the_asked_rate_and_keep_the_expectation(p: float) -> None:
-    scale = keep_scale(row_keys([5], [64]), 7, torch.full((64,), p), 128, 64)
+    scale = _scale(row_keys([5], [64]), 7, torch.full((64,), p), 128, 64)
     dropped = float((scale == 0).float().mean())
     # 524k draws: the share is p within 6 standard deviations of a binomial.
     assert abs(dropped - p) < 6 * (p * (1 - p) / scale.numel()) ** 0.5
@@ -37,7 +53,7 @@ def test_masks_drop_at_the_asked_rate_and_keep_the_expectation(p: float) -> None
 
 def test_no_dropout_leaves_the_input_unchanged() -> None:
     x = torch.randn(3, 5, 8, dtype=torch.bfloat16)
-    scale = keep_scale(row_keys([1, 2], [1, 2]), 3, torch.zeros(3), 5, 8)
+    scale = _scale(row_keys([1, 2], [1, 2]), 3, torch.zeros(3), 5, 8)
     assert torch.equal(apply(x, scale), x)
 
 
