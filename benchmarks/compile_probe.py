@@ -61,7 +61,7 @@ def _inputs(device: torch.device, dropout: bool) -> tuple[Any, ...]:
     sin = torch.randn(1, TOKENS, HEAD_DIM, generator=generator, device=device).to(torch.bfloat16)
     h = w(ROWS, TOKENS, HIDDEN, scale=1.0).requires_grad_()
     salts = torch.arange(7, device=device, dtype=torch.int64) * 7919
-    shape = Shape(HEADS, KV, HEAD_DIM, 1e-5, HEAD_DIM**-0.5)
+    shape = Shape(HEADS, KV, HEAD_DIM, 1e-5, HEAD_DIM**-0.5, gqa=KV != HEADS)
     return h, cos, sin, weights, loras, Rows(units, keys, drop, tokens, features), salts, shape
 
 

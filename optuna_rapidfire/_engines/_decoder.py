@@ -38,13 +38,16 @@ _LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwe
 
 @dataclass(frozen=True)
 class Shape:
-    """What every layer of the model shares: heads, KV heads, head size, RMSNorm epsilon, attention scaling."""
+    """What every layer of the model shares: heads, KV heads, head size, RMSNorm epsilon, attention scaling,
+    and whether the heads share KV heads (a bool of its own: the compiler may make the counts symbolic, and
+    attention takes a plain bool)."""
 
     heads: int
     kv_heads: int
     head_dim: int
     eps: float
     scaling: float
+    gqa: bool = False
 
 
 class LayerWeights(NamedTuple):
@@ -152,9 +155,7 @@ def decoder_layer(
     cos_, sin_ = cos.unsqueeze(1), sin.unsqueeze(1)
     q = q * cos_ + _rotate_half(q) * sin_
     k = k * cos_ + _rotate_half(k) * sin_
-    attended = F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=shape.scaling, enable_gqa=shape.kv_heads != shape.heads
-    )
+    attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=shape.scaling, enable_gqa=shape.gqa)
     attended = attended.transpose(1, 2).reshape(count, tokens, shape.heads * shape.head_dim)
     h = h + _project(attended, w[3], b[3], loras[3], rows, salts, 3)
     x = _rms(h, weights.post_norm, shape.eps)
@@ -178,6 +179,7 @@ class Decoder:
         self.shape = Shape(
             heads=int(model.config.num_attention_heads),
             kv_heads=int(model.config.num_key_value_heads),
+            gqa=int(model.config.num_key_value_heads) != int(model.config.num_attention_heads),
             head_dim=int(attention.head_dim),
             eps=float(first.input_layernorm.variance_epsilon),
             scaling=float(attention.scaling),

@@ -499,14 +499,20 @@ class FusedEngine(Engine):
         if layout is not None:
             length = _bucket(length)  # few distinct shapes for the compiled pass
         pads = [pad_token_id(runtimes[k].trainer) for k in group]
-        input_ids = torch.cat([pad_right(b["input_ids"], length, pad) for b, pad in zip(batches, pads, strict=True)])
+        ids = [pad_right(b["input_ids"], length, pad) for b, pad in zip(batches, pads, strict=True)]
+        if layout is not None and streams is not None and loss is not None and loss.pads_rows:
+            # A member's short micro-batch (the last of its chunk) gets rows of padding up to its batch size, which
+            # carry no loss: the compiled pass keeps its shapes and is not compiled again for them.
+            sizes = [int(runtimes[k].args.per_device_train_batch_size) for k in group]
+            ids = [_pad_rows(t, size, pad) for t, size, pad in zip(ids, sizes, pads, strict=True)]
+        input_ids = torch.cat(ids)
         attention = None  # no mask at all when nothing is masked: the model then needs no check of it
         padded = any(b["input_ids"].shape[1] < length for b in batches)
         if layout is None and (padded or not all(plans[k].unmasked[index] for k in group)):
             attention = torch.cat(
                 [pad_right(b.get("attention_mask", torch.ones_like(b["input_ids"])), length, 0) for b in batches]
             )
-        rows = [len(b["input_ids"]) for b in batches]
+        rows = [len(t) for t in ids]
         names = [runtimes[k].state.adapter_name for k in group]
         keys = [0] * len(group) if streams is None else [streams[k].next_key() for k in group]
         gang = Gang(names, rows, keys)
@@ -705,6 +711,12 @@ class _StepTables:
         """The ``ready`` and ``lr`` rows of the step after micro-batch ``index``."""
         row = self.indices[index]
         return self.ready[row], self.lr[row]
+
+
+def _pad_rows(ids: torch.Tensor, rows: int, pad: int) -> torch.Tensor:
+    """``ids`` (rows x tokens) with rows of ``pad`` appended up to ``rows``."""
+    missing = rows - len(ids)
+    return torch.cat([ids, ids.new_full((missing, ids.shape[1]), pad)]) if missing > 0 else ids
 
 
 def _bucket(length: int) -> int:

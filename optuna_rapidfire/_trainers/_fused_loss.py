@@ -67,6 +67,9 @@ class FusedLoss(ABC):
     eval_outputs: tuple[str, ...] = ()
     #: Whether :meth:`eval_metrics` compares against the base (a pass with the adapters off).
     eval_reference: bool = False
+    #: Whether a training micro-batch may get rows of padding (no loss tokens) without changing its loss; a
+    #: loss that reads the rows' layout (DPO's chosen, then rejected halves) may not.
+    pads_rows: bool = False
 
     def eval_refusal(self) -> str | None:
         """Why the kind's trials evaluate one by one rather than in the gang's shared forward passes

@@ -42,6 +42,7 @@ class SFTFusedLoss(FusedLoss):
     the tokens of the trial's own accumulated batch (at least 1), as TRL's loss under gradient accumulation."""
 
     eval_outputs = ("entropy", "is_top1")
+    pads_rows = True
 
     def eval_metrics(self, trainer: Trainer, args: TrainingArguments, batches: list[EvalRows]) -> dict[str, float]:
         """``SFTTrainer.evaluate``'s metrics: the loss (each micro-batch's mean over its tokens, averaged over

@@ -263,3 +263,16 @@ def test_a_trial_that_takes_an_earlier_trials_adapter_name_is_seen_as_itself(tin
     assert after.adapter.rank == 8 and {p.name for p in after.adapter.projections} == {"q_proj", "down_proj"}
     owned = {id(t) for a, b, _ in after.adapter.projections.values() for t in (a, b)}
     assert owned == {id(p) for p in runtime.state.params}
+
+
+def test_models_of_other_shapes_in_one_process_compile_too(tiny_model: str) -> None:
+    """The compiler remembers which integers varied between calls of the layer function and makes them symbolic
+    for the next model: the pass must not hand attention a symbolic bool (it failed on the H200 this way)."""
+    for family in ("llama", "qwen3", "qwen2"):  # 4, 2 and 2 KV heads
+        resident = ResidentModel(_tiny(family, tiny_model), tokenizer=None, device=torch.device("cpu"))  # type: ignore[arg-type]
+        resident.add_adapter("a", LoraConfig(r=4, target_modules=["q_proj"]), seed=0)
+        launched = LaunchedPasses(resident, compile="aot_eager", capacity=1)
+        layout = launched.load([_runtime(resident, "a", 0)])
+        ids = torch.randint(0, 1024, (2, 16), generator=torch.Generator().manual_seed(0))
+        launched.hidden(ids, Rows(torch.tensor([0])), layout).sum().backward()
+        assert (launched.compiles, launched.compile_failures) == (1, 0), family
