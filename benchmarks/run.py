@@ -675,7 +675,7 @@ class Bench:
         FusedEngine._train_gang = timed  # type: ignore[method-assign]
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         try:
-            with profile(activities=activities) as prof:
+            with profile(activities=activities) as prof, Recorder() as recorder:
                 executor.optimize(study(), configure, n_trials=len(params))
         finally:
             FusedEngine._train_gang = original  # type: ignore[method-assign]
@@ -688,7 +688,11 @@ class Bench:
         (Path(self.options.out) / f"{label}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=30))
         # The trace's timestamps are microseconds after its base time (wall clock, ns).
         ranges = [((a - base) / 1e3, (b - base) / 1e3) for a, b in windows]
-        return busy_share(exported.get("traceEvents", []), ranges)
+        found = busy_share(exported.get("traceEvents", []), ranges)
+        # The training rate of these chunks (the layout compiled, no compilation in them), under the profiler.
+        found["tokens"] = recorder.tokens
+        found["tokens_per_second"] = recorder.tokens / found["training_wall_seconds"] if ranges else None
+        return found
 
     def _profile(self, executor: RapidFireExecutor, trials: int, batch: int, name: str) -> None:
         """One more study on ``executor`` under torch's profiler; its top operators go to ``name`` in --out."""
@@ -863,7 +867,8 @@ def _fused_ratios(result: dict[str, Any], k: int) -> None:
     The ceiling is the better of one adapter at batch 32 eager (TRL's loss, time-sliced engine) and compiled
     (the launched pass); a baseline of plain-TRL processes is the better of eager and ``torch_compile=True``.
     """
-    tps = {label: run["tokens_per_second"] for label, run in result["runs"].items()}
+    # A run whose trials failed measures nothing.
+    tps = {label: run["tokens_per_second"] for label, run in result["runs"].items() if not run.get("failed")}
     reported = {
         label: [{int(s): v for s, v in t.items()} for t in runs] for label, runs in result.get("reported", {}).items()
     }
@@ -895,7 +900,7 @@ def _fused_ratios(result: dict[str, Any], k: int) -> None:
             result[key] = tps[ours] / tps[theirs]
     # Peak memory: a gang against one adapter at the gang's total rows, against the processes' sum, and a mixed
     # gang against an equal one at the same rows (8B shape).
-    peaks = {label: run["peak_memory_gb"] for label, run in result["runs"].items()}
+    peaks = {label: run["peak_memory_gb"] for label, run in result["runs"].items() if not run.get("failed")}
     memory = {
         "fused_memory_over_same_rows": (f"fused_k{k}_bs2", f"same_rows_bs{2 * k}"),
         "fused_memory_over_parallel_processes": (f"fused_k{k}_bs2", f"processes_k{k}_bs2"),

@@ -316,6 +316,7 @@ class FusedEngine(Engine):
         chunks = [chunk for chunk, _ in plans]
         # Right after a launched chunk its slots still hold the members' weights: evaluate through them.
         layout = self._layout if all(all(chunk.right_padded) for chunk in chunks) else None
+        width = _chunk_width(chunks)
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any] = {}
         sums: list[list[torch.Tensor]] = [[] for _ in runtimes]
         was_training = model.training
@@ -325,7 +326,7 @@ class FusedEngine(Engine):
                 members = [k for k, chunk in enumerate(chunks) if index < len(chunk.inputs)]
                 tokens = [chunks[k].inputs[index]["input_ids"].numel() for k in members]
                 for group in _passes(members, tokens, self.pass_tokens):
-                    shared = self._lay_out(runtimes, chunks, None, group, index, layouts, None, layout)
+                    shared = self._lay_out(runtimes, chunks, None, group, index, layouts, None, layout, width)
                     autocast = first.spec.kind.autocast(first.args, self.device)
                     with self._eval_context(shared), autocast:
                         hidden = self._loss_hidden(shared)
@@ -406,12 +407,13 @@ class FusedEngine(Engine):
         # Every pass of the chunk is laid out before the first runs, so the loop below only launches work:
         # no host-side preparation or synchronisation between one pass and the next.
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any] = {}
+        width = _chunk_width(plans) if layout is not None else None
         schedule = []
         for index in range(longest):
             members = [k for k, plan in enumerate(plans) if index < len(plan.inputs)]
             tokens = [plans[k].inputs[index]["input_ids"].numel() for k in members]
             passes = [
-                self._lay_out(runtimes, plans, streams, group, index, layouts, loss, layout)
+                self._lay_out(runtimes, plans, streams, group, index, layouts, loss, layout, width)
                 for group in _passes(members, tokens, self.pass_tokens)
             ]
             schedule.append((members, passes))
@@ -454,8 +456,7 @@ class FusedEngine(Engine):
             return reason
         if not all(all(plan.right_padded) for plan in plans):
             return "a micro-batch is padded on the left or inside (the launched pass pads on the right only)"
-        longest = max(batch["input_ids"].shape[1] for plan in plans for batch in plan.inputs)
-        return self.launched.decoder.window_refusal(_bucket(longest))
+        return self.launched.decoder.window_refusal(_chunk_width(plans))
 
     def _finish_launched(
         self,
@@ -486,18 +487,19 @@ class FusedEngine(Engine):
         layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], Any],
         loss: FusedLoss | None,
         layout: Layout | None = None,
+        width: int | None = None,
     ) -> _Pass:
         """The ``group``'s ``index``-th micro-batches as one pass: inputs, loss token positions, gang.
 
         ``streams``: the members' dropout streams (each member's next key is drawn; ``None``: no dropout,
         evaluation). ``loss``: the kind's loss, which says how the loss tokens are summed; ``None``
         (evaluation): one sum per row. ``layout``: the launched pass's layout (member k in slot k), or
-        ``None`` for a pass through the model's own modules.
+        ``None`` for a pass through the model's own modules; ``width``: the tokens its rows are padded to.
         """
         batches = [plans[k].inputs[index] for k in group]
         length = max(b["input_ids"].shape[1] for b in batches)
-        if layout is not None:
-            length = _bucket(length)  # few distinct shapes for the compiled pass
+        if layout is not None and width is not None:
+            length = width
         pads = [pad_token_id(runtimes[k].trainer) for k in group]
         ids = [pad_right(b["input_ids"], length, pad) for b, pad in zip(batches, pads, strict=True)]
         if layout is not None and streams is not None and loss is not None and loss.pads_rows:
@@ -719,9 +721,13 @@ def _pad_rows(ids: torch.Tensor, rows: int, pad: int) -> torch.Tensor:
     return torch.cat([ids, ids.new_full((missing, ids.shape[1]), pad)]) if missing > 0 else ids
 
 
-def _bucket(length: int) -> int:
-    """The padded length of a launched pass: a multiple of 64 tokens."""
-    return -(-length // 64) * 64
+def _chunk_width(plans: Sequence[_MemberChunk]) -> int:
+    """The tokens every launched pass of a chunk is padded to: its longest micro-batch's, rounded up to 64.
+
+    One width per chunk (per eval set) rather than per pass: a pass of shorter rows (packing's remainder, a
+    short batch) keeps the compiled graph's shapes instead of compiling it again in the middle of a study."""
+    longest = max(batch["input_ids"].shape[1] for plan in plans for batch in plan.inputs)
+    return -(-longest // 64) * 64
 
 
 @dataclass
