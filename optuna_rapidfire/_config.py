@@ -36,8 +36,8 @@ Configure = Callable[[optuna.Trial], "tuple[PeftConfig, TrainingArguments]"]
 
 _ENGINES = ("auto", "fused", "time_sliced")
 DEFAULT_SCHEDULE = "promote"
-"""The schedule ``"default"`` means: it has no barriers, so leaders complete early instead of every trial
-at the end of its wave (the search part of benchmarks/README.md is to measure it against "lockstep")."""
+"""The schedule ``"default"`` means: ASHA's promotion rule, chosen by a CPU simulation over learning curves
+(tests/unit/test_scheduler.py); the search part of benchmarks/README.md is to measure it against "lockstep"."""
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 

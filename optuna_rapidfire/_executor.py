@@ -147,17 +147,13 @@ class RapidFireExecutor:
             train time-sliced, and the log says why once. Per-chunk values equal the time-sliced ones
             (float32 and bf16: within rounding, see benchmarks/README.md).
         schedule: Which live trials train next, by name or as an instance of
-            :mod:`optuna_rapidfire.schedules` (like a pruner). ``"promote"``: asynchronous, in the spirit
-            of ASHA: the trials that have passed the most pruning checkpoints train first and complete
-            early, freed slots are filled with new trials at once, and a trial is judged at step s as
-            soon as it reports it, against every trial that has reported step s; a fused gang takes
-            every ready trial, whatever its progress. ``"lockstep"``: chunk k of every live trial
-            before anyone's chunk k+1, pruning decisions at round barriers: every config compared
-            with the others on the same data at the same time, all completing at the end of their
-            wave. ``"default"`` is ``"promote"``: under "lockstep" trials complete only at the
-            end of their wave, which made a user wait longer for a good config than sequential Optuna
-            (benchmarks/README.md); the search part is to measure both. Per-chunk values do not depend
-            on the schedule.
+            :mod:`optuna_rapidfire.schedules` (like a pruner). ``"promote"`` (``"default"``): ASHA's
+            promotion rule: a trial that reports at a rung (after chunks 1, 3, 9, ...) waits there and
+            goes on only when it ranks in the top third of the trials that reported there; new configs
+            train their first chunk before anyone waiting; when nothing else may train, the best waiting
+            trial goes on (:class:`~optuna_rapidfire.schedules.PromoteSchedule`). ``"lockstep"``: chunk k
+            of every live trial before anyone's chunk k+1, pruning decisions at round barriers, all
+            completing at the end of their wave. Per-chunk values do not depend on the schedule.
         compile: How the fused engine runs a gang's pass. ``"auto"`` (default): compiled with
             ``torch.compile`` (Inductor) on a GPU, once per gang *layout* (the projections the members
             adapt, their rank bucket, precision, dropout) and reused by every gang of that layout: a trial

@@ -17,9 +17,9 @@ When decisions are taken depends on the schedule (:mod:`optuna_rapidfire._schedu
 executor has reported step s, so the first trial to report is judged against the same peers as the
 last; the pruner is asked twice per step, a first pass letting stateful pruners record the step (the
 rung values of SuccessiveHalving and Hyperband), a second pass, after every peer's first pass,
-deciding. Under ``"promote"`` T is judged once, as soon as it reports step s, against every trial that
-has reported step s: running, paused and pruned peers are snapshots at s, as ASHA's rungs hold every
-trial that reached them.
+deciding. Under ``"promote"`` T is judged as soon as it reports step s, against every trial that has
+reported step s. Under both, running, paused and pruned peers that reached s are snapshots at s, as ASHA's
+rungs hold every trial that reached them: the same reports give the same decision under either schedule.
 """
 
 from __future__ import annotations
@@ -64,14 +64,11 @@ def _snapshot_at(trial: FrozenTrial, step: int) -> FrozenTrial:
 class _PeerViewStorage:
     """Read-through proxy of a study's storage that shows running peers as finished at one step."""
 
-    def __init__(
-        self, storage: Any, current: FrozenTrial, step: int, round_peers: Collection[int], include_pruned: bool
-    ) -> None:
+    def __init__(self, storage: Any, current: FrozenTrial, step: int, round_peers: Collection[int]) -> None:
         self._storage = storage
         self._current = current
         self._step = step
         self._round_peers = round_peers
-        self._include_pruned = include_pruned
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._storage, name)
@@ -81,12 +78,13 @@ class _PeerViewStorage:
             return self._current
         if self._step not in trial.intermediate_values:
             return trial
-        # Peers of this round are judged as they were at the barrier, whatever was decided for them since;
-        # without barriers, pruned trials that reached the step count too (ASHA's rungs hold them).
+        # Peers of this round are judged as they were at the barrier, whatever was decided for them since; pruned
+        # trials that reached the step count too, as ASHA's rungs hold them (under every schedule alike: the
+        # same reports give the same decision whichever schedule ordered the chunks).
         if (
             trial.state == TrialState.RUNNING
             or _compat.trial_id(trial) in self._round_peers
-            or (self._include_pruned and trial.state == TrialState.PRUNED)
+            or trial.state == TrialState.PRUNED
         ):
             return _snapshot_at(trial, self._step)
         return trial
@@ -117,9 +115,7 @@ class _PeerViewStorage:
         return pick(complete, key=lambda t: float(t.value))  # type: ignore[arg-type]
 
 
-def prune_decision(
-    study: Study, snapshot: FrozenTrial, step: int, round_peers: Collection[int] = (), *, include_pruned: bool = False
-) -> bool:
+def prune_decision(study: Study, snapshot: FrozenTrial, step: int, round_peers: Collection[int] = ()) -> bool:
     """Ask the study's pruner about ``snapshot`` at ``step``, with running peers visible.
 
     Args:
@@ -128,9 +124,8 @@ def prune_decision(
         step: The step just reported.
         round_peers: Trial ids of the peers shown as snapshots at ``step`` even though they have
             finished since (the trials of the round, under "lockstep").
-        include_pruned: Also show pruned trials that reached ``step`` as snapshots (under "promote").
     """
-    storage = _PeerViewStorage(_compat.storage(study), snapshot, step, round_peers, include_pruned)
+    storage = _PeerViewStorage(_compat.storage(study), snapshot, step, round_peers)
     view = _compat.with_storage(study, storage)
     return bool(study.pruner.prune(view, snapshot))
 

@@ -22,11 +22,12 @@ Rules:
     first. A device that fuses takes every READY trial at the least progress as one group. Pruning
     decisions wait for round barriers: a trial's decision for step s waits until every other live
     trial has reported step s (:meth:`Scheduler.wait_for_round`);
-  - :class:`PromoteSchedule`: asynchronous, in the spirit of ASHA: no barriers; the device goes first
-    to the READY trial that has trained the most chunks (passed the most pruning checkpoints), so
-    leaders run ahead and complete early; a device that fuses takes every READY trial, whatever its
-    progress, each training its own next chunk. A trial's pruning decision at step s is taken at once,
-    against every trial that has reported step s (running, paused or finished);
+  - :class:`PromoteSchedule`: ASHA's promotion rule, no barriers: a trial that reports at a rung waits
+    there until it ranks in the top 1/eta of the trials that reported at that rung; new trials train
+    their first chunk before anyone waiting; when nothing else may train, the best waiting trial goes
+    on. A device that fuses takes every trial the rule lets train, each its own next chunk. A trial's
+    pruning decision at step s is taken at once, against every trial that has reported step s (running,
+    paused or finished);
 
 * a paused trial is not live: nobody waits for it, and its state leaves the device.
 """
@@ -34,6 +35,7 @@ Rules:
 from __future__ import annotations
 
 import enum
+import inspect
 import queue
 import threading
 import time
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Sequence
+    from collections.abc import Collection, Mapping, Sequence
 
 
 class Status(enum.Enum):
@@ -130,6 +132,18 @@ class Entry:
         return self.status is Status.GONE
 
 
+@dataclass(frozen=True)
+class Reports:
+    """What a schedule may read besides the live trials: every value reported on this device, by step
+    (``values[step][trial number]``; finished and pruned trials' too), the study's direction, how many trials
+    the device holds at once, and when a trial last arrived or left (``time.monotonic()``)."""
+
+    values: Mapping[int, Mapping[int, float]]
+    maximize: bool = False
+    capacity: int = 1
+    last_change: float = 0.0
+
+
 class BaseSchedule(ABC):
     """Which ready trials train next. Pure: it looks at the live trials and changes nothing.
 
@@ -143,13 +157,16 @@ class BaseSchedule(ABC):
     barriers: bool = False
 
     @abstractmethod
-    def choose(self, live: Sequence[Entry], *, fuse: bool, now: float) -> list[Entry] | float | None:
+    def choose(
+        self, live: Sequence[Entry], *, fuse: bool, now: float, reports: Reports | None = None
+    ) -> list[Entry] | float | None:
         """What the device does now.
 
         Args:
             live: The live trials, in number order.
             fuse: The engine trains a group of trials together (else one trial).
             now: ``time.monotonic()``.
+            reports: The values reported so far (``None``: none known).
 
         Returns:
             The trials to train now (one unless ``fuse``); or a number of seconds after which to ask
@@ -170,7 +187,9 @@ class LockstepSchedule(BaseSchedule):
     name = "lockstep"
     barriers = True
 
-    def choose(self, live: Sequence[Entry], *, fuse: bool, now: float) -> list[Entry] | float | None:
+    def choose(
+        self, live: Sequence[Entry], *, fuse: bool, now: float, reports: Reports | None = None
+    ) -> list[Entry] | float | None:
         if not live:
             return None
         least = min(e.chunks_done for e in live)
@@ -185,49 +204,157 @@ class LockstepSchedule(BaseSchedule):
 
 
 class PromoteSchedule(BaseSchedule):
-    """Leaders first, no barriers: the READY trial with the most chunks trained goes next.
+    """ASHA's promotion rule (Li et al., "A System for Massively Parallel Hyperparameter Tuning", MLSys 2020;
+    Syne Tune's promotion variant): trials wait at rungs and only the best go on.
 
-    In the spirit of ASHA (Li et al., MLSys 2020): the device never waits for a round to close, a
-    trial that has passed more pruning checkpoints trains before one that has passed fewer (so good
-    trials complete early and the sampler learns from them), and a slot freed by a pruned or
-    completed trial is filled at once. The study's pruner still makes every stop, judging a trial
-    at step s against every trial that has reported step s (running, paused or finished). Ties go
+    A *rung* is a chunk boundary: after chunks 1, eta, eta², ... (``rungs="geometric"``, the default) or after
+    every chunk (``rungs="every"``). A trial that has just reported at a rung waits there, and is promoted
+    (trains its next chunk) only when it ranks in the top ``floor(n / eta)`` of the ``n`` trials that have
+    reported at that rung on this device (running, paused, pruned or complete ones alike), and at least
+    ``eta`` have. Whom the device trains, in this order:
+
+    1. promotable trials, the highest rung first, the best value first;
+    2. trials that have not reported yet (new trials and fresh clones), oldest first;
+    3. trials between rungs, the most chunks first;
+    4. when none of these is there and no live trial is being decided on or built: if the device has a free
+       slot and a trial arrived or left less than ``new_trial_seconds`` ago, wait for the sampler's next
+       config; else promote the best waiting trial (the highest rung, the best value there).
+
+    A waiting trial keeps its slot (its state may leave the device), so when every slot holds a waiting trial
+    the best of them goes on rather than a new config (4): where ASHA would start a new trial beside them,
+    this schedule does so only once one ends. On an engine that fuses, everything of 1-3 trains together as
+    a gang, each member its own next chunk. The study's pruner still makes every stop, judging a trial at
+    step s against every trial that has reported step s; the schedule only decides who trains next. Ties go
     to the older trial.
 
+    Worked example (eta = 2, rungs after every chunk, a minimizing study): trials 0-3 report 0.9, 0.5, 0.7,
+    0.6 after chunk 1. Of the 4 at rung 1 the top 2 (1 and 3) are promoted and train chunk 2; 0 and 2 wait.
+    1 and 3 report 0.4 and 0.55 after chunk 2: of the 2 at rung 2 the top 1 (trial 1) goes on; 3 waits. A
+    new trial 4 arrives and trains before anyone waiting; it reports 0.45 after chunk 1: now 5 at rung 1,
+    the top 2 are 1 and 4 (1 is past it), so 4 goes on.
+
     Args:
+        eta: The reduction factor: the top 1/eta of a rung goes on (at least 2).
+        rungs: ``"geometric"`` (after chunks 1, eta, eta², ...) or ``"every"`` chunk.
         gang_wait_seconds: On an engine that fuses, how long a gang waits for members whose decision
             about their last chunk is in flight (reporting and pruning take milliseconds; a member that
             misses a pass trains alone, and the rest of the gang after it). Never waits for a trial
             that is paused or being built.
+        new_trial_seconds: How long a device with a free slot waits for a new trial before it promotes
+            the best waiting one instead (4 above).
     """
 
     name = "promote"
     barriers = False
 
-    def __init__(self, gang_wait_seconds: float = 2.0) -> None:
-        if not (isinstance(gang_wait_seconds, (int, float)) and gang_wait_seconds >= 0):
-            raise ValueError(f"gang_wait_seconds must be a number of at least 0, but got {gang_wait_seconds=}.")
+    def __init__(
+        self,
+        eta: int = 3,
+        rungs: str = "geometric",
+        gang_wait_seconds: float = 2.0,
+        new_trial_seconds: float = 1.0,
+    ) -> None:
+        if not (isinstance(eta, int) and not isinstance(eta, bool) and eta >= 2):
+            raise ValueError(f"eta must be an integer of at least 2, but got {eta=}.")
+        if rungs not in ("geometric", "every"):
+            raise ValueError(f"rungs must be 'geometric' or 'every', but got {rungs=}.")
+        for name, value in (("gang_wait_seconds", gang_wait_seconds), ("new_trial_seconds", new_trial_seconds)):
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"{name} must be a number of at least 0, but got {name}={value!r}.")
+        self.eta = eta
+        self.rungs = rungs
         self.gang_wait_seconds = float(gang_wait_seconds)
+        self.new_trial_seconds = float(new_trial_seconds)
 
-    def choose(self, live: Sequence[Entry], *, fuse: bool, now: float) -> list[Entry] | float | None:
-        ready = sorted((e for e in live if e.status is Status.READY), key=lambda e: (-e.chunks_done, e.number))
+    def is_rung(self, chunks: int) -> bool:
+        """Whether a trial that has trained ``chunks`` chunks stands at a rung."""
+        if chunks < 1:
+            return False
+        if self.rungs == "every":
+            return True
+        while chunks % self.eta == 0:
+            chunks //= self.eta
+        return chunks == 1
+
+    def promotable(self, entry: Entry, reports: Reports) -> bool:
+        """Whether ``entry``, waiting at its rung, ranks in the top ``1/eta`` of the trials that reported there."""
+        values = reports.values.get(entry.chunks_done - 1, {})
+        if entry.number not in values or len(values) < self.eta:
+            return False
+        top = len(values) // self.eta
+        return entry.number in [number for number, _ in _ranked(values, reports.maximize)[:top]]
+
+    def choose(
+        self, live: Sequence[Entry], *, fuse: bool, now: float, reports: Reports | None = None
+    ) -> list[Entry] | float | None:
+        reports = reports or Reports(values={})
+        ready = [e for e in live if e.status is Status.READY]
+        promoted, fresh, between, waiting = [], [], [], []
+        for e in ready:
+            values = reports.values.get(e.chunks_done - 1, {})
+            if e.chunks_done == 0 or e.number not in values:
+                fresh.append(e)
+            elif not self.is_rung(e.chunks_done):
+                between.append(e)
+            elif self.promotable(e, reports):
+                promoted.append(e)
+            else:
+                waiting.append(e)
+        promoted.sort(key=lambda e: (-e.chunks_done, _rank(e, reports)))
+        fresh.sort(key=lambda e: e.number)
+        between.sort(key=lambda e: (-e.chunks_done, e.number))
+        chosen = promoted + fresh + between
+        if not chosen:
+            if not waiting or any(e.status in (Status.AWAITING, Status.BUILDING) for e in live):
+                return None  # a report or a build to come changes what may be promoted
+            if len(live) < reports.capacity and now - reports.last_change < self.new_trial_seconds:
+                return self.new_trial_seconds - (now - reports.last_change)  # the sampler's next config
+            return [min(waiting, key=lambda e: (-e.chunks_done, _rank(e, reports)))]
         if not fuse:
-            return ready[:1] or None
+            return chosen[:1]
         deciding = [now - e.awaiting_since for e in live if e.status is Status.AWAITING]
-        if deciding and ready:
+        if deciding:
             # Each member gets gang_wait_seconds from its own chunk's delivery; still bounded, since no
             # trial becomes AWAITING while the device waits.
             waited = min(deciding)
             if waited < self.gang_wait_seconds:
                 return self.gang_wait_seconds - waited
-        return ready or None
+        return chosen
 
     def __repr__(self) -> str:
-        return f"PromoteSchedule(gang_wait_seconds={self.gang_wait_seconds})"
+        return (
+            f"PromoteSchedule(eta={self.eta}, rungs={self.rungs!r}, gang_wait_seconds={self.gang_wait_seconds}, "
+            f"new_trial_seconds={self.new_trial_seconds})"
+        )
+
+
+def _ranked(values: Mapping[int, float], maximize: bool) -> list[tuple[int, float]]:
+    """Trials by value, best first (a NaN last), ties to the older trial."""
+
+    def badness(item: tuple[int, float]) -> tuple[float, int]:
+        value = item[1]
+        if value != value:  # NaN
+            return (float("inf"), item[0])
+        return (-value if maximize else value, item[0])
+
+    return sorted(values.items(), key=badness)
+
+
+def _rank(entry: Entry, reports: Reports) -> int:
+    """``entry``'s place at the rung it stands on (0: best)."""
+    values = reports.values.get(entry.chunks_done - 1, {})
+    order = [number for number, _ in _ranked(values, reports.maximize)]
+    return order.index(entry.number) if entry.number in order else len(order)
 
 
 SCHEDULES: dict[str, type[BaseSchedule]] = {"lockstep": LockstepSchedule, "promote": PromoteSchedule}
 """The schedules ``RapidFireExecutor(schedule=...)`` knows by name."""
+
+
+def _takes_reports(schedule: BaseSchedule) -> bool:
+    """Whether the schedule's ``choose`` takes ``reports`` (one written before it existed does not)."""
+    parameters = inspect.signature(schedule.choose).parameters
+    return "reports" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def schedule_from(setting: str | BaseSchedule) -> BaseSchedule:
@@ -258,7 +385,12 @@ class Scheduler:
         self._expected = 1
         self._gathering = True
         self._last_arrival = time.monotonic()
+        self._last_change = self._last_arrival
         self._closed = False
+        self._values: dict[int, dict[int, float]] = {}  # step -> trial number -> reported value
+        self.maximize = False  # the study's direction (see :meth:`study`)
+        self._study: Any = None
+        self.capacity = 1
 
     # -- Optuna's threads ---------------------------------------------------------------------
 
@@ -266,8 +398,17 @@ class Scheduler:
         """Say how many trials the first wave will hold, so the device waits for them to register."""
         with self._cond:
             self._expected = max(1, first_wave)
+            self.capacity = max(self.capacity, self._expected)
             if not self._entries:
                 self._gathering = True
+
+    def study(self, key: Any, *, maximize: bool) -> None:
+        """Say which study the trials added next belong to: another study than the last one's starts with no
+        reported values (its trial numbers start again at 0)."""
+        with self._cond:
+            if key != self._study:
+                self._study, self._values = key, {}
+            self.maximize = maximize
 
     def add(self, entry: Entry) -> None:
         """Register a new trial (BUILDING)."""
@@ -279,14 +420,18 @@ class Scheduler:
                     "run one twice; executor.optimize serialises asking and avoids this."
                 )
             self._entries[entry.number] = entry
-            self._last_arrival = time.monotonic()
+            self._last_arrival = self._last_change = time.monotonic()
             self._cond.notify_all()
 
-    def mark(self, entry: Entry, *, reported: int | None = None, screened: int | None = None) -> None:
-        """Record that the trial reported (or screened) a step."""
+    def mark(
+        self, entry: Entry, *, reported: int | None = None, screened: int | None = None, value: float | None = None
+    ) -> None:
+        """Record that the trial reported (with ``value``) or screened a step."""
         with self._cond:
             if reported is not None:
                 entry.reported = reported
+                if value is not None:
+                    self._values.setdefault(reported, {})[entry.number] = float(value)
             if screened is not None:
                 entry.screened = screened
             self._cond.notify_all()
@@ -359,7 +504,10 @@ class Scheduler:
             if len(live) < self._expected and quiet < self._gather_seconds:
                 return None, self._gather_seconds - quiet
             self._gathering = False
-        choice = self.schedule.choose(live, fuse=fuse, now=time.monotonic())
+        extra: dict[str, Any] = {}
+        if _takes_reports(self.schedule):
+            extra["reports"] = Reports(self._values, self.maximize, self.capacity, self._last_change)
+        choice = self.schedule.choose(live, fuse=fuse, now=time.monotonic(), **extra)
         if not isinstance(choice, list):
             return None, choice
         group = [e for e in choice if e.status is Status.READY]  # a custom schedule may hand back others
@@ -414,6 +562,7 @@ class Scheduler:
             entry.request = None
             entry.runtime = None
             self._entries.pop(entry.number, None)
+            self._last_change = time.monotonic()
             if not self._entries:
                 self._gathering = True
             self._cond.notify_all()

@@ -89,6 +89,10 @@ class TrialDriver:
             self.trial.set_user_attr(_attrs.STATUS, "running")
             self.trial.set_user_attr(_attrs.WORKER, f"{socket.gethostname()}:{os.getpid()}:{self.device.label}")
             entry = Entry(number=self.trial.number, trial_id=_compat.trial_id(self.trial), spec=spec)
+            maximize = self.study.direction == optuna.study.StudyDirection.MAXIMIZE
+            self.device.scheduler.study(
+                (id(_compat.storage(self.study)), _compat.study_id(self.study)), maximize=maximize
+            )
             self.device.scheduler.add(entry)
             self.entry = entry
             if self.services.tracker is not None:
@@ -287,7 +291,7 @@ class TrialDriver:
         self.shared.progress.chunk_done(trial.number, self.services.metric, value)
         if self.services.tracker is not None:
             self.services.tracker.chunk(self._run_id, event)
-        pruned, frozen = self._should_prune(step)
+        pruned, frozen = self._should_prune(step, float(value))
         if pruned:
             self._leave(Decision.STOP)
             raise optuna.TrialPruned(self._pruned_reason(step, value))
@@ -306,7 +310,7 @@ class TrialDriver:
         self.device.scheduler.decide(entry, Decision.CONTINUE)
         return None
 
-    def _should_prune(self, step: int) -> tuple[bool, optuna.trial.FrozenTrial]:
+    def _should_prune(self, step: int, value: float) -> tuple[bool, optuna.trial.FrozenTrial]:
         """Ask the study's pruner about ``step`` in two passes: the first lets stateful pruners record the
         step (SuccessiveHalving's rung values), the second decides.
 
@@ -321,13 +325,13 @@ class TrialDriver:
         assert entry is not None
         barriers = scheduler.schedule.barriers
         among = None if barriers else entry.mates
-        scheduler.mark(entry, reported=step)
+        scheduler.mark(entry, reported=step, value=value)
         peers = scheduler.wait_for_round(entry, step, stage="reported", among=among)
         frozen = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
-        prune_decision(self.study, frozen, step, peers, include_pruned=not barriers)
+        prune_decision(self.study, frozen, step, peers)
         scheduler.mark(entry, screened=step)
         scheduler.wait_for_round(entry, step, stage="screened", among=among)
-        return prune_decision(self.study, frozen, step, peers, include_pruned=not barriers), frozen
+        return prune_decision(self.study, frozen, step, peers), frozen
 
     def _pruned_reason(self, step: int, value: float) -> str:
         """What the log and the trial's user attrs say about a pruning: who, when, on what value, against whom."""

@@ -98,9 +98,10 @@ def test_under_promote_a_decision_sees_every_trial_that_reported_its_step_and_on
             if final[peer].datetime_complete is not None and last == max(final[peer].intermediate_values):
                 continue  # a really finished trial is shown as it is
             assert last == step, (number, step, peers)  # a running peer ends at the step being judged
-    # Trial 2 starts after 0 and 1 have completed (two slots): it is judged against both at every step.
+    # Trial 2 starts once trial 0 has completed (two slots), after 0 and 1 reported their first chunk: at
+    # step 0 it is judged against both, the waiting trial 1 included.
     for number, step, peers in witness.seen:
-        if number == 2:
+        if number == 2 and step == 0:
             assert {0, 1} <= set(peers), (step, peers)
 
 
@@ -126,3 +127,30 @@ def test_a_schedule_is_chosen_by_name_or_instance_and_a_bad_one_is_refused(make_
     assert make_executor(schedule=mine).schedule is mine
     with pytest.raises(ValueError, match="schedule='round-robin'"):
         make_executor(schedule="round-robin")
+
+
+def _by_rate(trial: optuna.Trial):
+    rate = trial.suggest_float("learning_rate", 1e-10, 1e-1, log=True)
+    return lora(r=4, lora_dropout=0.0), sft_args(learning_rate=rate, per_device_train_batch_size=4, seed=3)
+
+
+def test_by_default_a_useless_trial_trains_nothing_past_its_first_chunk_while_a_better_one_waits(
+    make_executor, chunk_log
+) -> None:
+    """Eight trials, four with a learning rate that learns and four with one that cannot, all live at once,
+    the default schedule and pruner: ASHA's promotion sends the useful ones on from their first rung and
+    keeps the useless ones waiting there, so none of those trains a second chunk before every useful trial
+    is done, and every useful trial completes."""
+    good, useless = 5e-3, 1e-9
+    rates = [good, useless] * 4
+    executor = make_executor(num_chunks=4, max_concurrent_trials=8)
+    study = optuna.create_study()  # MedianPruner
+    for rate in rates:
+        study.enqueue_trial({"learning_rate": rate})
+    executor.optimize(study, _by_rate, n_trials=8)
+    good_trials = [n for n, rate in enumerate(rates) if rate == good]
+    assert all(study.trials[n].state == TrialState.COMPLETE for n in good_trials)
+    last_good = max(i for i, (number, _) in enumerate(chunk_log) if number in good_trials)
+    for i, (number, done) in enumerate(chunk_log):
+        if number not in good_trials and done >= 1:
+            assert i > last_good, (number, done, chunk_log)

@@ -312,3 +312,112 @@ def test_a_decision_about_a_trial_the_device_removed_leaves_it_gone() -> None:
     scheduler.remove(entry)
     scheduler.decide(entry, Decision.CONTINUE)
     assert entry.gone and entry.request is None
+
+
+# -- ASHA's promotion rule (PromoteSchedule) ------------------------------------------------------------
+
+from optuna_rapidfire._scheduler import Reports  # noqa: E402
+
+
+def _waiting(number: int, chunks: int) -> Entry:
+    entry = Entry(number=number, trial_id=100 + number, spec=None, status=Status.READY)
+    entry.chunks_done = chunks
+    return entry
+
+
+def test_promotions_follow_ashas_rule_with_eta_2_on_every_chunk() -> None:
+    """The worked example of PromoteSchedule's docstring, step by step (a minimizing study)."""
+    schedule = PromoteSchedule(eta=2, rungs="every", new_trial_seconds=0.0)
+    values: dict[int, dict[int, float]] = {0: {0: 0.9, 1: 0.5, 2: 0.7, 3: 0.6}}
+    reports = Reports(values, maximize=False, capacity=8)
+    trials = [_waiting(n, 1) for n in range(4)]
+    # Rung 1 holds 4: the top floor(4/2) = 2 (trials 1 and 3) go on, the better first; 0 and 2 wait.
+    assert schedule.choose(trials, fuse=True, now=0.0, reports=reports) == [trials[1], trials[3]]
+    assert schedule.choose(trials, fuse=False, now=0.0, reports=reports) == [trials[1]]
+    trials[1].chunks_done = trials[3].chunks_done = 2
+    values[1] = {1: 0.4, 3: 0.55}
+    # Rung 2 holds 2: the top 1 (trial 1) goes on; 3 waits, and so do 0 and 2 at rung 1.
+    assert schedule.choose(trials, fuse=True, now=0.0, reports=reports) == [trials[1]]
+    new = _waiting(4, 0)
+    # A trial that has not reported trains before anyone waiting, after the promotable ones.
+    assert schedule.choose([*trials, new], fuse=True, now=0.0, reports=reports) == [trials[1], new]
+    new.chunks_done = 1
+    values[0][4] = 0.45
+    trials[1].status = Status.AWAITING  # being decided on: the rest waits for it
+    # Rung 1 now holds 5: the top 2 are trials 1 (past it) and 4.
+    assert schedule.choose([*trials, new], fuse=False, now=0.0, reports=reports) == [new]
+
+
+def test_promotions_follow_ashas_rule_with_eta_3_on_a_geometric_ladder() -> None:
+    schedule = PromoteSchedule(eta=3, new_trial_seconds=0.0)
+    assert [c for c in range(1, 30) if schedule.is_rung(c)] == [1, 3, 9, 27]
+    values: dict[int, dict[int, float]] = {0: {n: v for n, v in enumerate([3.0, 1.0, 2.0, 5.0, 4.0, 0.5])}}
+    reports = Reports(values, maximize=True, capacity=6)  # maximizing: larger is better
+    trials = [_waiting(n, 1) for n in range(6)]
+    # 6 at rung 1: the top 2 when maximizing are trials 3 (5.0) and 4 (4.0).
+    assert schedule.choose(trials, fuse=True, now=0.0, reports=reports) == [trials[3], trials[4]]
+    trials[3].chunks_done = 2  # between rungs 1 and 3: it goes on without a judgement
+    values[1] = {3: 9.0}
+    assert schedule.choose(trials, fuse=True, now=0.0, reports=reports) == [trials[4], trials[3]]
+    trials[3].chunks_done, trials[4].chunks_done = 3, 3
+    values[2] = {3: 9.5, 4: 8.0}
+    # Rung 3 holds 2 (< eta): nobody goes on from it. Nothing else may train and every slot holds a waiting
+    # trial: the best waiting trial is promoted, the highest rung first.
+    assert schedule.choose(trials, fuse=True, now=0.0, reports=reports) == [trials[3]]
+    # With a free slot and a trial just arrived or left, the device waits for the sampler's next config.
+    patient = PromoteSchedule(eta=3, new_trial_seconds=2.0)
+    early = Reports(values, maximize=True, capacity=8, last_change=9.5)
+    assert patient.choose(trials, fuse=True, now=10.0, reports=early) == pytest.approx(1.5)
+    assert patient.choose(trials, fuse=True, now=12.0, reports=early) == [trials[3]]
+
+
+def test_promote_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="eta must be an integer of at least 2"):
+        PromoteSchedule(eta=1)
+    with pytest.raises(ValueError, match="rungs must be 'geometric' or 'every'"):
+        PromoteSchedule(rungs="linear")
+
+
+def _chunks_until_the_best_completes(schedule, order: list[int], curves: list[list[float]], capacity: int) -> int:
+    """A device that trains one chunk at a time, fed the configs in ``order`` as slots free (no pruner):
+    how many chunks it trains until the config with the best final value has trained all its chunks."""
+    total = len(curves[0])
+    best = min(range(len(curves)), key=lambda c: curves[c][-1])
+    values: dict[int, dict[int, float]] = {}
+    pending, live, trained = list(order), [], 0
+    config_of: dict[int, int] = {}
+    while True:
+        while pending and len(live) < capacity:
+            number = len(config_of)
+            config_of[number] = pending.pop(0)
+            live.append(_waiting(number, 0))
+        choice = schedule.choose(live, fuse=False, now=float(trained), reports=Reports(values, capacity=capacity))
+        assert isinstance(choice, list) and len(choice) == 1, choice
+        (entry,) = choice
+        values.setdefault(entry.chunks_done, {})[entry.number] = curves[config_of[entry.number]][entry.chunks_done]
+        entry.chunks_done += 1
+        trained += 1
+        if entry.chunks_done == total:
+            if config_of[entry.number] == best:
+                return trained
+            live.remove(entry)
+
+
+def test_promote_reaches_the_best_config_no_later_than_lockstep_on_most_orderings() -> None:
+    """A simulation over learning curves (no training): 16 configs, 4 slots, 8 chunks, 200 random orderings;
+    the chunks trained until the best config has completed, under ASHA's promotion and under lock-step."""
+    import random
+
+    rng = random.Random(0)
+    curves = []
+    for _ in range(16):
+        final, start, speed = rng.uniform(1.0, 3.0), rng.uniform(3.5, 4.5), rng.uniform(0.2, 0.8)
+        curves.append([final + (start - final) * (1 - speed) ** k + rng.gauss(0, 0.02) for k in range(1, 9)])
+    wins = 0
+    for _ in range(200):
+        order = list(range(16))
+        rng.shuffle(order)
+        promote = _chunks_until_the_best_completes(PromoteSchedule(new_trial_seconds=0.0), order, curves, 4)
+        lockstep = _chunks_until_the_best_completes(LockstepSchedule(), order, curves, 4)
+        wins += promote <= lockstep
+    assert wins >= 180, wins
