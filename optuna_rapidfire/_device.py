@@ -66,6 +66,7 @@ class DeviceRuntime:
             )
         self.slots = Slots(config.max_concurrent_trials)
         self.scheduler = Scheduler(schedule=config.schedule)
+        self.scheduler.lender = self.slots
         self.scheduler.expect(config.max_concurrent_trials)
         self.paused: set[Entry] = set()
         self.fatal: BaseException | None = None

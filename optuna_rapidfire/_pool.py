@@ -49,9 +49,20 @@ class Slots:
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.base = size
         self._used = 0
         self._resuming = 0
         self._cond = threading.Condition()
+
+    def lend(self, most: int) -> bool:
+        """One more slot, for a new trial beside trials that wait (a schedule's promotion rule) and keep theirs;
+        it goes away again with the next slot given back. ``False``: ``most`` slots are out already."""
+        with self._cond:
+            if self.size >= most:
+                return False
+            self.size += 1
+            self._cond.notify_all()
+            return True
 
     def acquire(self, *, resume: bool = False) -> Lease:
         """Wait for a free slot and hold it (``resume``: before any new trial)."""
@@ -72,6 +83,8 @@ class Slots:
             if lease.held:
                 lease.held = False
                 self._used -= 1
+                if self.size > self.base:  # a lent slot goes back
+                    self.size -= 1
                 self._cond.notify_all()
 
     def free(self) -> int:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Mapping, Sequence
+    from collections.abc import Callable, Collection, Mapping, Sequence
 
 
 class Status(enum.Enum):
@@ -142,6 +142,9 @@ class Reports:
     maximize: bool = False
     capacity: int = 1
     last_change: float = 0.0
+    # Asks for one more slot beside the waiting trials, so that the sampler's next config can start (``False``:
+    # none can be had); ``None``: nothing to ask.
+    ask_for_trial: Callable[[], bool] | None = None
 
 
 class BaseSchedule(ABC):
@@ -216,16 +219,15 @@ class PromoteSchedule(BaseSchedule):
     1. promotable trials, the highest rung first, the best value first;
     2. trials that have not reported yet (new trials and fresh clones), oldest first;
     3. trials between rungs, the most chunks first;
-    4. when none of these is there and no live trial is being decided on or built: if the device has a free
-       slot and a trial arrived or left less than ``new_trial_seconds`` ago, wait for the sampler's next
-       config; else promote the best waiting trial (the highest rung, the best value there).
+    4. when none of these is there and no live trial is being decided on or built: ask for the sampler's next
+       config (when every slot holds a waiting trial, the device lends one more slot beside them, up to four
+       times ``max_concurrent_trials``; waiting trials' states leave the device as the memory budget needs)
+       and wait ``new_trial_seconds`` for it; if none comes (the study's budget is spent), promote the best
+       waiting trial (the highest rung, the best value there).
 
-    A waiting trial keeps its slot (its state may leave the device), so when every slot holds a waiting trial
-    the best of them goes on rather than a new config (4): where ASHA would start a new trial beside them,
-    this schedule does so only once one ends. On an engine that fuses, everything of 1-3 trains together as
-    a gang, each member its own next chunk. The study's pruner still makes every stop, judging a trial at
-    step s against every trial that has reported step s; the schedule only decides who trains next. Ties go
-    to the older trial.
+    On an engine that fuses, everything of 1-3 trains together as a gang, each member its own next chunk.
+    The study's pruner still makes every stop, judging a trial at step s against every trial that has
+    reported step s; the schedule only decides who trains next. Ties go to the older trial.
 
     Worked example (eta = 2, rungs after every chunk, a minimizing study): trials 0-3 report 0.9, 0.5, 0.7,
     0.6 after chunk 1. Of the 4 at rung 1 the top 2 (1 and 3) are promoted and train chunk 2; 0 and 2 wait.
@@ -307,8 +309,10 @@ class PromoteSchedule(BaseSchedule):
         if not chosen:
             if not waiting or any(e.status in (Status.AWAITING, Status.BUILDING) for e in live):
                 return None  # a report or a build to come changes what may be promoted
-            if len(live) < reports.capacity and now - reports.last_change < self.new_trial_seconds:
+            if now - reports.last_change < self.new_trial_seconds and len(live) < reports.capacity:
                 return self.new_trial_seconds - (now - reports.last_change)  # the sampler's next config
+            if len(live) >= reports.capacity and reports.ask_for_trial is not None and reports.ask_for_trial():
+                return self.new_trial_seconds  # a slot beside the waiting trials, for the sampler's next config
             return [min(waiting, key=lambda e: (-e.chunks_done, _rank(e, reports)))]
         if not fuse:
             return chosen[:1]
@@ -391,6 +395,8 @@ class Scheduler:
         self.maximize = False  # the study's direction (see :meth:`study`)
         self._study: Any = None
         self.capacity = 1
+        # Gives a schedule one more slot for a new trial beside waiting ones (the device's slots); see Reports.
+        self.lender: Any = None
 
     # -- Optuna's threads ---------------------------------------------------------------------
 
@@ -506,7 +512,10 @@ class Scheduler:
             self._gathering = False
         extra: dict[str, Any] = {}
         if _takes_reports(self.schedule):
-            extra["reports"] = Reports(self._values, self.maximize, self.capacity, self._last_change)
+            capacity = self.capacity if self.lender is None else max(self.capacity, self.lender.size)
+            extra["reports"] = Reports(
+                self._values, self.maximize, capacity, self._last_change, None if self.lender is None else self._lend
+            )
         choice = self.schedule.choose(live, fuse=fuse, now=time.monotonic(), **extra)
         if not isinstance(choice, list):
             return None, choice
@@ -517,6 +526,13 @@ class Scheduler:
             e.status = Status.TRAINING
             e.mates = frozenset(o.number for o in group if o is not e and o.chunks_done == e.chunks_done)
         return (Task.TRAIN, group), None
+
+    def _lend(self) -> bool:
+        """One more slot from the lender (at most four times the device's own), counted as a change."""
+        if not self.lender.lend(most=4 * self.lender.base):
+            return False
+        self._last_change = time.monotonic()
+        return True
 
     @staticmethod
     def _housekeeping(entry: Entry) -> tuple[Task, list[Entry]]:

@@ -118,7 +118,8 @@ def test_a_bare_submit_does_nothing_and_a_running_trials_form_clones_a_finished_
 ) -> None:
     page = browser_page
     url = f"sqlite:///{tmp_path / 'rf.db'}"
-    executor = make_executor(num_chunks=10, max_concurrent_trials=1)
+    # Lock-step: under "promote" trial 1 would wait at its first rung and a new config would start beside it.
+    executor = make_executor(num_chunks=10, max_concurrent_trials=1, schedule="lockstep")
     study = optuna.create_study(storage=url, study_name="ui", pruner=optuna.pruners.NopPruner())
     study.enqueue_trial({"learning_rate": 1e-2})
     study.enqueue_trial({"learning_rate": 2e-2})

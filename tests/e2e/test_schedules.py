@@ -154,3 +154,19 @@ def test_by_default_a_useless_trial_trains_nothing_past_its_first_chunk_while_a_
     for i, (number, done) in enumerate(chunk_log):
         if number not in good_trials and done >= 1:
             assert i > last_good, (number, done, chunk_log)
+
+
+def test_when_every_slot_holds_a_waiting_trial_the_next_config_starts_beside_them(make_executor, chunk_log) -> None:
+    """Two slots, rungs needing three reports: after the first two trials' first chunks neither may go on, so
+    the schedule asks for the sampler's next config (a slot beside the waiting ones) before anyone's second
+    chunk, as ASHA starts a new trial when nothing can be promoted."""
+    rates = [5e-3, 1e-9, 5e-3, 5e-3]
+    executor = make_executor(num_chunks=3, max_concurrent_trials=2)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    for rate in rates:
+        study.enqueue_trial({"learning_rate": rate})
+    executor.optimize(study, _by_rate, n_trials=len(rates))
+    assert all(t.state == TrialState.COMPLETE for t in study.trials)
+    first_of_2 = chunk_log.index((2, 0))
+    second_chunks = [i for i, (_, done) in enumerate(chunk_log) if done == 1]
+    assert first_of_2 < min(second_chunks), chunk_log

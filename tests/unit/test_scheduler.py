@@ -421,3 +421,22 @@ def test_promote_reaches_the_best_config_no_later_than_lockstep_on_most_ordering
         lockstep = _chunks_until_the_best_completes(LockstepSchedule(), order, curves, 4)
         wins += promote <= lockstep
     assert wins >= 180, wins
+
+
+def test_with_every_slot_waiting_the_schedule_asks_for_a_new_trial_then_promotes() -> None:
+    schedule = PromoteSchedule(eta=3, new_trial_seconds=1.0)
+    trials = [_waiting(0, 1), _waiting(1, 1)]
+    values: dict[int, dict[int, float]] = {0: {0: 0.5, 1: 0.9}}
+    asked: list[bool] = []
+
+    def ask() -> bool:
+        asked.append(True)
+        return True
+
+    full = Reports(values, capacity=2, last_change=0.0, ask_for_trial=ask)
+    assert schedule.choose(trials, fuse=True, now=5.0, reports=full) == pytest.approx(1.0)  # asked, waits 1 s
+    assert asked == [True]
+    # The lent slot stayed empty (the study's budget is spent): the best waiting trial goes on.
+    lent = Reports(values, capacity=3, last_change=5.0, ask_for_trial=ask)
+    assert schedule.choose(trials, fuse=True, now=6.5, reports=lent) == [trials[0]]
+    assert asked == [True]
