@@ -2,7 +2,7 @@
 
     python -m benchmarks.compile_probe --out DIR
 
-The fused engine compiles :func:`optuna_rapidfire._engines._decoder.decoder_layer` once per gang layout; a
+The fused engine compiles :func:`optuna_rapidfire._fused._decoder.decoder_layer` once per gang layout; a
 layout that fails to compile runs uncompiled. This probe compiles the layer alone (Llama-3.2-1B shape, 16 rows
 of 512 tokens, 8 slots of rank 64 on all seven projections, bf16 autocast) with and without adapter dropout,
 in the process itself (``compile_threads=1``, so a failing kernel's error is shown whole), runs it forward
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from optuna_rapidfire._engines import _dropout
-from optuna_rapidfire._engines._decoder import LayerWeights, Lora, Rows, Shape, decoder_layer
+from optuna_rapidfire._fused import _dropout
+from optuna_rapidfire._fused._decoder import LayerWeights, Lora, Rows, Shape, decoder_layer
 
 HIDDEN, MLP, HEADS, KV, HEAD_DIM = 2048, 8192, 32, 8, 64
 ROWS, TOKENS, SLOTS, RANK = 16, 512, 8, 64

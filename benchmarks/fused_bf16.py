@@ -24,8 +24,8 @@ import torch
 from peft import LoraConfig
 
 from benchmarks.run import SHAPES, machine
-from optuna_rapidfire._engines._fused_pass import Gang, fused_forward, segment_losses
-from optuna_rapidfire._model import ResidentModel
+from optuna_rapidfire._fused._fused_pass import Gang, fused_forward, segment_losses
+from optuna_rapidfire._resident._model import ResidentModel
 
 ADAPTERS: dict[str, tuple[dict[str, Any], int]] = {
     "t0": ({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}, 2),

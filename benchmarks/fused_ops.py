@@ -33,8 +33,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.run import machine
 from benchmarks.search import BASE_MODEL
-from optuna_rapidfire._engines._fused_pass import Gang, fused_forward, layer_plans, segment_losses
-from optuna_rapidfire._model import ResidentModel
+from optuna_rapidfire._fused._fused_pass import Gang, fused_forward, layer_plans, segment_losses
+from optuna_rapidfire._resident._model import ResidentModel
 
 MODEL = BASE_MODEL
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]

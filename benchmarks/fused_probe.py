@@ -23,8 +23,8 @@ import torch
 from peft import LoraConfig
 
 from benchmarks.run import SHAPES, machine
-from optuna_rapidfire._engines._fused_pass import Gang, fused_forward, segment_losses
-from optuna_rapidfire._model import ResidentModel
+from optuna_rapidfire._fused._fused_pass import Gang, fused_forward, segment_losses
+from optuna_rapidfire._resident._model import ResidentModel
 
 K, BATCH, TOKENS, CEILING_BATCH = 8, 2, 512, 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -12,7 +12,7 @@ Runs, in this order (``--grpo-runs`` measures some of them and merges them into 
   the engine runs (``Generation._decode``: a trial alone, or the members of a gang together) is timed with
   the device synchronized before and after, and its generated tokens are counted from the completions.
 - ``decode_ceiling``: a fresh model of the same shape with one LoRA adapter (r16), and one call of
-  :func:`~optuna_rapidfire._engines._fused_decode.decode` with ONE request holding the rows of one of the
+  :func:`~optuna_rapidfire._fused._fused_decode.decode` with ONE request holding the rows of one of the
   gang's decodes (trials x completions per step: GSM8K train prompts, tokenized as TRL does, each
   repeated per generation), with the trials' sampling settings (TRL's defaults: temperature 1, no top-k or
   top-p) and precision: once to warm up, then timed :data:`CEILING_REPEATS` times (median).
@@ -46,9 +46,9 @@ from trl import GRPOConfig
 
 from benchmarks.run import _drop, _peak_memory_gb, _reset_peak, _sync, build_model, lora
 from optuna_rapidfire import RapidFireExecutor
-from optuna_rapidfire._engines._fused_decode import DecodeRequest, decode
-from optuna_rapidfire._engines._generation import Generation
 from optuna_rapidfire._engines._trials import DeviceTrials
+from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
+from optuna_rapidfire._trainers.grpo._generation import Generation
 from optuna_rapidfire.demo import gsm8k_reward, load_gsm8k
 
 if TYPE_CHECKING:

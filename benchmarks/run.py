@@ -35,10 +35,11 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from trl import SFTConfig, SFTTrainer
 
-from optuna_rapidfire import RapidFireExecutor, _attrs
+from optuna_rapidfire import RapidFireExecutor
 from optuna_rapidfire._engines._fused_engine import PASS_TOKENS, FusedEngine
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 from optuna_rapidfire._engines._trials import DeviceTrials
+from optuna_rapidfire._study import _attrs
 from optuna_rapidfire.demo import build_tiny_model, load_gsm8k
 
 SHAPES: dict[str, dict[str, Any]] = {

@@ -66,10 +66,11 @@ from transformers import (
 from trl import SFTConfig, SFTTrainer
 
 from benchmarks.run import machine
-from optuna_rapidfire import RapidFireExecutor, _attrs
-from optuna_rapidfire._data import ChunkPlan
+from optuna_rapidfire import RapidFireExecutor
 from optuna_rapidfire._engines._base import ChunkResult
 from optuna_rapidfire._engines._fused_engine import FusedEngine
+from optuna_rapidfire._resident._data import ChunkPlan
+from optuna_rapidfire._study import _attrs
 from optuna_rapidfire.demo import load_gsm8k
 from optuna_rapidfire.samplers import CloneSampler
 

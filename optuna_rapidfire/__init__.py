@@ -10,7 +10,7 @@ __all__ = ["RapidFireExecutor", "StorageUnavailableError", "__version__", "best_
 
 if TYPE_CHECKING:
     from optuna_rapidfire._executor import RapidFireExecutor, best_adapter_path
-    from optuna_rapidfire._storages import StorageUnavailableError
+    from optuna_rapidfire._study._storages import StorageUnavailableError
 
 
 def __getattr__(name: str) -> Any:
@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(_executor, name)
     if name == "StorageUnavailableError":
-        from optuna_rapidfire._storages import StorageUnavailableError
+        from optuna_rapidfire._study._storages import StorageUnavailableError
 
         return StorageUnavailableError
     raise AttributeError(f"module 'optuna_rapidfire' has no attribute {name!r}")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import optuna
 
-from optuna_rapidfire._scheduler import BaseSchedule, schedule_from
+from optuna_rapidfire._runtime._scheduler import BaseSchedule, schedule_from
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, TrainingArguments
 
     from optuna_rapidfire._compat import ArtifactStore
-    from optuna_rapidfire._model import ModelSource
+    from optuna_rapidfire._resident._model import ModelSource
 
 EngineName = Literal["auto", "fused", "time_sliced"]
 """``"fused"``: gangs of trials share passes; ``"time_sliced"``: one trial at a time; ``"auto"``: fused on a
@@ -224,17 +224,6 @@ class ExecutorConfig:
 def metric_key(metric: str) -> str:
     """The metric as evaluation reports it: ``"loss"`` → ``"eval_loss"``."""
     return metric if metric.startswith("eval_") else f"eval_{metric}"
-
-
-def compile_backend(setting: bool | str, device_type: str) -> str | bool:
-    """The ``torch.compile`` backend the fused engine's launched pass uses on a device of ``device_type``
-    (``False``: none): ``"auto"`` compiles with Inductor on a GPU only (on the CPU compiling costs more
-    than it saves in a study), ``True`` with Inductor anywhere."""
-    if setting == "auto":
-        return "inductor" if device_type == "cuda" else False
-    if setting is True:
-        return "inductor"
-    return setting
 
 
 def _check_compile(setting: Any) -> None:

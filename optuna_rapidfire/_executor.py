@@ -3,7 +3,7 @@
 The executor is a front, as ``Study.optimize`` is in Optuna: it validates its settings into an
 :class:`~optuna_rapidfire._config.ExecutorConfig`, builds a device runtime (model, engine, scheduler,
 worker thread, slots) and the study services, and hands them to the functions of
-:mod:`optuna_rapidfire._optimize` (or, with several devices, to one worker process per device).
+:mod:`optuna_rapidfire._study._optimize` (or, with several devices, to one worker process per device).
 """
 
 from __future__ import annotations
@@ -13,16 +13,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from optuna.trial import TrialState
 
-from optuna_rapidfire import _attrs, _compat
+from optuna_rapidfire import _compat
 from optuna_rapidfire._config import Configure, ExecutorConfig
-from optuna_rapidfire._device import DeviceRuntime
 from optuna_rapidfire._engines._base import EngineStats
 from optuna_rapidfire._logging import get_logger, quiet_library_noise
-from optuna_rapidfire._model import resolve_devices
-from optuna_rapidfire._optimize import Run, end_paused, make_objective, optimize
 from optuna_rapidfire._processes import run_workers
-from optuna_rapidfire._progress import Progress
-from optuna_rapidfire._services import StudyServices
+from optuna_rapidfire._resident._model import resolve_devices
+from optuna_rapidfire._runtime._device import DeviceRuntime
+from optuna_rapidfire._study import _attrs
+from optuna_rapidfire._study._optimize import Run, end_paused, make_objective, optimize
+from optuna_rapidfire._study._progress import Progress
+from optuna_rapidfire._study._services import StudyServices
 
 if TYPE_CHECKING:
     import os
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
 
     from optuna_rapidfire._compat import ArtifactStore
     from optuna_rapidfire._config import EngineName
-    from optuna_rapidfire._model import ModelSource
-    from optuna_rapidfire._scheduler import BaseSchedule
+    from optuna_rapidfire._resident._model import ModelSource
+    from optuna_rapidfire._runtime._scheduler import BaseSchedule
 
 _logger = get_logger(__name__)
 

@@ -23,12 +23,12 @@ from optuna.storages import JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._device import DeviceRuntime
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._model import resolve_devices
-from optuna_rapidfire._optimize import end_paused, optimize
-from optuna_rapidfire._progress import Progress
-from optuna_rapidfire._services import StudyServices
+from optuna_rapidfire._resident._model import resolve_devices
+from optuna_rapidfire._runtime._device import DeviceRuntime
+from optuna_rapidfire._study._optimize import end_paused, optimize
+from optuna_rapidfire._study._progress import Progress
+from optuna_rapidfire._study._services import StudyServices
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

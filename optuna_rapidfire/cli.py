@@ -25,8 +25,9 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from optuna_rapidfire import _attrs, control
-from optuna_rapidfire._storages import hide_password
+from optuna_rapidfire import control
+from optuna_rapidfire._study import _attrs
+from optuna_rapidfire._study._storages import hide_password
 
 if TYPE_CHECKING:
     import optuna
@@ -92,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
-    from optuna_rapidfire._commands import _parse_value
+    from optuna_rapidfire._study._commands import _parse_value
 
     params = {}
     for pair in pairs:

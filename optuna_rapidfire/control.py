@@ -21,13 +21,12 @@ Example:
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING, Any
 
-from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from optuna_rapidfire import _attrs, _commands
+from optuna_rapidfire._study import _attrs, _commands
+from optuna_rapidfire._study._commands import enqueue_clone, find_trial
 
 if TYPE_CHECKING:
     import optuna
@@ -86,51 +85,11 @@ def clone(
     Returns:
         The number of the new (WAITING) trial; the next executor to ask for a trial runs it.
     """
-    parent = _find(study, trial_number)
-    if parent.state == TrialState.WAITING:
-        raise ValueError(f"Trial {trial_number} has not started: there is nothing to clone.")
-    merged = dict(parent.params)
-    for name, value in (params or {}).items():
-        if name not in parent.distributions:
-            raise ValueError(
-                f"Trial {trial_number} has no parameter {name!r}; its parameters are {sorted(parent.distributions)}."
-            )
-        merged[name] = _checked(name, value, parent.distributions[name])
-    # The token finds this clone among others enqueued at the same moment by other clients.
-    request = {"parent": trial_number, "warm": bool(warm_start), "request": uuid.uuid4().hex}
-    study.enqueue_trial(merged, user_attrs={_attrs.CLONE_OF: request})
-    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-    return next(t.number for t in waiting if t.user_attrs.get(_attrs.CLONE_OF) == request)
-
-
-def _find(study: optuna.Study, trial_number: int) -> FrozenTrial:
-    if not isinstance(trial_number, int) or isinstance(trial_number, bool):
-        raise TypeError(f"trial_number must be an int, but got {trial_number!r}.")
-    for trial in study.get_trials(deepcopy=False):
-        if trial.number == trial_number:
-            return trial
-    raise ValueError(f"Trial {trial_number} does not exist in study {study.study_name!r}.")
+    return enqueue_clone(study, trial_number, params, warm_start)
 
 
 def _running(study: optuna.Study, trial_number: int, verb: str) -> FrozenTrial:
-    trial = _find(study, trial_number)
+    trial = find_trial(study, trial_number)
     if trial.state != TrialState.RUNNING:
         raise ValueError(f"Trial {trial_number} is {trial.state.name}: only a running trial can be {verb}.")
     return trial
-
-
-def _checked(name: str, value: Any, distribution: Any) -> Any:
-    """``value`` as the parameter's type, if ``distribution`` allows it."""
-    if isinstance(distribution, CategoricalDistribution):
-        for choice in distribution.choices:
-            if choice == value or str(choice) == str(value):
-                return choice
-        raise ValueError(f"{name}={value!r} is not one of its choices {list(distribution.choices)}.")
-    try:
-        number = int(value) if isinstance(distribution, IntDistribution) else float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r} is not a number.") from None
-    assert isinstance(distribution, (IntDistribution, FloatDistribution))
-    if not distribution.low <= number <= distribution.high:
-        raise ValueError(f"{name}={value!r} is outside [{distribution.low}, {distribution.high}].")
-    return number

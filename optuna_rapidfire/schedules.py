@@ -11,6 +11,6 @@ whichever trials it shares the device with, and in whatever order.
 
 from __future__ import annotations
 
-from optuna_rapidfire._scheduler import BaseSchedule, LockstepSchedule, PromoteSchedule
+from optuna_rapidfire._runtime._scheduler import BaseSchedule, LockstepSchedule, PromoteSchedule
 
 __all__ = ["BaseSchedule", "LockstepSchedule", "PromoteSchedule"]

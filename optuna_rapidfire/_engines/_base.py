@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from transformers import TrainingArguments
 
     from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
-    from optuna_rapidfire._snapshot import TrialSnapshot
+    from optuna_rapidfire._resident._snapshot import TrialSnapshot
     from optuna_rapidfire._trainers._base import TrainerKind
 
 

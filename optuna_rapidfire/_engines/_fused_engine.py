@@ -6,7 +6,7 @@ for the gangs it cannot fuse. A *gang* is the set of live trials the scheduler h
 schedule's choice: every ready trial under "promote", those at the least progress under "lockstep"); each
 member trains its own next chunk, whatever the others' progress. Each fused step takes the next
 micro-batch of every gang member that has one left in the chunk, pads them to one length, runs the
-frozen backbone once with every adapter on its own rows (:mod:`optuna_rapidfire._engines._fused_pass`),
+frozen backbone once with every adapter on its own rows (:mod:`optuna_rapidfire._fused._fused_pass`),
 and computes each trial's loss as TRL does, through its kind's
 :class:`~optuna_rapidfire._trainers._fused_loss.FusedLoss`: SFT, the shifted labels' negative
 log-probabilities summed and divided by the tokens of the trial's own accumulated batch; DPO, the sigmoid
@@ -27,8 +27,8 @@ A fused gang then evaluates in shared forward passes too (each member's own eval
 and for DPO a pass with the adapters off; its kind's metrics from per-row sums:
 :meth:`FusedLoss.eval_metrics`); a kind without those metrics evaluates each member alone. A gang of
 trials that sample completions (GRPO) runs each member's TRL steps and evaluation in turns: the members
-waiting to generate decode in one batch (:mod:`optuna_rapidfire._engines._generation`), and those taking
-a policy step share its forward and backward passes (:mod:`optuna_rapidfire._engines._policy_pass`).
+waiting to generate decode in one batch (:mod:`optuna_rapidfire._trainers.grpo._generation`), and those taking
+a policy step share its forward and backward passes (:mod:`optuna_rapidfire._trainers.grpo._policy_pass`).
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import ChunkResult, Engine, EngineStats
-from optuna_rapidfire._engines._decoder import Rows
-from optuna_rapidfire._engines._dropout import feature_keys, position_keys, row_keys
-from optuna_rapidfire._engines._fused_pass import (
+from optuna_rapidfire._engines._launched import LaunchedPasses
+from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+from optuna_rapidfire._engines._trials import clips, train_metrics
+from optuna_rapidfire._fused._decoder import Rows
+from optuna_rapidfire._fused._dropout import feature_keys, position_keys, row_keys
+from optuna_rapidfire._fused._fused_pass import (
     Gang,
     backbone_and_head,
     base_only,
@@ -58,22 +60,20 @@ from optuna_rapidfire._engines._fused_pass import (
     pad_token_id,
     unsupported,
 )
-from optuna_rapidfire._engines._launched import LaunchedPasses
-from optuna_rapidfire._engines._slots import gcd_units
-from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
-from optuna_rapidfire._engines._token_stats import token_stats
-from optuna_rapidfire._engines._trials import clips, train_metrics
+from optuna_rapidfire._fused._slots import gcd_units
+from optuna_rapidfire._fused._token_stats import token_stats
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._state import RngState
+from optuna_rapidfire._resident._data import rows_of
+from optuna_rapidfire._resident._state import RngState
 from optuna_rapidfire._trainers._base import _to_device, accumulation_divisor
 from optuna_rapidfire._trainers._fused_loss import EvalRows
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from optuna_rapidfire._engines._dropout import DropoutStream
     from optuna_rapidfire._engines._launched import Layout
     from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
+    from optuna_rapidfire._fused._dropout import DropoutStream
     from optuna_rapidfire._trainers._fused_loss import FusedLoss
 
 _logger = get_logger(__name__)
@@ -176,7 +176,7 @@ class FusedEngine(Engine):
     def _generating_gang(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
         """A gang of trials that sample completions (GRPO): each trains its chunk and evaluates as alone,
         in turns, and the members waiting to generate decode together, in one batch
-        (:class:`~optuna_rapidfire._engines._generation.Generation`)."""
+        (:class:`~optuna_rapidfire._trainers.grpo._generation.Generation`)."""
         first = runtimes[0]
         reason = None
         precision = (bool(first.args.bf16), bool(getattr(first.args, "fp16", False)))
@@ -611,7 +611,7 @@ class FusedEngine(Engine):
 
     def _token_nll(self, first: TrialRuntime, shared: _Pass, base: bool = False) -> torch.Tensor:
         """The negative log-probability of every loss token of the pass (float32), without the pass's
-        float32 logits (:func:`~optuna_rapidfire._engines._token_stats.token_stats`); ``base``: with the
+        float32 logits (:func:`~optuna_rapidfire._fused._token_stats.token_stats`); ``base``: with the
         adapters off and no gradients (a reference model)."""
         resident = self.trials.resident
         _, head = backbone_and_head(resident.base)

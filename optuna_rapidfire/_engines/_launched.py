@@ -3,8 +3,8 @@
 A *layout* is what a gang's pass graph depends on: which projections of the model carry LoRA (the union of
 the members' targets), the rank bucket their ranks are padded to, the adapters' dtype, and whether any member
 drops. Gangs of one layout share a :class:`Layout`: the slot storage of their adapters and Adam moments
-(:class:`~optuna_rapidfire._engines._slots.GangSlots`), the slots' AdamW (one launch per step for the whole
-gang) and the per-layer LoRA inputs. The pass itself is :func:`~optuna_rapidfire._engines._decoder.
+(:class:`~optuna_rapidfire._fused._slots.GangSlots`), the slots' AdamW (one launch per step for the whole
+gang) and the per-layer LoRA inputs. The pass itself is :func:`~optuna_rapidfire._fused._decoder.
 decoder_layer`, compiled by ``torch.compile`` (``fullgraph``, one graph for every layer of the model) the
 first time a layout and shape is met, and reused afterwards: a trial joining a gang of a seen layout only
 changes the values in the slots, so it triggers no compilation. Shapes (rows, tokens) that change make the
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._engines._decoder import (
+from optuna_rapidfire._fused._decoder import (
     PROJECTIONS,
     Decoder,
     Lora,
@@ -36,9 +36,9 @@ from optuna_rapidfire._engines._decoder import (
     projection_of,
     salts_of,
 )
-from optuna_rapidfire._engines._dropout import layer_salt
-from optuna_rapidfire._engines._fused_pass import named_lora_layers, unsupported
-from optuna_rapidfire._engines._slots import (
+from optuna_rapidfire._fused._dropout import layer_salt
+from optuna_rapidfire._fused._fused_pass import named_lora_layers, unsupported
+from optuna_rapidfire._fused._slots import (
     AdamSettings,
     GangAdamW,
     GangSlots,
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
     from optuna_rapidfire._engines._trials import TrialRuntime
-    from optuna_rapidfire._model import ResidentModel
+    from optuna_rapidfire._resident._model import ResidentModel
 
 _logger = get_logger(__name__)
 

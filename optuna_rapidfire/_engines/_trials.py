@@ -24,13 +24,13 @@ import numpy as np
 import torch
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._data import rows_of
 from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, EngineStats, TrialSpec
-from optuna_rapidfire._engines._dropout import DropoutStream
-from optuna_rapidfire._engines._generation import Generation
-from optuna_rapidfire._snapshot import TrialSnapshot
-from optuna_rapidfire._state import Position, RngState, SwapState
+from optuna_rapidfire._fused._dropout import DropoutStream
+from optuna_rapidfire._resident._data import rows_of
+from optuna_rapidfire._resident._snapshot import TrialSnapshot
+from optuna_rapidfire._resident._state import Position, RngState, SwapState
 from optuna_rapidfire._trainers._base import ACCELERATE_STATE
+from optuna_rapidfire._trainers.grpo._generation import Generation
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Sequence
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    from optuna_rapidfire._data import PreparedData
-    from optuna_rapidfire._model import ResidentModel
+    from optuna_rapidfire._resident._data import PreparedData
+    from optuna_rapidfire._resident._model import ResidentModel
     from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind
 
 
@@ -402,7 +402,7 @@ class DeviceTrials:
 
     def resume(self, runtime: TrialRuntime, gang: Sequence[TrialRuntime], rng: RngState, training: bool) -> None:
         """Set the model up again for a trial whose chunk paused midway while other members of its ``gang``
-        ran (:class:`~optuna_rapidfire._engines._turns.Turns`): the gang's states on the device, the trial's
+        ran (:class:`~optuna_rapidfire._trainers.grpo._turns.Turns`): the gang's states on the device, the trial's
         adapter, forward and checkpointing, the global RNG as the trial left it, and train or eval mode."""
         self.on_device(gang)
         self._use(runtime)

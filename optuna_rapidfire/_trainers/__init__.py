@@ -6,8 +6,8 @@ from typing import Any
 
 from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind
 from optuna_rapidfire._trainers._dpo import DPOKind
-from optuna_rapidfire._trainers._grpo import GRPOKind
 from optuna_rapidfire._trainers._sft import SFTKind
+from optuna_rapidfire._trainers.grpo._kind import GRPOKind
 
 _KINDS: tuple[TrainerKind, ...] = (SFTKind(), DPOKind(), GRPOKind())
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    from optuna_rapidfire._model import ResidentModel
+    from optuna_rapidfire._resident._model import ResidentModel
     from optuna_rapidfire._trainers._fused_loss import FusedLoss
 
 
@@ -117,7 +117,7 @@ class TrainerKind(ABC):
     fused_loss: FusedLoss | None = None
     #: Whether the kind's trainers sample completions (GRPO): they generate through the shared decode, and
     #: the fused engine's gangs of them generate together
-    #: (:class:`~optuna_rapidfire._engines._generation.Generation`).
+    #: (:class:`~optuna_rapidfire._trainers.grpo._generation.Generation`).
     samples_completions: bool = False
 
     @classmethod

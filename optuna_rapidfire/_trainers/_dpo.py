@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
     from trl import DPOConfig, DPOTrainer
 
-    from optuna_rapidfire._model import ResidentModel
+    from optuna_rapidfire._resident._model import ResidentModel
 
 # DPOConfig fields that change how raw rows become token ids.
 _DATA_FIELDS = ("max_length", "truncation_mode", "dataset_num_proc", "remove_unused_columns")

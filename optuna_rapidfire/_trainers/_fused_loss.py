@@ -5,7 +5,7 @@ a gang of trials of one kind; everything in it that differs between kinds is a m
 :class:`FusedLoss`, which the engine calls and never compares names (as PEFT's LoRA layer calls its
 ``LoraVariant``): which trials the pass cannot train, which tokens carry the loss, how a micro-batch's loss
 is scaled, and the loss itself, and the kind's evaluation metrics from a shared evaluation pass. A kind
-without one (GRPO) shares its passes otherwise (:mod:`optuna_rapidfire._engines._policy_pass`).
+without one (GRPO) shares its passes otherwise (:mod:`optuna_rapidfire._trainers.grpo._policy_pass`).
 
 Conventions of a pass, shared with the engine: a pass holds the micro-batches of its members one after
 another (``rows`` each); its loss tokens are listed in ``where`` (3 x tokens, on the device): each token's
@@ -63,7 +63,7 @@ class FusedLoss(ABC):
     """A trainer kind's loss in a shared pass; stateless (a trial's own settings come from its args)."""
 
     #: Per-token statistics besides the log-probability that :meth:`eval_metrics` reads (``"entropy"``,
-    #: ``"is_top1"``, ``"mean_logits"``; see :func:`~optuna_rapidfire._engines._token_stats.token_stats`).
+    #: ``"is_top1"``, ``"mean_logits"``; see :func:`~optuna_rapidfire._fused._token_stats.token_stats`).
     eval_outputs: tuple[str, ...] = ()
     #: Whether :meth:`eval_metrics` compares against the base (a pass with the adapters off).
     eval_reference: bool = False

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
     from trl import SFTConfig, SFTTrainer
 
-    from optuna_rapidfire._model import ResidentModel
+    from optuna_rapidfire._resident._model import ResidentModel
 
 # SFTConfig fields that change how raw rows become token ids (and so which trials share prepared data).
 _DATA_FIELDS = (

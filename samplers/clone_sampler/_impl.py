@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
 
 # The system attr the executor reads to start a trial from another trial's state (see
-# optuna_rapidfire._attrs.CLONE_OF).
+# optuna_rapidfire._study._attrs.CLONE_OF).
 CLONE_OF = "rapidfire:clone_of"
-# User attrs the executor keeps on each trial (optuna_rapidfire._attrs).
+# User attrs the executor keeps on each trial (optuna_rapidfire._study._attrs).
 CHUNKS_DONE = "rapidfire:chunks_done"
 TOTAL_CHUNKS = "rapidfire:total_chunks"
 

@@ -11,7 +11,7 @@ from transformers import TrainingArguments
 from trl import DPOConfig
 
 from optuna_rapidfire import RapidFireExecutor
-from optuna_rapidfire._attrs import FAIL_REASON
+from optuna_rapidfire._study._attrs import FAIL_REASON
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import sqlalchemy
 from _servers import postgres_server
 from optuna.trial import TrialState
 
-from optuna_rapidfire import _attrs
+from optuna_rapidfire._study import _attrs
 from optuna_rapidfire.cli import main
 
 UNREACHABLE = "postgresql://user:secret@127.0.0.1:1/db"  # nothing listens on port 1

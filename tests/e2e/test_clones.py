@@ -9,7 +9,8 @@ import pytest
 from helpers import lora, sft_args, wait_until
 from optuna.trial import TrialState
 
-from optuna_rapidfire import _attrs, control
+from optuna_rapidfire import control
+from optuna_rapidfire._study import _attrs
 
 NUM_CHUNKS = 6
 

@@ -14,7 +14,8 @@ import pytest
 from helpers import Background, by_number, lora, sft_args, wait_until
 from optuna.trial import TrialState
 
-from optuna_rapidfire import _attrs, control
+from optuna_rapidfire import control
+from optuna_rapidfire._study import _attrs
 
 CONFIGS = [(lora(r=4, lora_dropout=0.1), sft_args(learning_rate=1e-2 * (i + 1), seed=i)) for i in range(4)]
 

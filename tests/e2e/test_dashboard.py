@@ -14,7 +14,7 @@ from helpers import Background, by_number, lora, sft_args, wait_until
 from optuna.trial import TrialState
 from playwright.sync_api import Page, expect, sync_playwright
 
-from optuna_rapidfire import _attrs
+from optuna_rapidfire._study import _attrs
 
 CONFIGS = [(lora(r=4), sft_args(learning_rate=1e-2 * (i + 1))) for i in range(3)]
 CHROMIUM_FLAGS = [

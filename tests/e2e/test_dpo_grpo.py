@@ -16,8 +16,9 @@ from torch.utils.data import SequentialSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 from trl import DPOConfig, DPOTrainer, GRPOConfig, SFTConfig
 
-from optuna_rapidfire import _attrs, control
-from optuna_rapidfire._data import ChunkPlan
+from optuna_rapidfire import control
+from optuna_rapidfire._resident._data import ChunkPlan
+from optuna_rapidfire._study import _attrs
 from optuna_rapidfire.demo import gsm8k_reward, load_gsm8k
 
 FAST = {"bf16": False, "gradient_checkpointing": False, "num_train_epochs": 1, "report_to": "none"}

@@ -8,8 +8,8 @@ import pytest
 
 from optuna_rapidfire._engines._base import EngineStats
 from optuna_rapidfire._trainers._dpo import DPOKind
-from optuna_rapidfire._trainers._grpo import GRPOKind
 from optuna_rapidfire._trainers._sft import SFTKind
+from optuna_rapidfire._trainers.grpo._kind import GRPOKind
 
 
 @pytest.mark.parametrize(

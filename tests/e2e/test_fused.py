@@ -8,8 +8,8 @@ from _numerics import assert_within_rounding, gradient_terms, loss_terms
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
-from optuna_rapidfire._engines._fused_pass import Gang, clip_gang, fused_forward, layer_plans, segment_losses
-from optuna_rapidfire._model import ResidentModel
+from optuna_rapidfire._fused._fused_pass import Gang, clip_gang, fused_forward, layer_plans, segment_losses
+from optuna_rapidfire._resident._model import ResidentModel
 
 # Mixed ranks, target modules, dropout and batch sizes, as trials of one study would have.
 ADAPTERS = {

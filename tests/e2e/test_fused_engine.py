@@ -336,7 +336,7 @@ def test_a_fused_study_exports_and_checkpoints_what_a_time_sliced_study_does(
     from optuna.artifacts import FileSystemArtifactStore
     from safetensors.torch import load_file
 
-    from optuna_rapidfire import _attrs
+    from optuna_rapidfire._study import _attrs
 
     saved = {}
     for engine in ("time_sliced", "fused"):

@@ -48,8 +48,8 @@ def _executor(make_executor, prompts, trials: int, engine: str = "fused", reward
 
 def _run(make_executor, monkeypatch, prompts, configs, engine: str):
     """Each trial's completions in the order generated, its chunks' full metrics, and the engine's counters."""
-    from optuna_rapidfire._engines._generation import Generation
     from optuna_rapidfire._engines._trials import DeviceTrials
+    from optuna_rapidfire._trainers.grpo._generation import Generation
 
     completions: dict[str, list[list[list[int]]]] = {}
     metrics: dict[str, list[dict[str, float]]] = {}
@@ -140,7 +140,7 @@ def test_no_member_of_a_running_gang_is_offloaded(make_executor, prompts) -> Non
     """With a state budget that fits no trial, members still paused at a meeting keep their states on the
     device while the others run (the decode and the shared passes read them)."""
     from optuna_rapidfire._engines._trials import DeviceTrials
-    from optuna_rapidfire._state import SwapState
+    from optuna_rapidfire._resident._state import SwapState
 
     offloaded_in_gang = []
     offload, fit = SwapState.offload, DeviceTrials._fit_budget
@@ -188,7 +188,7 @@ def test_what_the_shared_decode_does_not_cover_generates_as_trl_does_and_one_fai
 ) -> None:
     """A trial with a generation option the decode does not apply generates with TRL's own ``generate`` (the
     log says why, once); a member whose step fails fails alone, the rest of its gang completes."""
-    from optuna_rapidfire._trainers._grpo import GRPOKind
+    from optuna_rapidfire._trainers.grpo._kind import GRPOKind
 
     accumulate = GRPOKind.accumulate
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import optuna
 from helpers import by_number, lora, sft_args
 
-import optuna_rapidfire._device as device_module
+import optuna_rapidfire._runtime._device as device_module
 
 
 def test_base_model_is_loaded_once_and_never_copied(make_executor, monkeypatch) -> None:

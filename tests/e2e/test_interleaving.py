@@ -7,7 +7,7 @@ import optuna
 import pytest
 from helpers import by_number, lora, sft_args
 
-from optuna_rapidfire._data import ChunkPlan
+from optuna_rapidfire._resident._data import ChunkPlan
 
 
 def test_chunk_plan_partitions_the_shuffled_rows() -> None:

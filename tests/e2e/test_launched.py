@@ -1,6 +1,6 @@
 """The fused engine's launched pass: what the model computes, compiled once per layout, and its fall-backs.
 
-The pass (``_engines/_decoder.py``) computes a Llama-family decoder from its weights; these tests pin it to
+The pass (``_fused/_decoder.py``) computes a Llama-family decoder from its weights; these tests pin it to
 the model's own modules (the same gang through PEFT's layers, patched by the older fused pass), pin the
 compiled pass to the uncompiled one on whole studies, and count compilations as gangs change.
 """
@@ -18,11 +18,11 @@ from helpers import lora, sft_args
 from peft import LoraConfig
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from optuna_rapidfire._engines._decoder import Rows
-from optuna_rapidfire._engines._dropout import feature_keys, position_keys, row_keys
-from optuna_rapidfire._engines._fused_pass import Gang, backbone_and_head, fused_forward
 from optuna_rapidfire._engines._launched import LaunchedPasses
-from optuna_rapidfire._model import ResidentModel
+from optuna_rapidfire._fused._decoder import Rows
+from optuna_rapidfire._fused._dropout import feature_keys, position_keys, row_keys
+from optuna_rapidfire._fused._fused_pass import Gang, backbone_and_head, fused_forward
+from optuna_rapidfire._resident._model import ResidentModel
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]

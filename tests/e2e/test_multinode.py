@@ -21,7 +21,8 @@ from helpers import Background, wait_until
 from optuna.artifacts import FileSystemArtifactStore
 from optuna.trial import TrialState
 
-from optuna_rapidfire import StorageUnavailableError, _attrs
+from optuna_rapidfire import StorageUnavailableError
+from optuna_rapidfire._study import _attrs
 
 TESTS = Path(__file__).resolve().parents[1]  # where _worker_app.py is
 PASSWORD = "s3cret-pw-7731"  # in the storage URL: must never show in logs or attributes
@@ -84,6 +85,10 @@ def test_a_killed_worker_s_trials_resume_on_another_worker_from_their_checkpoint
         doomed.wait()
         killed = {t.number: len(t.intermediate_values) for t in study.get_trials(deepcopy=False)}
         assert all(killed[v.number] < 4 for v in victims), killed  # they died before their last chunk
+        # Every trial running at the kill dies with the worker: the promote schedule may have started a third
+        # config in a lent slot beside two waiting ones.
+        dead = sorted(t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+        assert {v.number for v in victims} <= set(dead)
 
         # One dead trial's checkpoint gets corrupted on the shared store: its retry must start over.
         store = tmp_path / "artifacts"
@@ -109,10 +114,9 @@ def test_a_killed_worker_s_trials_resume_on_another_worker_from_their_checkpoint
         trials = study.get_trials()
         by_number = {t.number: t for t in trials}
         # The dead worker's trials were failed by heartbeat and retried, each once.
-        for victim in victims:
-            assert by_number[victim.number].state == TrialState.FAIL
+        assert all(by_number[number].state == TrialState.FAIL for number in dead)
         retries = {t.system_attrs["failed_trial"]: t for t in trials if "failed_trial" in t.system_attrs}
-        assert sorted(retries) == sorted(v.number for v in victims)
+        assert sorted(retries) == dead
         # On failure: each trial's state, why it failed or how it resumed, and the workers' logs.
         told = (_attrs.FAIL_REASON, _attrs.RETRY_OF, _attrs.RESUMED_FROM_STEP, _attrs.RESUME_FAILED)
         summary = [(t.number, t.state.name, {k: t.user_attrs[k] for k in told if k in t.user_attrs}) for t in trials]
@@ -139,7 +143,7 @@ def test_a_killed_worker_s_trials_resume_on_another_worker_from_their_checkpoint
         links = {t.system_attrs[_attrs.CHECKPOINT]["artifact_id"] for t in complete}
         kept = {p.name for p in store.iterdir()} - {blob.name}
         assert links <= kept
-        assert len(kept - links) <= len(victims)  # at most a dead trial's orphan, never a pile-up
+        assert len(kept - links) <= len(dead)  # at most a dead trial's orphan, never a pile-up
 
         # Credentials stay out of logs and attributes.
         assert PASSWORD not in log
@@ -151,7 +155,7 @@ def test_checkpoints_load_only_into_their_own_study_and_trial(tiny_model: str, t
     os.environ.update({k: v for k, v in _env(tiny_model, tmp_path).items() if k.startswith("RF_TEST_")})
     import _worker_app
 
-    from optuna_rapidfire._checkpoints import CheckpointError, Checkpoints
+    from optuna_rapidfire._study._checkpoints import CheckpointError, Checkpoints
 
     storage = f"sqlite:///{tmp_path / 'c.db'}"
     study = optuna.create_study(storage=storage, study_name="multi", pruner=optuna.pruners.NopPruner())

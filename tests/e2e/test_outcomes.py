@@ -11,7 +11,7 @@ from helpers import by_number, lora, sft_args
 from optuna.trial import TrialState
 from trl import DPOConfig, GRPOConfig
 
-from optuna_rapidfire import _attrs
+from optuna_rapidfire._study import _attrs
 from optuna_rapidfire.demo import load_gsm8k
 
 

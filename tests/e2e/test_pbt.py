@@ -11,7 +11,7 @@ from helpers import lora, sft_args
 from optuna.trial import TrialState
 from transformers import AutoConfig
 
-from optuna_rapidfire import _attrs
+from optuna_rapidfire._study import _attrs
 from optuna_rapidfire.samplers import CloneSampler
 
 # Trial 0 hardly learns (a rate a thousand times too low, not a too high one, whose curve rounding decides);

@@ -10,8 +10,9 @@ import pytest
 from helpers import lora, sft_args
 from optuna.trial import TrialState
 
-from optuna_rapidfire import RapidFireExecutor, _attrs
+from optuna_rapidfire import RapidFireExecutor
 from optuna_rapidfire._processes import Tickets
+from optuna_rapidfire._study import _attrs
 
 
 def configure(trial: optuna.Trial):

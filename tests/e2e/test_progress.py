@@ -8,7 +8,7 @@ import sys
 import optuna
 from helpers import by_number, lora, sft_args
 
-from optuna_rapidfire._progress import Progress
+from optuna_rapidfire._study._progress import Progress
 
 
 class _Terminal(io.StringIO):

@@ -9,7 +9,7 @@ from helpers import by_number, lora, sft_args
 from optuna.trial import TrialState
 from transformers import AutoConfig
 
-from optuna_rapidfire._pruning import prune_decision
+from optuna_rapidfire._study._pruning import prune_decision
 
 # Trial 0's learning rate is a thousand times too low: its loss stays at the base model's while the
 # others' falls, so it is clearly the worst at every step (not a too high rate: its loss rises, but

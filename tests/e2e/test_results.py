@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTTrainer
 
 from optuna_rapidfire import best_adapter_path
-from optuna_rapidfire._attrs import ADAPTER_PATH
+from optuna_rapidfire._study._attrs import ADAPTER_PATH
 
 
 @pytest.mark.numerics

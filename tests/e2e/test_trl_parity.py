@@ -11,8 +11,8 @@ from torch.utils.data import SequentialSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
-from optuna_rapidfire._attrs import ADAPTER_PATH
-from optuna_rapidfire._data import ChunkPlan
+from optuna_rapidfire._resident._data import ChunkPlan
+from optuna_rapidfire._study._attrs import ADAPTER_PATH
 
 
 class _InOrderSFTTrainer(SFTTrainer):

@@ -63,3 +63,31 @@ def test_other_libraries_private_modules_are_imported_only_in_compat() -> None:
             if parts[0] not in ("optuna_rapidfire", "__future__") and any(p.startswith("_") for p in parts):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} from {node.module}")
     assert offenders == [], "\n".join(offenders)
+
+
+# The package's floors, top to bottom: the front (what users call), the Optuna side of a trial's life, one
+# device's runtime, the engines, the trainer kinds, then what lives on the device and the kernels, then leaves.
+FLOORS = {"_study": 5, "_runtime": 4, "_engines": 3, "_trainers": 2, "_fused": 1, "_resident": 1}
+LEAVES = {"optuna_rapidfire._compat", "optuna_rapidfire._logging"}
+
+
+def _floor(module: str) -> int | None:
+    """A module's floor (``None``: the front, the demo and the samplers, which may import anything)."""
+    if module in LEAVES:
+        return 0
+    parts = module.split(".")
+    return FLOORS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_each_floor_imports_only_the_floors_below_it() -> None:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    upward = []
+    for name, path in files.items():
+        own = _floor(name)
+        if own is None:
+            continue
+        for imported in _imports(ast.parse(path.read_text()), set(files)):
+            theirs = _floor(imported)
+            if theirs is None or (theirs > own and imported.split(".")[1] != name.split(".")[1]):
+                upward.append(f"{name} -> {imported}")
+    assert upward == [], "\n".join(upward)

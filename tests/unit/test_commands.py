@@ -7,7 +7,7 @@ from optuna.trial import TrialState
 from optuna_dashboard import ChoiceWidget, TextInputWidget, register_user_attr_form_widgets
 from optuna_dashboard._form_widget import get_form_widgets_json
 
-from optuna_rapidfire import _attrs, _commands
+from optuna_rapidfire._study import _attrs, _commands
 
 
 def _form_trial(number: int, action: float, text: str = "") -> optuna.trial.FrozenTrial:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optuna_rapidfire._engines._dropout import (
+from optuna_rapidfire._fused._dropout import (
     DropoutStream,
     apply,
     feature_keys,

@@ -23,8 +23,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from optuna_rapidfire._engines import _fused_decode
-from optuna_rapidfire._engines._fused_decode import DecodeRequest, Sampling, decode, penalize, warp
+from optuna_rapidfire._fused import _fused_decode
+from optuna_rapidfire._fused._fused_decode import DecodeRequest, Sampling, decode, penalize, warp
 
 PAD = 0
 VOCAB = 64  # small, so that a random model's rows reach their EOS within a few tokens

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import optuna
 
-from optuna_rapidfire._pool import Lease, Slots, TrialPool
+from optuna_rapidfire._runtime._slots import Lease, Slots
+from optuna_rapidfire._study._pool import TrialPool
 
 
 def test_enqueued_trials_each_run_once_on_sqlite(tmp_path: Path) -> None:

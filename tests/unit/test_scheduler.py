@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from optuna_rapidfire._scheduler import (
+from optuna_rapidfire._runtime._scheduler import (
     Decision,
     Entry,
     LockstepSchedule,
@@ -316,7 +316,7 @@ def test_a_decision_about_a_trial_the_device_removed_leaves_it_gone() -> None:
 
 # -- ASHA's promotion rule (PromoteSchedule) ------------------------------------------------------------
 
-from optuna_rapidfire._scheduler import Reports  # noqa: E402
+from optuna_rapidfire._runtime._scheduler import Reports  # noqa: E402
 
 
 def _waiting(number: int, chunks: int) -> Entry:

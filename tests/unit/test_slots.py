@@ -6,7 +6,7 @@ import pytest
 import torch
 from _numerics import assert_within_rounding
 
-from optuna_rapidfire._engines._slots import (
+from optuna_rapidfire._fused._slots import (
     GangAdamW,
     GangSlots,
     MemberAdapter,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from _numerics import assert_within_rounding
 
-from optuna_rapidfire._engines import _token_stats
-from optuna_rapidfire._engines._token_stats import token_stats
+from optuna_rapidfire._fused import _token_stats
+from optuna_rapidfire._fused._token_stats import token_stats
 
 HIDDEN, VOCAB, TOKENS = 16, 300, 40
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from optuna_rapidfire._engines._turns import Turns
+from optuna_rapidfire._trainers.grpo._turns import Turns
 
 
 def test_members_take_turns_and_meet_in_one_shared_step() -> None:

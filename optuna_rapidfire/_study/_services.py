@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from optuna.study import StudyDirection
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._checkpoints import Checkpoints, default_store
-from optuna_rapidfire._commands import register_dashboard_form
 from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._study._checkpoints import Checkpoints, default_store
+from optuna_rapidfire._study._commands import register_dashboard_form
 from optuna_rapidfire._trainers import TrainerExtras, TrainerKind, kind_for
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from transformers import TrainingArguments
 
     from optuna_rapidfire._config import ExecutorConfig
-    from optuna_rapidfire._mlflow import MlflowTracker
+    from optuna_rapidfire._study._mlflow import MlflowTracker
 
 _logger = get_logger(__name__)
 
@@ -39,7 +39,7 @@ class StudyServices:
         )
         self.tracker: MlflowTracker | None = None
         if config.mlflow_tracking_uri is not None:
-            from optuna_rapidfire._mlflow import MlflowTracker
+            from optuna_rapidfire._study._mlflow import MlflowTracker
 
             self.tracker = MlflowTracker(config.mlflow_tracking_uri)
         self._lock = threading.Lock()
@@ -107,7 +107,7 @@ class StudyServices:
 
     def check_metrics(self, metrics: dict[str, float]) -> None:
         """The first evaluation's metrics must hold the metric (raises ``SetupError``, which ends the study)."""
-        from optuna_rapidfire._worker import SetupError
+        from optuna_rapidfire._runtime._worker import SetupError
 
         if self.metric not in metrics:
             raise SetupError(

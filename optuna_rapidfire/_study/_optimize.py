@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from optuna_rapidfire._pool import TrialPool
-from optuna_rapidfire._progress import Progress
-from optuna_rapidfire._trial_driver import EndPaused, TrialDriver
+from optuna_rapidfire._study._pool import TrialPool
+from optuna_rapidfire._study._progress import Progress
+from optuna_rapidfire._study._trial_driver import EndPaused, TrialDriver
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -21,10 +21,10 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import TrialState
 
-    from optuna_rapidfire._device import DeviceRuntime
-    from optuna_rapidfire._pool import Lease
-    from optuna_rapidfire._services import StudyServices
-    from optuna_rapidfire._trial_driver import Configure
+    from optuna_rapidfire._runtime._device import DeviceRuntime
+    from optuna_rapidfire._runtime._slots import Lease
+    from optuna_rapidfire._study._services import StudyServices
+    from optuna_rapidfire._study._trial_driver import Configure
 
 
 class Run:

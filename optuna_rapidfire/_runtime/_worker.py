@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._scheduler import Entry, Scheduler, Task
+from optuna_rapidfire._runtime._scheduler import Entry, Scheduler, Task
 
 if TYPE_CHECKING:
     from collections.abc import Callable

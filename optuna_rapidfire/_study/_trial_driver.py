@@ -18,21 +18,22 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 
-from optuna_rapidfire import _attrs, _commands, _compat, control
-from optuna_rapidfire._checkpoints import CheckpointError
+from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, TrialSpec
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._pruning import prune_decision, resolve_auto_resources
-from optuna_rapidfire._scheduler import Decision, Entry
+from optuna_rapidfire._runtime._scheduler import Decision, Entry
+from optuna_rapidfire._runtime._worker import Built, Failed, Paused, Released, Saved
+from optuna_rapidfire._study import _attrs, _commands
+from optuna_rapidfire._study._checkpoints import CheckpointError
+from optuna_rapidfire._study._pruning import prune_decision, resolve_auto_resources
 from optuna_rapidfire._trainers._base import ACCELERATE_STATE
-from optuna_rapidfire._worker import Built, Failed, Paused, Released, Saved
 
 if TYPE_CHECKING:
-    from optuna_rapidfire._checkpoints import Checkpoints
     from optuna_rapidfire._config import Configure
-    from optuna_rapidfire._optimize import Run
-    from optuna_rapidfire._pool import Lease
-    from optuna_rapidfire._snapshot import TrialSnapshot
+    from optuna_rapidfire._resident._snapshot import TrialSnapshot
+    from optuna_rapidfire._runtime._slots import Lease
+    from optuna_rapidfire._study._checkpoints import Checkpoints
+    from optuna_rapidfire._study._optimize import Run
 
 _logger = get_logger(__name__)
 
@@ -372,7 +373,7 @@ class TrialDriver:
             result = "ignored: the trial is not paused"
         elif op == "clone":
             try:
-                child = control.clone(self.study, command.trial, command.params, warm_start=command.warm)
+                child = _commands.enqueue_clone(self.study, command.trial, command.params, warm_start=command.warm)
             except (TypeError, ValueError) as error:
                 result = f"refused: {error}"
             else:

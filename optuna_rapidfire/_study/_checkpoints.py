@@ -1,6 +1,6 @@
 """Per-chunk checkpoints of trials in an Optuna artifact store, so a trial survives its worker.
 
-After every chunk a trial's state (a :class:`~optuna_rapidfire._snapshot.TrialSnapshot`: one safetensors
+After every chunk a trial's state (a :class:`~optuna_rapidfire._resident._snapshot.TrialSnapshot`: one safetensors
 blob) is written to the artifact store under a fresh id; only then is the trial's ``rapidfire:checkpoint``
 system attr pointed at it, with its SHA-256. That link is the commit point: a crash mid-write leaves the
 previous link (and an orphan blob), never a link to a partial blob, and a blob damaged later fails its
@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.artifacts import FileSystemArtifactStore
 
-from optuna_rapidfire import _attrs, _compat
+from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._snapshot import TrialSnapshot
-from optuna_rapidfire._storages import file_path
+from optuna_rapidfire._resident._snapshot import TrialSnapshot
+from optuna_rapidfire._study import _attrs
+from optuna_rapidfire._study._storages import file_path
 
 if TYPE_CHECKING:
     from collections.abc import Collection

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from optuna_rapidfire._engines._dropout import apply, keep_scale
+from optuna_rapidfire._fused._dropout import apply, keep_scale
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -3,9 +3,9 @@
 A GRPO trial's step computes its completions' per-token log-probabilities under its adapter (TRL's
 ``_get_per_token_logps_and_entropies``), its loss from them (TRL's own code: importance ratios, clipping,
 KL to the reference, its loss type), then backpropagates (``accelerator.backward``). In a gang
-(:class:`~optuna_rapidfire._engines._turns.Turns`), each member's first call hands its rows over as a
+(:class:`~optuna_rapidfire._trainers.grpo._turns.Turns`), each member's first call hands its rows over as a
 :class:`LogpsRequest`: the members waiting share one forward pass over the frozen base, each row segment
-through its own adapter (:func:`~optuna_rapidfire._engines._fused_pass.fused_forward`), and each gets its
+through its own adapter (:func:`~optuna_rapidfire._fused._fused_pass.fused_forward`), and each gets its
 log-probabilities and entropies, scored at its own ``temperature`` with TRL's chunked kernel (as TRL's
 fused LM head scores them), still attached to the shared graph. Each member then computes its loss as
 TRL does and hands it over as a :class:`BackwardRequest`: one backward of the losses' sum gives every
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from optuna_rapidfire._engines._fused_pass import (
+from optuna_rapidfire._fused._fused_pass import (
     Gang,
     backbone_and_head,
     fused_forward,
@@ -33,7 +33,7 @@ from optuna_rapidfire._engines._fused_pass import (
     pad_right,
     pad_token_id,
 )
-from optuna_rapidfire._engines._token_stats import token_stats
+from optuna_rapidfire._fused._token_stats import token_stats
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -14,25 +14,35 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optuna_rapidfire._config import compile_backend
-from optuna_rapidfire._data import ChunkPlan, PreparedData
 from optuna_rapidfire._engines._fused_engine import FusedEngine
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 from optuna_rapidfire._engines._trials import DeviceTrials
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._model import ResidentModel, load_model
-from optuna_rapidfire._pool import Slots
-from optuna_rapidfire._scheduler import Scheduler
-from optuna_rapidfire._worker import DeviceWorker
+from optuna_rapidfire._resident._data import ChunkPlan, PreparedData
+from optuna_rapidfire._resident._model import ResidentModel, load_model
+from optuna_rapidfire._runtime._scheduler import Scheduler
+from optuna_rapidfire._runtime._slots import Slots
+from optuna_rapidfire._runtime._worker import DeviceWorker
 
 if TYPE_CHECKING:
     from optuna_rapidfire._config import ExecutorConfig
     from optuna_rapidfire._engines._base import Engine
-    from optuna_rapidfire._scheduler import Entry
-    from optuna_rapidfire._services import StudyServices
+    from optuna_rapidfire._runtime._scheduler import Entry
+    from optuna_rapidfire._study._services import StudyServices
     from optuna_rapidfire._trainers import TrainerExtras
 
 _logger = get_logger(__name__)
+
+
+def compile_backend(setting: bool | str, device_type: str) -> str | bool:
+    """The ``torch.compile`` backend the fused engine's launched pass uses on a device of ``device_type``
+    (``False``: none): ``"auto"`` compiles with Inductor on a GPU only (on the CPU compiling costs more
+    than it saves in a study), ``True`` with Inductor anywhere."""
+    if setting == "auto":
+        return "inductor" if device_type == "cuda" else False
+    if setting is True:
+        return "inductor"
+    return setting
 
 
 def engine_for(config: ExecutorConfig, device: torch.device) -> str:

@@ -21,8 +21,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from optuna_rapidfire import _attrs, _compat
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState
+
+from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._study import _attrs
 
 if TYPE_CHECKING:
     import optuna
@@ -208,3 +212,54 @@ def register_dashboard_form(study: optuna.Study) -> bool:
             return True
     register_user_attr_form_widgets(study, widgets=widgets)
     return True
+
+
+def enqueue_clone(
+    study: optuna.Study, trial_number: int, params: dict[str, Any] | None = None, warm_start: bool = True
+) -> int:
+    """Enqueue a clone of ``trial_number`` with ``params`` changed (see :func:`optuna_rapidfire.control.clone`).
+
+    Returns:
+        The number of the new (WAITING) trial.
+    """
+    parent = find_trial(study, trial_number)
+    if parent.state == TrialState.WAITING:
+        raise ValueError(f"Trial {trial_number} has not started: there is nothing to clone.")
+    merged = dict(parent.params)
+    for name, value in (params or {}).items():
+        if name not in parent.distributions:
+            raise ValueError(
+                f"Trial {trial_number} has no parameter {name!r}; its parameters are {sorted(parent.distributions)}."
+            )
+        merged[name] = _checked(name, value, parent.distributions[name])
+    # The token finds this clone among others enqueued at the same moment by other clients.
+    request = {"parent": trial_number, "warm": bool(warm_start), "request": uuid.uuid4().hex}
+    study.enqueue_trial(merged, user_attrs={_attrs.CLONE_OF: request})
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    return next(t.number for t in waiting if t.user_attrs.get(_attrs.CLONE_OF) == request)
+
+
+def find_trial(study: optuna.Study, trial_number: int) -> FrozenTrial:
+    if not isinstance(trial_number, int) or isinstance(trial_number, bool):
+        raise TypeError(f"trial_number must be an int, but got {trial_number!r}.")
+    for trial in study.get_trials(deepcopy=False):
+        if trial.number == trial_number:
+            return trial
+    raise ValueError(f"Trial {trial_number} does not exist in study {study.study_name!r}.")
+
+
+def _checked(name: str, value: Any, distribution: Any) -> Any:
+    """``value`` as the parameter's type, if ``distribution`` allows it."""
+    if isinstance(distribution, CategoricalDistribution):
+        for choice in distribution.choices:
+            if choice == value or str(choice) == str(value):
+                return choice
+        raise ValueError(f"{name}={value!r} is not one of its choices {list(distribution.choices)}.")
+    try:
+        number = int(value) if isinstance(distribution, IntDistribution) else float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not a number.") from None
+    assert isinstance(distribution, (IntDistribution, FloatDistribution))
+    if not distribution.low <= number <= distribution.high:
+        raise ValueError(f"{name}={value!r} is outside [{distribution.low}, {distribution.high}].")
+    return number

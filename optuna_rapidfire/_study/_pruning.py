@@ -12,7 +12,7 @@ the study, a storage proxy in which, for a decision about trial T at step s:
 * T itself appears as it was when it reported step s;
 * everything else (finished, pruned, failed trials, system attributes) is the real storage.
 
-When decisions are taken depends on the schedule (:mod:`optuna_rapidfire._scheduler`). Under
+When decisions are taken depends on the schedule (:mod:`optuna_rapidfire._runtime._scheduler`). Under
 ``"lockstep"`` they wait for round barriers: T's pruner is asked only once every co-live trial of the
 executor has reported step s, so the first trial to report is judged against the same peers as the
 last; the pruner is asked twice per step, a first pass letting stateful pruners record the step (the

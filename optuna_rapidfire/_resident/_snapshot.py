@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from safetensors.torch import load, save
 
-from optuna_rapidfire._state import Position, RngState
+from optuna_rapidfire._resident._state import Position, RngState
 
 if TYPE_CHECKING:
-    from optuna_rapidfire._state import SwapState
+    from optuna_rapidfire._resident._state import SwapState
 
 _FORMAT = 2
 _FILE = "snapshot.safetensors"

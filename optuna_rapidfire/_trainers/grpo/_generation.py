@@ -3,15 +3,15 @@
 TRL's ``GRPOTrainer`` generates inside its training step and its evaluation, with ``model.generate`` and
 the process's global RNG. Here every GRPO trial's trainer generates through :class:`Generation` instead:
 the prompts it would generate for (tokenized by TRL, repeated per generation) become a
-:class:`~optuna_rapidfire._engines._fused_decode.DecodeRequest` with the trial's own sampling settings
+:class:`~optuna_rapidfire._fused._fused_decode.DecodeRequest` with the trial's own sampling settings
 (those of the ``GenerationConfig`` TRL built from its ``GRPOConfig``) and its own generator (seeded from
 the trial's ``seed``, its state saved with the trial's state, checkpoints and clones), and
-:func:`~optuna_rapidfire._engines._fused_decode.decode` samples them. A trial trained alone decodes alone.
-The members of a fused gang train their chunks in :class:`~optuna_rapidfire._engines._turns.Turns`: each
+:func:`~optuna_rapidfire._fused._fused_decode.decode` samples them. A trial trained alone decodes alone.
+The members of a fused gang train their chunks in :class:`~optuna_rapidfire._trainers.grpo._turns.Turns`: each
 runs its own TRL step until it generates, and the members waiting then decode together, in one batch.
 A trial's completions depend only on its adapter, its settings and its generator, not on its gang. In
 such a gang the members' policy steps also share their forward and backward passes
-(:mod:`optuna_rapidfire._engines._policy_pass`): the grad-enabled log-probabilities and the backward of
+(:mod:`optuna_rapidfire._trainers.grpo._policy_pass`): the grad-enabled log-probabilities and the backward of
 each member's TRL loss are routed here, and the members waiting for them meet the same way.
 
 What this decode does not do (images, beam search and other generation options, see :func:`refusal`)
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._engines._fused_decode import DecodeRequest, decode
-from optuna_rapidfire._engines._fused_pass import pad_token_id
-from optuna_rapidfire._engines._policy_pass import BackwardRequest, LogpsRequest, PolicyPasses
-from optuna_rapidfire._engines._turns import Turns
+from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
+from optuna_rapidfire._fused._fused_pass import pad_token_id
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._state import RngState
+from optuna_rapidfire._resident._state import RngState
+from optuna_rapidfire._trainers.grpo._policy_pass import BackwardRequest, LogpsRequest, PolicyPasses
+from optuna_rapidfire._trainers.grpo._turns import Turns
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

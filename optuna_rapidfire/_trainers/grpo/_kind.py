@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
     from trl import GRPOConfig, GRPOTrainer
 
-    from optuna_rapidfire._model import ResidentModel
+    from optuna_rapidfire._resident._model import ResidentModel
 
 
 class GRPOKind(TrainerKind):
@@ -33,7 +33,7 @@ class GRPOKind(TrainerKind):
     needs_rewards = True
     # Generation dominates a GRPO step: the fused engine's GRPO gangs generate together, in one decode
     # batch, and share the forward and backward passes of their policy steps, each member computing TRL's
-    # own loss (no fused loss of its own: see _engines/_generation.py and _engines/_policy_pass.py).
+    # own loss (no fused loss of its own: see _trainers/grpo/_generation.py and _trainers/grpo/_policy_pass.py).
     fused_loss = None
     samples_completions = True
 

@@ -8,7 +8,7 @@ over the K adapters: without copies when the adapters share rank and targets and
 count, else over ranks and rows zero-padded to the largest, gathered by index (one gather of the rows,
 one of the stacked projections, one indexed add of the updates per layer, whatever K; an adapter that
 does not target the layer adds nothing). Dropout masks are computed from each adapter's own stream
-(:mod:`optuna_rapidfire._engines._dropout`), so a trial gets the same masks alone or in any gang. Per-trial
+(:mod:`optuna_rapidfire._fused._dropout`), so a trial gets the same masks alone or in any gang. Per-trial
 losses are computed on each segment (:func:`segment_losses`); backpropagating their sum gives every
 adapter the gradient of its own loss, since adapters share no parameters and the base is frozen.
 """
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from optuna_rapidfire._engines._dropout import apply, feature_keys, keep_scale, layer_salt, position_keys, row_keys
+from optuna_rapidfire._fused._dropout import apply, feature_keys, keep_scale, layer_salt, position_keys, row_keys
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 @dataclass
 class Gang:
     """K adapters sharing a pass: adapter names, rows per adapter (in order), and each adapter's dropout key
-    for this pass (:meth:`~optuna_rapidfire._engines._dropout.DropoutStream.next_key`; ignored by adapters
+    for this pass (:meth:`~optuna_rapidfire._fused._dropout.DropoutStream.next_key`; ignored by adapters
     without dropout)."""
 
     names: list[str]
@@ -49,7 +49,7 @@ class Gang:
             raise ValueError(f"Every adapter of a gang needs at least one row, got {self.rows}.")
 
     def row_keys(self, device: torch.device) -> torch.Tensor:
-        """Each row's dropout key (:func:`~optuna_rapidfire._engines._dropout.row_keys`), on ``device``."""
+        """Each row's dropout key (:func:`~optuna_rapidfire._fused._dropout.row_keys`), on ``device``."""
         found = self._row_keys.get(device)
         if found is None:
             found = self._row_keys[device] = _to_device(row_keys(self.keys, self.rows).tolist(), device)

@@ -2,7 +2,7 @@
 
 GRPO trials spend most of their time generating. :func:`decode` runs the rows of K requests (one per
 trial) as one batch with a KV cache: the prompts left-padded to the longest of the batch, one prefill,
-then one token per step for all rows, inside :func:`~optuna_rapidfire._engines._fused_pass.fused_forward`
+then one token per step for all rows, inside :func:`~optuna_rapidfire._fused._fused_pass.fused_forward`
 so that row segment i goes through request i's adapter. Each row is sampled with its request's settings,
 vectorized over the batch, by HF's logits processors in HF's order (repetition penalty, then
 temperature, top-k, top-p, min-p). A request's random draws come from its own ``torch.Generator`` alone,
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optuna_rapidfire._engines._fused_pass import Gang, fused_forward, layer_plans, lora_layers
+from optuna_rapidfire._fused._fused_pass import Gang, fused_forward, layer_plans, lora_layers
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
