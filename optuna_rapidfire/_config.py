@@ -11,21 +11,23 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import optuna
 
-from optuna_rapidfire._runtime._scheduler import BaseSchedule, schedule_from
+from optuna_rapidfire._runtime._scheduler import schedule_from
 
 if TYPE_CHECKING:
+    import torch
     from datasets import Dataset
     from peft import PeftConfig
     from transformers import PreTrainedTokenizerBase, TrainingArguments
 
     from optuna_rapidfire._compat import ArtifactStore
     from optuna_rapidfire._resident._model import ModelSource
+    from optuna_rapidfire._runtime._schedule import BaseSchedule
 
 EngineName = Literal["auto", "fused", "time_sliced"]
 """``"fused"``: gangs of trials share passes; ``"time_sliced"``: one trial at a time; ``"auto"``: fused on a
@@ -34,7 +36,6 @@ GPU, time-sliced on the CPU."""
 Configure = Callable[[optuna.Trial], "tuple[PeftConfig, TrainingArguments]"]
 """The user's function: suggest hyperparameters on the trial, return ``(peft_config, training_args)``."""
 
-_ENGINES = ("auto", "fused", "time_sliced")
 DEFAULT_SCHEDULE = "promote"
 """The schedule ``"default"`` means: ASHA's promotion rule, chosen by a CPU simulation over learning curves
 (tests/unit/test_scheduler.py); the search part of benchmarks/README.md is to measure it against "lockstep"."""
@@ -85,32 +86,39 @@ class MemoryBudget:
         return self.bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExecutorConfig:
-    """Every setting of a :class:`~optuna_rapidfire.RapidFireExecutor`, validated (see its docstring).
+    """Every setting of a :class:`~optuna_rapidfire.RapidFireExecutor`: the one list of its keywords.
 
-    ``memory_budget`` is ``None`` for ``"auto"`` (half the free GPU memory, no limit on the CPU);
-    ``metric`` is ``None`` until the first trial's trainer type names its default; ``eval_samples`` is
-    resolved (``"auto"`` becomes a number of rows).
+    Each field is one of the executor's keyword arguments, with the same name and default (see the
+    executor's docstring for what each means; ``tests/unit/test_config.py`` checks that the two agree). The
+    executor passes its keywords here unchanged; making the object validates every setting before any work,
+    names the bad value, and resolves a few in place: ``metric`` gets its ``eval_`` prefix, ``model_kwargs``
+    becomes a dict, ``reward_funcs`` a tuple, ``output_dir`` a string. Derived: :attr:`policy` (the schedule
+    object ``schedule`` names), :attr:`eval_rows` (``eval_samples`` resolved) and :attr:`memory_budget`
+    (``state_memory_budget`` parsed; ``None`` for ``"auto"``: half the free GPU memory, no limit on the CPU).
+    The same object is what a worker process receives (with a few per-process fields replaced) and what the
+    ``optuna-rapidfire worker`` command builds its executors from, so every path checks the same things once.
     """
 
     model: ModelSource
     train_dataset: Dataset
     eval_dataset: Dataset
     tokenizer: PreTrainedTokenizerBase | None = None
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_kwargs: dict[str, Any] | None = None
     num_chunks: int = 8
     max_concurrent_trials: int = 8
     seed: int = 0
     metric: str | None = None
-    eval_samples: int | None = None
+    eval_samples: int | Literal["auto"] | None = "auto"
     compute_metrics: Callable[..., dict[str, float]] | None = None
     preprocess_logits_for_metrics: Callable[..., Any] | None = None
     formatting_func: Callable[[dict[str, Any]], str] | None = None
-    reward_funcs: tuple[Callable[..., list[float]] | str, ...] = ()
+    reward_funcs: Sequence[Callable[..., list[float]] | str] | None = None
     mlflow_tracking_uri: str | None = None
-    output_dir: str = "rapidfire-output"
-    memory_budget: MemoryBudget | None = None
+    output_dir: str | os.PathLike[str] = "rapidfire-output"
+    devices: str | torch.device | list[str | torch.device] = "auto"
+    state_memory_budget: int | str | None = "auto"
     show_progress_bar: bool = True
     dashboard_controls: bool = True
     poll_seconds: float = 1.0
@@ -118,107 +126,82 @@ class ExecutorConfig:
     artifact_store: ArtifactStore | Literal["auto"] | None = "auto"
     storage_retry_seconds: float = 60.0
     engine: EngineName = "auto"
-    schedule: BaseSchedule = field(default_factory=lambda: schedule_from(DEFAULT_SCHEDULE))
+    schedule: str | BaseSchedule = "default"
     compile: bool | str = "auto"
+    policy: BaseSchedule = field(init=False)
+    """The schedule object ``schedule`` names (or is)."""
+    memory_budget: MemoryBudget | None = field(init=False)
+    """``state_memory_budget`` parsed (``None``: "auto")."""
+    eval_rows: int | None = field(init=False)
+    """``eval_samples`` resolved: rows of the eval subsample (``None``: the whole eval set)."""
 
-    @classmethod
-    def create(
-        cls,
-        *,
-        model: ModelSource,
-        train_dataset: Dataset,
-        eval_dataset: Dataset,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-        model_kwargs: dict[str, Any] | None = None,
-        num_chunks: int = 8,
-        max_concurrent_trials: int = 8,
-        seed: int = 0,
-        metric: str | None = None,
-        eval_samples: int | Literal["auto"] | None = "auto",
-        compute_metrics: Callable[..., dict[str, float]] | None = None,
-        preprocess_logits_for_metrics: Callable[..., Any] | None = None,
-        formatting_func: Callable[[dict[str, Any]], str] | None = None,
-        reward_funcs: list[Callable[..., list[float]] | str] | None = None,
-        mlflow_tracking_uri: str | None = None,
-        output_dir: str | os.PathLike[str] = "rapidfire-output",
-        state_memory_budget: int | str | None = "auto",
-        show_progress_bar: bool = True,
-        dashboard_controls: bool = True,
-        poll_seconds: float = 1.0,
-        pause_grace_seconds: float = 120.0,
-        artifact_store: ArtifactStore | Literal["auto"] | None = "auto",
-        storage_retry_seconds: float = 60.0,
-        engine: EngineName = "auto",
-        schedule: str | BaseSchedule = "default",
-        compile: bool | str = "auto",
-    ) -> ExecutorConfig:
-        """Validate the executor's keywords; every error names the bad value."""
+    def __post_init__(self) -> None:
         from datasets import Dataset
 
-        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        for name, dataset in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
             if not isinstance(dataset, Dataset):
                 raise TypeError(f"{name} must be a datasets.Dataset, but got {type(dataset).__name__}.")
             if len(dataset) == 0:
                 raise ValueError(f"{name} is empty.")
+        num_chunks, max_concurrent_trials = self.num_chunks, self.max_concurrent_trials
         if not isinstance(num_chunks, int) or num_chunks < 1:
             raise ValueError(f"num_chunks must be an integer of at least 1, but got {num_chunks=}.")
         if not isinstance(max_concurrent_trials, int) or max_concurrent_trials < 1:
             raise ValueError(
                 f"max_concurrent_trials must be an integer of at least 1, but got {max_concurrent_trials=}."
             )
+        eval_samples = self.eval_samples
         if eval_samples == "auto":
-            eval_samples = max(32, len(train_dataset) // num_chunks // 4)
+            eval_samples = max(32, len(self.train_dataset) // num_chunks // 4)
         elif eval_samples is not None and (not isinstance(eval_samples, int) or eval_samples < 1):
             raise ValueError(f"eval_samples must be 'auto', None or an integer of at least 1, but got {eval_samples=}.")
-        budget = MemoryBudget.parse(state_memory_budget)
+        budget = MemoryBudget.parse(self.state_memory_budget)
+        metric = self.metric
         if metric is not None and not isinstance(metric, str):
             raise TypeError(f"metric must be a metric name, but got {metric!r}.")
-        for source in reward_funcs or []:
+        for source in self.reward_funcs or []:
             if not (callable(source) or isinstance(source, str)):
                 raise TypeError(f"reward_funcs must hold functions or reward model paths, but got {source!r}.")
+        poll_seconds, pause_grace_seconds = self.poll_seconds, self.pause_grace_seconds
         if not poll_seconds > 0:
             raise ValueError(f"poll_seconds must be positive, but got {poll_seconds=}.")
         if not pause_grace_seconds >= 0:
             raise ValueError(f"pause_grace_seconds must not be negative, but got {pause_grace_seconds=}.")
-        if engine not in _ENGINES:
-            raise ValueError(f"engine must be 'time_sliced', 'fused' or 'auto', but got {engine=}.")
+        from optuna_rapidfire._engines import ENGINES  # torch and the engines: only once an executor is made
+
+        engine = self.engine
+        if engine != "auto" and engine not in ENGINES:
+            names = ", ".join(repr(name) for name in ENGINES)
+            raise ValueError(f"engine must be one of {names} or 'auto', but got {engine=}.")
+        storage_retry_seconds = self.storage_retry_seconds
         if not (isinstance(storage_retry_seconds, (int, float)) and storage_retry_seconds >= 0):
             raise ValueError(f"storage_retry_seconds must be a number of at least 0, but got {storage_retry_seconds=}.")
-        _check_artifact_store(artifact_store)
-        _check_compile(compile)
-        chosen = schedule_from(DEFAULT_SCHEDULE if schedule == "default" else schedule)
-        return cls(
-            model=model,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            tokenizer=tokenizer,
-            model_kwargs=dict(model_kwargs or {}),
-            num_chunks=num_chunks,
-            max_concurrent_trials=max_concurrent_trials,
-            seed=seed,
-            metric=None if metric is None else metric_key(metric),
-            eval_samples=eval_samples,
-            compute_metrics=compute_metrics,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            formatting_func=formatting_func,
-            reward_funcs=tuple(reward_funcs or ()),
-            mlflow_tracking_uri=mlflow_tracking_uri,
-            output_dir=os.fspath(output_dir),
-            memory_budget=budget,
-            show_progress_bar=show_progress_bar,
-            dashboard_controls=dashboard_controls,
-            poll_seconds=poll_seconds,
-            pause_grace_seconds=pause_grace_seconds,
-            artifact_store=artifact_store,
-            storage_retry_seconds=float(storage_retry_seconds),
-            engine=engine,
-            schedule=chosen,
-            compile=compile,
-        )
+        _check_artifact_store(self.artifact_store)
+        _check_compile(self.compile)
+        policy = schedule_from(DEFAULT_SCHEDULE if self.schedule == "default" else self.schedule)
+        resolved = {
+            "model_kwargs": dict(self.model_kwargs or {}),
+            "metric": None if metric is None else metric_key(metric),
+            "eval_rows": eval_samples,
+            "reward_funcs": tuple(self.reward_funcs or ()),
+            "output_dir": os.fspath(self.output_dir),
+            "storage_retry_seconds": float(storage_retry_seconds),
+            "policy": policy,
+            "memory_budget": budget,
+        }
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)  # frozen: set once, while the object is made
+
+    @classmethod
+    def options(cls) -> list[str]:
+        """The executor's keyword arguments (the fields a config is made from), in order."""
+        return [f.name for f in dataclasses.fields(cls) if f.init]
 
     def replace(self, **changes: Any) -> ExecutorConfig:
         """A copy with ``changes`` (for a worker process: no progress bar of its own)."""
-        return dataclasses.replace(self, **changes)
+        settings = {name: getattr(self, name) for name in self.options()}
+        settings["schedule"] = self.policy
+        return ExecutorConfig(**{**settings, **changes})
 
 
 def metric_key(metric: str) -> str:

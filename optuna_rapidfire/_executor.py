@@ -8,7 +8,7 @@ worker thread, slots) and the study services, and hands them to the functions of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from optuna.trial import TrialState
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from optuna_rapidfire._compat import ArtifactStore
     from optuna_rapidfire._config import EngineName
     from optuna_rapidfire._resident._model import ModelSource
-    from optuna_rapidfire._runtime._scheduler import BaseSchedule
+    from optuna_rapidfire._runtime._schedule import BaseSchedule
 
 _logger = get_logger(__name__)
 
@@ -181,7 +181,7 @@ class RapidFireExecutor:
         compute_metrics: Callable[..., dict[str, float]] | None = None,
         preprocess_logits_for_metrics: Callable[..., Any] | None = None,
         formatting_func: Callable[[dict[str, Any]], str] | None = None,
-        reward_funcs: list[Callable[..., list[float]] | str] | None = None,
+        reward_funcs: Sequence[Callable[..., list[float]] | str] | None = None,
         mlflow_tracking_uri: str | None = None,
         output_dir: str | os.PathLike[str] = "rapidfire-output",
         devices: str | torch.device | list[str | torch.device] = "auto",
@@ -197,34 +197,8 @@ class RapidFireExecutor:
         compile: bool | str = "auto",
     ) -> None:
         quiet_library_noise()
-        self.config = ExecutorConfig.create(
-            model=model,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            tokenizer=tokenizer,
-            model_kwargs=model_kwargs,
-            num_chunks=num_chunks,
-            max_concurrent_trials=max_concurrent_trials,
-            seed=seed,
-            metric=metric,
-            eval_samples=eval_samples,
-            compute_metrics=compute_metrics,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            formatting_func=formatting_func,
-            reward_funcs=reward_funcs,
-            mlflow_tracking_uri=mlflow_tracking_uri,
-            output_dir=output_dir,
-            state_memory_budget=state_memory_budget,
-            show_progress_bar=show_progress_bar,
-            dashboard_controls=dashboard_controls,
-            poll_seconds=poll_seconds,
-            pause_grace_seconds=pause_grace_seconds,
-            artifact_store=artifact_store,
-            storage_retry_seconds=storage_retry_seconds,
-            engine=engine,
-            schedule=schedule,
-            compile=compile,
-        )
+        settings = locals()
+        self.config = ExecutorConfig(**{name: settings[name] for name in ExecutorConfig.options()})
         self._devices = resolve_devices(devices)
         self._several_explicit = len(self._devices) > 1 and not (isinstance(devices, str) and devices == "auto")
         self._services = StudyServices(self.config)
@@ -245,7 +219,7 @@ class RapidFireExecutor:
     @property
     def schedule(self) -> BaseSchedule:
         """Which live trials train next (see the ``schedule`` argument)."""
-        return self.config.schedule
+        return self.config.policy
 
     @property
     def engine(self) -> str:
@@ -348,8 +322,7 @@ class RapidFireExecutor:
         The executor cannot be used afterwards.
         """
         end_paused(self._device)
-        while self._device.paused:
-            self._device.slots.wait_for_change(0.1)
+        self._device.paused.wait_until_empty()
         self._device.close()
 
     def __enter__(self) -> RapidFireExecutor:

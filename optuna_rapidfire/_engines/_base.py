@@ -169,9 +169,17 @@ class Engine(ABC):
     #: Whether the engine trains the ready trials at the least progress together (the scheduler then hands
     #: :meth:`run` those gangs); else it gets one trial at a time.
     fuses: ClassVar[bool]
+    #: The name ``RapidFireExecutor(engine=...)`` takes for it (the registry: ``optuna_rapidfire._engines.ENGINES``).
+    name: ClassVar[str]
 
     def __init__(self, trials: DeviceTrials) -> None:
         self.trials = trials
+
+    @classmethod
+    def create(cls, trials: DeviceTrials, *, compile: str | bool, capacity: int) -> Engine:
+        """The engine for a device's ``trials``; ``compile``: the launched pass's backend (``False``: none),
+        ``capacity``: the most trials trained at once. Each engine takes what it uses."""
+        return cls(trials)
 
     @property
     def device(self) -> torch.device:
@@ -205,7 +213,7 @@ class Engine(ABC):
 
     def pause(self, runtime: TrialRuntime) -> None:
         """Move an idle trial's state off the device until it trains again."""
-        self.trials.pause(runtime)
+        self.trials.placement.pause(runtime)
 
     def snapshot(self, runtime: TrialRuntime) -> TrialSnapshot:
         """The trial's state at its latest chunk boundary, as CPU copies (a per-chunk checkpoint)."""

@@ -2,7 +2,10 @@
 
 A *layout* is what a gang's pass graph depends on: which projections of the model carry LoRA (the union of
 the members' targets), the rank bucket their ranks are padded to, the adapters' dtype, and whether any member
-drops. Gangs of one layout share a :class:`Layout`: the slot storage of their adapters and Adam moments
+drops. A gang runs in the smallest layout seen so far that covers its own (a member's projections and rank
+fit in it with zeros around them), and only a gang that no seen layout covers makes a new one: a schedule
+whose gangs change composition from chunk to chunk compiles a handful of layouts, not one per gang. Gangs of
+one layout share a :class:`Layout`: the slot storage of their adapters and Adam moments
 (:class:`~optuna_rapidfire._fused._slots.GangSlots`), the slots' AdamW (one launch per step for the whole
 gang) and the per-layer LoRA inputs. The pass itself is :func:`~optuna_rapidfire._fused._decoder.
 decoder_layer`, compiled by ``torch.compile`` (``fullgraph``, one graph for every layer of the model) the
@@ -212,7 +215,7 @@ class LaunchedPasses:
             dtype=next(iter(typed[0].adapter.projections.values()))[0].dtype,
             dropout=any(m.adapter.dropout > 0 for m in typed),
         )
-        layout = self._layouts.get(key)
+        layout = self._layouts.get(key) or self._covering(key)
         if layout is None:
             layout = self._layouts[key] = Layout(key, compiled=self.backend is not None)
         self._activate(layout)
@@ -222,6 +225,26 @@ class LaunchedPasses:
             slots.load(slot, member.adapter, runtime.state.optimizer)
             optimizer.configure(slot, member.settings)
         return layout
+
+    def _covering(self, key: LayoutKey) -> Layout | None:
+        """The smallest seen layout that can run a gang of ``key`` (every projection of it, a rank bucket as
+        large, the same dtype, dropout if it drops), or ``None``.
+
+        A gang whose members come and go (the promote schedule's gangs change from chunk to chunk) would
+        otherwise compile a layout for nearly every composition, each taking tens of seconds. In a larger
+        layout a member's unused projections have zero weights and scale, and its rank is padded with
+        zeros: it computes the same values, at the cost of the larger layout's pass.
+        """
+        covering = [
+            layout
+            for seen, layout in self._layouts.items()
+            if key.projections <= seen.projections
+            and key.rank <= seen.rank
+            and key.dtype == seen.dtype
+            and (seen.dropout or not key.dropout)
+            and (layout.compiled or self.backend is None)
+        ]
+        return min(covering, key=lambda layout: (len(layout.key.projections), layout.key.rank), default=None)
 
     def store(self, layout: Layout, runtimes: Sequence[TrialRuntime]) -> None:
         """Copy every member's slot back into its own parameters and optimizer state."""

@@ -29,6 +29,7 @@ class TimeSlicedEngine(Engine):
     """Trains one trial at a time on the device of ``trials``."""
 
     fuses = False
+    name = "time_sliced"
 
     def run(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
         """Train the trials' next chunks one after another (the scheduler hands this engine one trial)."""
@@ -39,13 +40,14 @@ class TimeSlicedEngine(Engine):
 
     def run_chunk(self, runtime: TrialRuntime) -> ChunkResult:
         """Train the trial's next chunk alone, then evaluate it."""
-        self.trials.switch_to(runtime)
+        self.trials.placement.switch_to(runtime)
         start = time.perf_counter()
-        metrics = self._train_chunk(runtime)
+        metrics = self.train_chunk(runtime)
         runtime.state.rng = RngState.capture(self.device)
         return self.trials.finish(runtime, metrics, train_seconds=time.perf_counter() - start)
 
-    def _train_chunk(self, runtime: TrialRuntime) -> dict[str, float]:
+    def train_chunk(self, runtime: TrialRuntime) -> dict[str, float]:
+        """Train the trial's next chunk (the device is switched to it); the chunk's training metrics."""
         kind, trainer, args, state = runtime.spec.kind, runtime.trainer, runtime.args, runtime.state
         dataset, micro = self.trials.next_chunk(runtime)
         accumulation = args.gradient_accumulation_steps

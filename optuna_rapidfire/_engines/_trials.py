@@ -23,22 +23,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from optuna_rapidfire import _compat
-from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, EngineStats, TrialSpec
-from optuna_rapidfire._fused._dropout import DropoutStream
+from optuna_rapidfire._engines._base import Branch, ChunkResult, EngineStats, TrialSpec
+from optuna_rapidfire._engines._clones import branch_from
+from optuna_rapidfire._engines._placement import Placement
 from optuna_rapidfire._resident._data import rows_of
 from optuna_rapidfire._resident._snapshot import TrialSnapshot
-from optuna_rapidfire._resident._state import Position, RngState, SwapState
+from optuna_rapidfire._resident._state import RngState, SwapState
 from optuna_rapidfire._trainers._base import ACCELERATE_STATE
 from optuna_rapidfire._trainers.grpo._generation import Generation
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable, Sequence
+    from collections.abc import Hashable
 
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    from optuna_rapidfire._resident._data import PreparedData
+    from optuna_rapidfire._resident._data import ChunkPlan, PreparedData
     from optuna_rapidfire._resident._model import ResidentModel
     from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind
 
@@ -109,25 +109,14 @@ class DeviceTrials:
         self.data = data
         self.extras = extras
         self.output_dir = output_dir
-        self.state_budget = state_budget
         self._runtimes: list[TrialRuntime] = []
-        self.switches = 0
-        self.switch_seconds: list[float] = []  # host time of each switch between trials
-        self.offloads = 0
-        self._current: TrialRuntime | None = None
+        self.placement = Placement(resident, self._runtimes, state_budget)
         self._base_bytes = resident.base_nbytes()  # before any adapter is injected into the base
         self.generation = Generation(self)  # GRPO trials' completions
-        # The trials of a gang whose members run in turns: none is offloaded while another one runs.
-        self.gang: list[TrialRuntime] = []
 
     @property
     def device(self) -> torch.device:
         return self.resident.device
-
-    @property
-    def current(self) -> TrialRuntime | None:
-        """The trial the model was last set up to train alone (``None`` after a gang, a pause or a release)."""
-        return self._current
 
     def stats(self) -> EngineStats:
         """The counters kept here (an engine adds its own).
@@ -138,9 +127,9 @@ class DeviceTrials:
         runtimes = list(self._runtimes)
         peft = self.resident.peft
         return EngineStats(
-            switches=self.switches,
-            switch_seconds=tuple(self.switch_seconds),
-            offloads=self.offloads,
+            switches=self.placement.switches,
+            switch_seconds=tuple(self.placement.switch_seconds),
+            offloads=self.placement.offloads,
             live_trials=len(runtimes),
             resident_trials=sum(r.state.resident for r in runtimes),
             state_bytes=tuple(r.state.nbytes() for r in runtimes),
@@ -173,7 +162,7 @@ class DeviceTrials:
                 kind.isolate(trainer)
             key = kind.data_key(args)
             sizes = self.data.chunk_sizes(key, lambda ds, split: kind.prepare(trainer, ds, split))
-            steps_per_chunk = self._steps_per_chunk(spec.number, args, kind, sizes)
+            steps_per_chunk = chunk_steps(self.data.plan, spec.number, args, kind, sizes)
             total_chunks = kind.total_chunks(args, self.data.plan.num_chunks)
             total_steps = sum(steps_per_chunk[c % len(sizes)] for c in range(total_chunks))
             optimizer = trainer.create_optimizer()
@@ -202,35 +191,12 @@ class DeviceTrials:
             total_chunks=total_chunks,
         )
         if spec.clone_of is not None:
-            runtime.branch = self._branch_from(runtime, spec.clone_of, parent)
+            runtime.branch = branch_from(self.resident, runtime, spec.clone_of, parent)
         if kind.samples_completions:
             self.generation.install(runtime)
         self._runtimes.append(runtime)
-        self._fit_budget(keep=[runtime])
+        self.placement.fit_budget(keep=[runtime])
         return runtime
-
-    def _steps_per_chunk(self, number: int, args: TrainingArguments, kind: TrainerKind, sizes: list[int]) -> list[int]:
-        steps = []
-        for chunk, size in enumerate(sizes):
-            micro = len(kind.micro_batches(args, np.arange(size)))
-            if micro < 1:
-                rows = len(self.data.plan.rows(chunk))
-                if getattr(args, "packing", False):
-                    why = f"packing joined its {rows} rows into {size} examples"
-                elif size < rows:
-                    why = (
-                        f"preparation dropped {rows - size} of its {rows} rows (TRL drops rows whose tokens are "
-                        "all masked, e.g. a prompt that fills max_length, and rows it cannot use)"
-                    )
-                else:
-                    why = f"it has only {rows} rows"
-                raise ValueError(
-                    f"Chunk {chunk + 1} of {len(sizes)} holds {size} examples after preparation, fewer than one "
-                    f"batch of per_device_train_batch_size={args.per_device_train_batch_size} (trial {number}): "
-                    f"{why}. Lower num_chunks or the batch size, or check the rows and max_length."
-                )
-            steps.append(math.ceil(micro / args.gradient_accumulation_steps))
-        return steps
 
     def release(self, runtime: TrialRuntime) -> None:
         """Free the trial's state; safe to call on a half-built or already released trial."""
@@ -242,8 +208,7 @@ class DeviceTrials:
         runtime.state.params.clear()
         if runtime in self._runtimes:
             self._runtimes.remove(runtime)
-        if self._current is runtime:
-            self._current = None
+        self.placement.forget(runtime)
         # TRL's trainer makes its output_dir and writes nothing there (the executor saves adapters itself).
         for folder in (os.path.join(self.output_dir, runtime.state.adapter_name), self.output_dir):
             with contextlib.suppress(OSError):  # not empty: another trial's, or something of the user's
@@ -253,7 +218,7 @@ class DeviceTrials:
         """Write the trial's adapter in PEFT's format."""
         self.resident.save_adapter(runtime.state.adapter_name, directory)
 
-    # -- clones and snapshots --------------------------------------------------------------------
+    # -- parents and snapshots -------------------------------------------------------------------
 
     def _live(self, number: int) -> TrialRuntime | None:
         return next((r for r in self._runtimes if r.spec.number == number), None)
@@ -293,148 +258,6 @@ class DeviceTrials:
         """Write the trial's state to its snapshot folder (what clones of it start from), once it trained."""
         if runtime.state.position.chunks_done > 0:
             self.snapshot(runtime).save(os.path.join(runtime.spec.state_dir, f"trial-{runtime.spec.number}"))
-
-    def _branch_from(self, runtime: TrialRuntime, clone_of: CloneOf, parent: TrialSnapshot | str) -> Branch:
-        """Make ``runtime`` continue from ``parent`` if it can; say why not otherwise."""
-        reason: str | None
-        if not clone_of.warm:
-            reason = "a cold clone was asked for"
-        elif isinstance(parent, str):
-            reason = parent
-        else:
-            shapes = {k: v.shape for k, v in self.resident.adapter_weights(runtime.state.adapter_name).items()}
-            reason = parent.compatible_with(runtime.spec.kind.name, shapes)
-        if reason is not None:
-            return Branch(parent=clone_of.parent, step=0, warm=False, reason=reason, resume=clone_of.resume)
-        assert isinstance(parent, TrialSnapshot)
-        self._restore(runtime, parent)
-        return Branch(
-            parent=clone_of.parent,
-            step=parent.position.chunks_done,
-            warm=True,
-            history=[dict(h) for h in parent.history],
-            resume=clone_of.resume,
-        )
-
-    def _restore(self, runtime: TrialRuntime, parent: TrialSnapshot) -> None:
-        """Load the parent's weights, moments, schedule position, RNG and data position.
-
-        The clone's own hyperparameters win: its optimizer keeps its param-group settings (learning
-        rate, weight decay, betas) and its LR schedule (its own warmup and length) is only moved to the
-        parent's position, so a changed learning rate takes effect at once.
-        """
-        state = runtime.state
-        self.resident.load_adapter_weights(state.adapter_name, parent.weights)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in state.optimizer.param_groups]
-        state.optimizer.load_state_dict(parent.optimizer)
-        for group, settings in zip(state.optimizer.param_groups, groups, strict=True):
-            group.update(settings)
-        _compat.seek_lr_scheduler(state.lr_scheduler, parent.scheduler_steps)
-        if state.scaler is not None and parent.scaler is not None:
-            state.scaler.load_state_dict(parent.scaler)
-        state.rng = RngState(
-            cpu=parent.rng.cpu.clone(),
-            device=None if parent.rng.device is None else parent.rng.device.clone(),
-            python=parent.rng.python,
-            numpy=parent.rng.numpy,
-        )
-        state.dropout_rng = None if parent.dropout_rng is None else parent.dropout_rng.clone()
-        state.sample_rng = None if parent.sample_rng is None else parent.sample_rng.clone()
-        state.position = Position(parent.position.chunks_done, parent.position.optimizer_steps)
-        runtime.trainer.state.global_step = parent.position.optimizer_steps
-        runtime.history = [dict(h) for h in parent.history]
-
-    # -- memory ----------------------------------------------------------------------------------
-
-    def pause(self, runtime: TrialRuntime) -> None:
-        """Move an idle trial's state off the device until it trains again."""
-        if runtime.state.resident:
-            runtime.state.offload(self.device)
-            self.offloads += 1
-        if self._current is runtime:
-            self._current = None
-
-    def _fit_budget(self, keep: Sequence[TrialRuntime]) -> None:
-        """Offload least recently used idle trials (never those in ``keep``) until the state fits the budget."""
-        if self.state_budget is None:
-            return
-        resident = [r for r in self._runtimes if r.state.resident]
-        used = sum(r.state.nbytes() for r in resident)
-        for victim in sorted(resident, key=lambda r: r.last_used):
-            if used <= self.state_budget:
-                break
-            if any(victim is k for k in keep) or any(victim is k for k in self.gang):
-                continue
-            used -= victim.state.nbytes()
-            victim.state.offload(self.device)
-            self.offloads += 1
-
-    def on_device(self, runtimes: Sequence[TrialRuntime]) -> None:
-        """Bring the trials' states onto the device (marked just used) and offload others to fit the budget."""
-        for runtime in runtimes:
-            if not runtime.state.resident:
-                runtime.state.onload(self.device)
-            runtime.last_used = time.monotonic()
-        self._fit_budget(keep=runtimes)
-
-    # -- routing the model -----------------------------------------------------------------------
-
-    def _use(self, runtime: TrialRuntime) -> None:
-        """Route the model's forward passes through the trial: its adapter, its TRL head, its dropout."""
-        self.resident.activate(runtime.state.adapter_name)
-        self.resident.use_forward(runtime.forward)
-        self.resident.set_base_dropout(runtime.spec.kind.base_dropout_off(runtime.args))
-
-    def switch_to(self, runtime: TrialRuntime) -> None:
-        """Set the model up to train the trial alone: its state on the device, its forward, activation
-        checkpointing and RNG; counted as a switch when the model was set up for another trial."""
-        start = time.perf_counter()
-        state = runtime.state
-        self.on_device([runtime])
-        self._use(runtime)
-        enabled, kwargs = runtime.spec.kind.checkpointing(runtime.args)
-        self.resident.set_checkpointing(enabled, kwargs)
-        state.rng.restore(self.device)
-        if self._current is not runtime:
-            self.switches += 1
-            self._current = runtime
-            self.switch_seconds.append(time.perf_counter() - start)
-
-    def resume(self, runtime: TrialRuntime, gang: Sequence[TrialRuntime], rng: RngState, training: bool) -> None:
-        """Set the model up again for a trial whose chunk paused midway while other members of its ``gang``
-        ran (:class:`~optuna_rapidfire._trainers.grpo._turns.Turns`): the gang's states on the device, the trial's
-        adapter, forward and checkpointing, the global RNG as the trial left it, and train or eval mode."""
-        self.on_device(gang)
-        self._use(runtime)
-        enabled, kwargs = runtime.spec.kind.checkpointing(runtime.args)
-        self.resident.set_checkpointing(enabled, kwargs)
-        rng.restore(self.device)
-        self.resident.module.train(training)
-        self._current = runtime
-
-    @staticmethod
-    def dropout_stream(runtime: TrialRuntime) -> DropoutStream:
-        """The trial's own adapter-dropout stream for shared passes: keyed by its args' seed, continued from
-        its state (whoever uses it saves its state back in ``runtime.state.dropout_rng``)."""
-        return DropoutStream.of(runtime.state.dropout_rng, int(runtime.args.seed))
-
-    def enter_gang(self, runtimes: Sequence[TrialRuntime]) -> None:
-        """Set the model up to train the trials together: their states on the device, their adapters
-        trainable, the gang's settings (those of its first member: the fused engine admits only gangs that
-        agree on them), and the plain model forward (the fused pass computes the losses itself)."""
-        self.on_device(runtimes)  # the whole gang: only trials outside it may be offloaded
-        first = runtimes[0]
-        enabled, kwargs = first.spec.kind.checkpointing(first.args)
-        self.resident.set_checkpointing(enabled, kwargs)
-        self.resident.use_forward(None)
-        self.resident.set_base_dropout(first.spec.kind.base_dropout_off(first.args))
-        self.resident.set_trainable([runtime.state.adapter_name for runtime in runtimes], True)
-        self._current = None
-
-    def leave_gang(self, runtimes: Sequence[TrialRuntime]) -> None:
-        """Freeze the gang's adapters again; the next trial trained alone is a switch."""
-        self.resident.set_trainable([runtime.state.adapter_name for runtime in runtimes], False)
-        self._current = None
 
     # -- training --------------------------------------------------------------------------------
 
@@ -496,7 +319,7 @@ class DeviceTrials:
         from transformers.trainer_pt_utils import nested_concat, nested_numpify
 
         kind, trainer, args = runtime.spec.kind, runtime.trainer, runtime.args
-        self._use(runtime)
+        self.placement.use(runtime)
         dataset = self.data.eval_set(runtime.data_key, runtime.prepare)
         model = self.resident.module
         was_training = model.training
@@ -538,6 +361,34 @@ class DeviceTrials:
             for key, value in user.items():
                 metrics[key if key.startswith("eval_") else f"eval_{key}"] = float(value)
         return metrics
+
+
+def chunk_steps(
+    plan: ChunkPlan, number: int, args: TrainingArguments, kind: TrainerKind, sizes: list[int]
+) -> list[int]:
+    """Optimizer steps the trial takes in each chunk (of ``sizes`` examples after preparation); a chunk too
+    small for one batch is an error that says why it is small."""
+    steps = []
+    for chunk, size in enumerate(sizes):
+        micro = len(kind.micro_batches(args, np.arange(size)))
+        if micro < 1:
+            rows = len(plan.rows(chunk))
+            if getattr(args, "packing", False):
+                why = f"packing joined its {rows} rows into {size} examples"
+            elif size < rows:
+                why = (
+                    f"preparation dropped {rows - size} of its {rows} rows (TRL drops rows whose tokens are "
+                    "all masked, e.g. a prompt that fills max_length, and rows it cannot use)"
+                )
+            else:
+                why = f"it has only {rows} rows"
+            raise ValueError(
+                f"Chunk {chunk + 1} of {len(sizes)} holds {size} examples after preparation, fewer than one "
+                f"batch of per_device_train_batch_size={args.per_device_train_batch_size} (trial {number}): "
+                f"{why}. Lower num_chunks or the batch size, or check the rows and max_length."
+            )
+        steps.append(math.ceil(micro / args.gradient_accumulation_steps))
+    return steps
 
 
 def _cpu(value: Any) -> Any:

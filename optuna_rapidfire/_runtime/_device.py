@@ -14,20 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optuna_rapidfire._engines._fused_engine import FusedEngine
-from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+from optuna_rapidfire._engines import ENGINES
 from optuna_rapidfire._engines._trials import DeviceTrials
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._resident._data import ChunkPlan, PreparedData
 from optuna_rapidfire._resident._model import ResidentModel, load_model
 from optuna_rapidfire._runtime._scheduler import Scheduler
-from optuna_rapidfire._runtime._slots import Slots
+from optuna_rapidfire._runtime._slots import PausedTrials, Slots
 from optuna_rapidfire._runtime._worker import DeviceWorker
 
 if TYPE_CHECKING:
     from optuna_rapidfire._config import ExecutorConfig
     from optuna_rapidfire._engines._base import Engine
-    from optuna_rapidfire._runtime._scheduler import Entry
     from optuna_rapidfire._study._services import StudyServices
     from optuna_rapidfire._trainers import TrainerExtras
 
@@ -75,10 +73,10 @@ class DeviceRuntime:
                 device,
             )
         self.slots = Slots(config.max_concurrent_trials)
-        self.scheduler = Scheduler(schedule=config.schedule)
+        self.scheduler = Scheduler(schedule=config.policy)
         self.scheduler.lender = self.slots
         self.scheduler.expect(config.max_concurrent_trials)
-        self.paused: set[Entry] = set()
+        self.paused = PausedTrials(self.slots)
         self.fatal: BaseException | None = None
         self.engine: Engine | None = None
         self._worker: DeviceWorker | None = None
@@ -92,9 +90,11 @@ class DeviceRuntime:
             if self._worker is not None:
                 return
             config = self.config
-            model, tokenizer = load_model(config.model, tokenizer=config.tokenizer, model_kwargs=config.model_kwargs)
+            model, tokenizer = load_model(
+                config.model, tokenizer=config.tokenizer, model_kwargs=config.model_kwargs or {}
+            )
             resident = ResidentModel(model, tokenizer, self.device)
-            data = PreparedData(config.train_dataset, config.eval_dataset, self.plan, config.eval_samples)
+            data = PreparedData(config.train_dataset, config.eval_dataset, self.plan, config.eval_rows)
             trials = DeviceTrials(
                 resident=resident,
                 data=data,
@@ -102,14 +102,8 @@ class DeviceRuntime:
                 output_dir=os.path.join(config.output_dir, ".trainer"),
                 state_budget=self._state_budget(),
             )
-            self.engine = (
-                FusedEngine(
-                    trials,
-                    compile=compile_backend(config.compile, self.device.type),
-                    capacity=config.max_concurrent_trials,
-                )
-                if self.engine_name == "fused"
-                else TimeSlicedEngine(trials)
+            self.engine = ENGINES[self.engine_name].create(
+                trials, compile=compile_backend(config.compile, self.device.type), capacity=config.max_concurrent_trials
             )
             self._worker = DeviceWorker(
                 self.engine,

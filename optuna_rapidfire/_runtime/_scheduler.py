@@ -39,23 +39,15 @@ import inspect
 import queue
 import threading
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from optuna_rapidfire._runtime._lockstep import LockstepSchedule
+from optuna_rapidfire._runtime._promote import PromoteSchedule
+from optuna_rapidfire._runtime._schedule import BaseSchedule, Reports, Status, TrialView
+
 if TYPE_CHECKING:
-    from collections.abc import Callable, Collection, Mapping, Sequence
-
-
-class Status(enum.Enum):
-    """What a trial is doing on the device."""
-
-    BUILDING = "building"  # registered, its state not created yet
-    READY = "ready"  # may train its next chunk
-    TRAINING = "training"  # on the device now
-    AWAITING = "awaiting"  # reported a chunk; its driver has not decided yet
-    PAUSED = "paused"  # keeps its state off the device, holds no slot, is not waited for
-    GONE = "gone"  # left the device
+    from collections.abc import Collection
 
 
 class Decision(enum.Enum):
@@ -131,224 +123,9 @@ class Entry:
     def gone(self) -> bool:
         return self.status is Status.GONE
 
-
-@dataclass(frozen=True)
-class Reports:
-    """What a schedule may read besides the live trials: every value reported on this device, by step
-    (``values[step][trial number]``; finished and pruned trials' too), the study's direction, how many trials
-    the device holds at once, and when a trial last arrived or left (``time.monotonic()``)."""
-
-    values: Mapping[int, Mapping[int, float]]
-    maximize: bool = False
-    capacity: int = 1
-    last_change: float = 0.0
-    # Asks for one more slot beside the waiting trials, so that the sampler's next config can start (``False``:
-    # none can be had); ``None``: nothing to ask.
-    ask_for_trial: Callable[[], bool] | None = None
-
-
-class BaseSchedule(ABC):
-    """Which ready trials train next. Pure: it looks at the live trials and changes nothing.
-
-    Attributes:
-        name: The name ``RapidFireExecutor(schedule=...)`` accepts for it.
-        barriers: Pruning decisions wait for round barriers (every live trial has reported the step)
-            rather than being taken as soon as a trial reports.
-    """
-
-    name: str = ""
-    barriers: bool = False
-
-    @abstractmethod
-    def choose(
-        self, live: Sequence[Entry], *, fuse: bool, now: float, reports: Reports | None = None
-    ) -> list[Entry] | float | None:
-        """What the device does now.
-
-        Args:
-            live: The live trials, in number order.
-            fuse: The engine trains a group of trials together (else one trial).
-            now: ``time.monotonic()``.
-            reports: The values reported so far (``None``: none known).
-
-        Returns:
-            The trials to train now (one unless ``fuse``); or a number of seconds after which to ask
-            again if nothing changes; or ``None``: wait for a change.
-        """
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-class LockstepSchedule(BaseSchedule):
-    """Least progress first, and nobody ahead of a live trial with less: chunk k of all before chunk k+1.
-
-    Every config is compared with every other on the same data at the same time; pruning decisions
-    wait for round barriers. Trials all complete at the end of their wave.
-    """
-
-    name = "lockstep"
-    barriers = True
-
-    def choose(
-        self, live: Sequence[Entry], *, fuse: bool, now: float, reports: Reports | None = None
-    ) -> list[Entry] | float | None:
-        if not live:
-            return None
-        least = min(e.chunks_done for e in live)
-        behind = [e for e in live if e.chunks_done == least]
-        if fuse:
-            if any(e.status in (Status.AWAITING, Status.BUILDING) for e in behind):
-                return None  # a member of the group is still being decided on or built
-            group = [e for e in behind if e.status is Status.READY]
-            return group or None
-        ready = next((e for e in behind if e.status is Status.READY), None)
-        return None if ready is None else [ready]
-
-
-class PromoteSchedule(BaseSchedule):
-    """ASHA's promotion rule (Li et al., "A System for Massively Parallel Hyperparameter Tuning", MLSys 2020;
-    Syne Tune's promotion variant): trials wait at rungs and only the best go on.
-
-    A *rung* is a chunk boundary: after chunks 1, eta, eta², ... (``rungs="geometric"``, the default) or after
-    every chunk (``rungs="every"``). A trial that has just reported at a rung waits there, and is promoted
-    (trains its next chunk) only when it ranks in the top ``floor(n / eta)`` of the ``n`` trials that have
-    reported at that rung on this device (running, paused, pruned or complete ones alike), and at least
-    ``eta`` have. Whom the device trains, in this order:
-
-    1. promotable trials, the highest rung first, the best value first;
-    2. trials that have not reported yet (new trials and fresh clones), oldest first;
-    3. trials between rungs, the most chunks first;
-    4. when none of these is there and no live trial is being decided on or built: ask for the sampler's next
-       config (when every slot holds a waiting trial, the device lends one more slot beside them, up to four
-       times ``max_concurrent_trials``; waiting trials' states leave the device as the memory budget needs)
-       and wait ``new_trial_seconds`` for it; if none comes (the study's budget is spent), promote the best
-       waiting trial (the highest rung, the best value there).
-
-    On an engine that fuses, everything of 1-3 trains together as a gang, each member its own next chunk.
-    The study's pruner still makes every stop, judging a trial at step s against every trial that has
-    reported step s; the schedule only decides who trains next. Ties go to the older trial.
-
-    Worked example (eta = 2, rungs after every chunk, a minimizing study): trials 0-3 report 0.9, 0.5, 0.7,
-    0.6 after chunk 1. Of the 4 at rung 1 the top 2 (1 and 3) are promoted and train chunk 2; 0 and 2 wait.
-    1 and 3 report 0.4 and 0.55 after chunk 2: of the 2 at rung 2 the top 1 (trial 1) goes on; 3 waits. A
-    new trial 4 arrives and trains before anyone waiting; it reports 0.45 after chunk 1: now 5 at rung 1,
-    the top 2 are 1 and 4 (1 is past it), so 4 goes on.
-
-    Args:
-        eta: The reduction factor: the top 1/eta of a rung goes on (at least 2).
-        rungs: ``"geometric"`` (after chunks 1, eta, eta², ...) or ``"every"`` chunk.
-        gang_wait_seconds: On an engine that fuses, how long a gang waits for members whose decision
-            about their last chunk is in flight (reporting and pruning take milliseconds; a member that
-            misses a pass trains alone, and the rest of the gang after it). Never waits for a trial
-            that is paused or being built.
-        new_trial_seconds: How long a device with a free slot waits for a new trial before it promotes
-            the best waiting one instead (4 above).
-    """
-
-    name = "promote"
-    barriers = False
-
-    def __init__(
-        self,
-        eta: int = 3,
-        rungs: str = "geometric",
-        gang_wait_seconds: float = 2.0,
-        new_trial_seconds: float = 1.0,
-    ) -> None:
-        if not (isinstance(eta, int) and not isinstance(eta, bool) and eta >= 2):
-            raise ValueError(f"eta must be an integer of at least 2, but got {eta=}.")
-        if rungs not in ("geometric", "every"):
-            raise ValueError(f"rungs must be 'geometric' or 'every', but got {rungs=}.")
-        for name, value in (("gang_wait_seconds", gang_wait_seconds), ("new_trial_seconds", new_trial_seconds)):
-            if not (isinstance(value, (int, float)) and value >= 0):
-                raise ValueError(f"{name} must be a number of at least 0, but got {name}={value!r}.")
-        self.eta = eta
-        self.rungs = rungs
-        self.gang_wait_seconds = float(gang_wait_seconds)
-        self.new_trial_seconds = float(new_trial_seconds)
-
-    def is_rung(self, chunks: int) -> bool:
-        """Whether a trial that has trained ``chunks`` chunks stands at a rung."""
-        if chunks < 1:
-            return False
-        if self.rungs == "every":
-            return True
-        while chunks % self.eta == 0:
-            chunks //= self.eta
-        return chunks == 1
-
-    def promotable(self, entry: Entry, reports: Reports) -> bool:
-        """Whether ``entry``, waiting at its rung, ranks in the top ``1/eta`` of the trials that reported there."""
-        values = reports.values.get(entry.chunks_done - 1, {})
-        if entry.number not in values or len(values) < self.eta:
-            return False
-        top = len(values) // self.eta
-        return entry.number in [number for number, _ in _ranked(values, reports.maximize)[:top]]
-
-    def choose(
-        self, live: Sequence[Entry], *, fuse: bool, now: float, reports: Reports | None = None
-    ) -> list[Entry] | float | None:
-        reports = reports or Reports(values={})
-        ready = [e for e in live if e.status is Status.READY]
-        promoted, fresh, between, waiting = [], [], [], []
-        for e in ready:
-            values = reports.values.get(e.chunks_done - 1, {})
-            if e.chunks_done == 0 or e.number not in values:
-                fresh.append(e)
-            elif not self.is_rung(e.chunks_done):
-                between.append(e)
-            elif self.promotable(e, reports):
-                promoted.append(e)
-            else:
-                waiting.append(e)
-        promoted.sort(key=lambda e: (-e.chunks_done, _rank(e, reports)))
-        fresh.sort(key=lambda e: e.number)
-        between.sort(key=lambda e: (-e.chunks_done, e.number))
-        chosen = promoted + fresh + between
-        if not chosen:
-            if not waiting or any(e.status in (Status.AWAITING, Status.BUILDING) for e in live):
-                return None  # a report or a build to come changes what may be promoted
-            if now - reports.last_change < self.new_trial_seconds and len(live) < reports.capacity:
-                return self.new_trial_seconds - (now - reports.last_change)  # the sampler's next config
-            if len(live) >= reports.capacity and reports.ask_for_trial is not None and reports.ask_for_trial():
-                return self.new_trial_seconds  # a slot beside the waiting trials, for the sampler's next config
-            return [min(waiting, key=lambda e: (-e.chunks_done, _rank(e, reports)))]
-        if not fuse:
-            return chosen[:1]
-        deciding = [now - e.awaiting_since for e in live if e.status is Status.AWAITING]
-        if deciding:
-            # Each member gets gang_wait_seconds from its own chunk's delivery; still bounded, since no
-            # trial becomes AWAITING while the device waits.
-            waited = min(deciding)
-            if waited < self.gang_wait_seconds:
-                return self.gang_wait_seconds - waited
-        return chosen
-
-    def __repr__(self) -> str:
-        return (
-            f"PromoteSchedule(eta={self.eta}, rungs={self.rungs!r}, gang_wait_seconds={self.gang_wait_seconds}, "
-            f"new_trial_seconds={self.new_trial_seconds})"
-        )
-
-
-def _ranked(values: Mapping[int, float], maximize: bool) -> list[tuple[int, float]]:
-    """Trials by value, best first (a NaN last), ties to the older trial."""
-
-    def badness(item: tuple[int, float]) -> tuple[float, int]:
-        value = item[1]
-        if value != value:  # NaN
-            return (float("inf"), item[0])
-        return (-value if maximize else value, item[0])
-
-    return sorted(values.items(), key=badness)
-
-
-def _rank(entry: Entry, reports: Reports) -> int:
-    """``entry``'s place at the rung it stands on (0: best)."""
-    values = reports.values.get(entry.chunks_done - 1, {})
-    order = [number for number, _ in _ranked(values, reports.maximize)]
-    return order.index(entry.number) if entry.number in order else len(order)
+    def view(self) -> TrialView:
+        """What a schedule sees of the trial now."""
+        return TrialView(self.number, self.status, self.chunks_done, self.reported, self.awaiting_since, self.mates)
 
 
 SCHEDULES: dict[str, type[BaseSchedule]] = {"lockstep": LockstepSchedule, "promote": PromoteSchedule}
@@ -378,14 +155,14 @@ class Scheduler:
 
     Args:
         gather_seconds: How long the device waits for the first wave of a study to register.
-        schedule: Which ready trials train next (:class:`LockstepSchedule` by default).
+        schedule: Which ready trials train next (:class:`PromoteSchedule` by default, as the executor's).
     """
 
     def __init__(self, *, gather_seconds: float = 1.0, schedule: BaseSchedule | None = None) -> None:
         self._cond = threading.Condition()
         self._entries: dict[int, Entry] = {}
         self._gather_seconds = gather_seconds
-        self.schedule = schedule or LockstepSchedule()
+        self.schedule = schedule or PromoteSchedule()
         self._expected = 1
         self._gathering = True
         self._last_arrival = time.monotonic()
@@ -462,6 +239,13 @@ class Scheduler:
                     return {e.trial_id for e in peers}
                 self._cond.wait()
 
+    def pruning_peers(self, entry: Entry) -> frozenset[int] | None:
+        """Whose reports the trial's pruning decision waits for: the schedule's answer
+        (:meth:`BaseSchedule.pruning_peers`; ``None``: every live trial)."""
+        with self._cond:
+            view = entry.view()
+        return self.schedule.pruning_peers(view)
+
     def decide(self, entry: Entry, decision: Decision) -> None:
         """The trial's driver decided: train on, or leave a request for the device.
 
@@ -516,10 +300,12 @@ class Scheduler:
             extra["reports"] = Reports(
                 self._values, self.maximize, capacity, self._last_change, None if self.lender is None else self._lend
             )
-        choice = self.schedule.choose(live, fuse=fuse, now=time.monotonic(), **extra)
+        choice = self.schedule.choose([e.view() for e in live], fuse=fuse, now=time.monotonic(), **extra)
         if not isinstance(choice, list):
             return None, choice
-        group = [e for e in choice if e.status is Status.READY]  # a custom schedule may hand back others
+        by_number = {e.number: e for e in live}
+        chosen = [by_number.get(v.number) for v in choice]
+        group = [e for e in chosen if e is not None and e.status is Status.READY]  # a custom schedule may err
         if not group:
             return None, None
         for e in group:

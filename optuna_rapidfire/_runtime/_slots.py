@@ -8,6 +8,7 @@ study's pool takes a lease per trial; the device's scheduler lends.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 
 class Lease:
@@ -76,3 +77,38 @@ class Slots:
     def notify(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+
+class PausedTrials:
+    """The device's paused trials. Their drivers (Optuna's threads) add and remove them; the executor ends
+    them when a study is over and waits until none is left. Every change wakes whoever waits on ``slots``."""
+
+    def __init__(self, slots: Slots) -> None:
+        self._lock = threading.Lock()
+        self._entries: list[Any] = []
+        self._slots = slots
+
+    def add(self, entry: Any) -> None:
+        with self._lock:
+            if entry not in self._entries:
+                self._entries.append(entry)
+
+    def discard(self, entry: Any) -> None:
+        with self._lock:
+            if entry in self._entries:
+                self._entries.remove(entry)
+        self._slots.notify()
+
+    def entries(self) -> list[Any]:
+        """The paused trials now (a copy)."""
+        with self._lock:
+            return list(self._entries)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def wait_until_empty(self) -> None:
+        """Block until every paused trial has left (each is told the study is over first)."""
+        while len(self):
+            self._slots.wait_for_change(0.1)

@@ -131,6 +131,48 @@ def mark_done(study: optuna.Study, trial_id: int, command: Command, result: str)
     _logger.info("Trial %d: %s command applied (%s).", command.trial, command.op, result)
 
 
+def apply(
+    study: optuna.Study, trial_id: int, command: Command, where: str, chunk: int, *, pausing: bool = False
+) -> str | None:
+    """Apply one control command to trial ``trial_id`` (or say why it is ignored) and mark it done; the one
+    place that does.
+
+    Args:
+        command: The command.
+        where: Where the trial is: after a ``"chunk"`` (or its ``"last chunk"``), ``"paused"``, or
+            ``"saved"`` (complete, its adapter written).
+        chunk: Chunks the trial has trained (for the record).
+        pausing: A stop was already applied after this chunk.
+
+    Returns:
+        What the trial must do now: ``"pause"``, ``"resume"`` or ``"delete"``; ``None``: carry on.
+    """
+    op, action = command.op, None
+    if op == "delete" and where != "saved":
+        result, action = ("deleted while paused" if where == "paused" else f"deleted after chunk {chunk}"), op
+    elif op == "stop" and (where == "paused" or pausing):
+        result = "ignored: already paused"
+    elif op == "stop" and where == "chunk":
+        result, action = f"paused after chunk {chunk}", "pause"
+    elif op in ("stop", "delete"):
+        result = "ignored: the trial has trained its last chunk"
+    elif op == "resume" and where == "paused":
+        result, action = "resumed", op
+    elif op == "resume":
+        result = "ignored: the trial is not paused"
+    elif op == "clone":
+        try:
+            child = enqueue_clone(study, command.trial, command.params, warm_start=command.warm)
+        except (TypeError, ValueError) as error:
+            result = f"refused: {error}"
+        else:
+            result = f"enqueued as trial {child}"
+    else:
+        result = f"ignored: {command.reason}"
+    mark_done(study, trial_id, command, result)
+    return action
+
+
 def _form_command(trial: FrozenTrial) -> Command | None:
     action = trial.user_attrs.get(_attrs.ACTION)
     if action in (None, "", _NO_ACTION):

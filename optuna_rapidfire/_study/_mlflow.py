@@ -148,7 +148,7 @@ class MlflowTracker:
             self.client.set_tag(run_id, "rapidfire.clone", "warm" if branch.warm else "cold")
             if branch.warm:
                 for step, history in enumerate(branch.history):
-                    self._log(run_id, {metric: history[metric]}, step)
+                    self.log_metrics(run_id, {metric: history[metric]}, step)
 
         self._on_run(handle, call)
 
@@ -156,9 +156,10 @@ class MlflowTracker:
         """Log one chunk's metrics at ``step`` = the chunk index."""
         metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
         metrics["chunk_seconds"] = result.train_seconds + result.eval_seconds
-        self._on_run(handle, lambda run_id: self._log(run_id, metrics, result.step))
+        self._on_run(handle, lambda run_id: self.log_metrics(run_id, metrics, result.step))
 
-    def _log(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+        """Log ``metrics`` at ``step`` in one call to the tracking server (on the tracker's own thread)."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

@@ -75,7 +75,7 @@ class Run:
 
 def end_paused(device: DeviceRuntime) -> None:
     """Tell every paused trial of the device that the study is over (they end as PRUNED)."""
-    for entry in list(device.paused):
+    for entry in device.paused.entries():
         entry.events.put(EndPaused())
 
 

@@ -7,6 +7,7 @@ tracking. Trial drivers call these from Optuna's threads; every method is thread
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -125,7 +126,7 @@ class StudyServices:
                 elif setting == "auto":
                     # Checkpoints serve retries, which need heartbeats: without them they would only cost.
                     heartbeats = _compat.heartbeats_enabled(_compat.storage(study))
-                    store = Checkpoints(default_store(study, self.config.output_dir)) if heartbeats else None
+                    store = Checkpoints(default_store(study, os.fspath(self.config.output_dir))) if heartbeats else None
                 else:
                     store = Checkpoints(setting)
                 self._checkpoint_stores[study.study_name] = store

@@ -8,7 +8,6 @@ commands) in between.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import queue
@@ -19,20 +18,18 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._engines._base import Branch, ChunkResult, CloneOf, TrialSpec
+from optuna_rapidfire._engines._base import ChunkResult, TrialSpec
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._runtime._scheduler import Decision, Entry
 from optuna_rapidfire._runtime._worker import Built, Failed, Paused, Released, Saved
 from optuna_rapidfire._study import _attrs, _commands
-from optuna_rapidfire._study._checkpoints import CheckpointError
 from optuna_rapidfire._study._pruning import prune_decision, resolve_auto_resources
+from optuna_rapidfire._study._trial_record import TrialRecord
 from optuna_rapidfire._trainers._base import ACCELERATE_STATE
 
 if TYPE_CHECKING:
     from optuna_rapidfire._config import Configure
-    from optuna_rapidfire._resident._snapshot import TrialSnapshot
     from optuna_rapidfire._runtime._slots import Lease
-    from optuna_rapidfire._study._checkpoints import Checkpoints
     from optuna_rapidfire._study._optimize import Run
 
 _logger = get_logger(__name__)
@@ -44,19 +41,6 @@ class EndPaused:
 
 class FinishedElsewhere(Exception):
     """The trial was finished from outside the executor (optuna-dashboard's "Fail Trial" button)."""
-
-
-def _fetch_parent(checkpoints: Checkpoints, study: optuna.Study, parent: int) -> TrialSnapshot:
-    """The latest checkpoint of trial ``parent`` (for a warm clone of a trial that ran elsewhere)."""
-    storage = _compat.storage(study)
-    try:
-        trial_id = storage.get_trial_id_from_study_id_trial_number(_compat.study_id(study), parent)
-    except KeyError:
-        trial_id = None
-    link = None if trial_id is None else storage.get_trial(trial_id).system_attrs.get(_attrs.CHECKPOINT)
-    if link is None:
-        raise CheckpointError(f"trial {parent} has no checkpoint in the artifact store")
-    return checkpoints.load(study, link, {parent})
 
 
 class TrialDriver:
@@ -74,6 +58,7 @@ class TrialDriver:
         self._run_id = 0  # the trial's MLflow run handle, when tracking is on
         self._adapter_path: str | None = None
         self._total_chunks = 0
+        self.record = TrialRecord(self.study, trial, self.services)
 
     # -- the trial from start to end -------------------------------------------------------------
 
@@ -103,13 +88,13 @@ class TrialDriver:
             return value
         except optuna.TrialPruned as pruned:
             state = "PRUNED"
-            self._record_end("pruned", (_attrs.PRUNED_REASON, str(pruned)))
+            self.record.end("pruned", (_attrs.PRUNED_REASON, str(pruned)))
             raise
         except FinishedElsewhere:
             raise
         except BaseException as error:
             # Whatever ends the trial with an exception is its fail reason (a bad config, a missing metric...).
-            self._record_end("failed", (_attrs.FAIL_REASON, f"{type(error).__name__}: {error}"[:2000]))
+            self.record.end("failed", (_attrs.FAIL_REASON, f"{type(error).__name__}: {error}"[:2000]))
             raise
         finally:
             if self.entry is not None and not self.entry.gone:
@@ -117,25 +102,12 @@ class TrialDriver:
             if self._lease is not None:
                 self._lease.release()
             if state == "COMPLETE":
-                self._record_end("complete")
+                self.record.end("complete")
             elif state == "FAIL" and value is not None:  # returned NaN: failed on the device, or deleted
-                self._record_end("failed")
+                self.record.end("failed")
             self.shared.progress.trial_ended(self.trial.number, state, value)
             if self.services.tracker is not None:
                 self.services.tracker.trial_ended(self._run_id, state, value, self._adapter_path)
-
-    def _record_end(self, status: str, reason: tuple[str, str] | None = None) -> None:
-        """Write the trial's final status (unless a more telling one is set) and why it ended."""
-        try:
-            current = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
-            if current.state.is_finished():
-                return
-            if current.user_attrs.get(_attrs.STATUS) not in ("deleted", "paused-at-end"):
-                self.trial.set_user_attr(_attrs.STATUS, status)
-            if reason is not None and reason[0] not in current.user_attrs:
-                self.trial.set_user_attr(*reason)
-        except Exception:  # the storage is gone: the trial's end is still told by Optuna
-            _logger.debug("Trial %d: its final status could not be written.", self.trial.number, exc_info=True)
 
     def _spec(self) -> TrialSpec:
         try:
@@ -153,33 +125,9 @@ class TrialDriver:
             kind=kind,
             adapter_dir=os.path.join(root, f"trial-{self.trial.number}"),
             state_dir=os.path.join(root, "state"),
-            clone_of=self._clone_request(),
+            clone_of=self.record.clone_request(),
             checkpoint=self.services.checkpoints(self.study) is not None,
         )
-
-    def _clone_request(self) -> CloneOf | None:
-        study, checkpoints = self.study, self.services.checkpoints(self.study)
-        system_attrs = _compat.storage(study).get_trial(_compat.trial_id(self.trial)).system_attrs
-        # Optuna's RetryHeartbeatStaleTrialCallback re-enqueues a stale trial with the dead one's system
-        # attrs (our checkpoint link among them) plus "failed_trial" and "retry_history".
-        if "failed_trial" in system_attrs and checkpoints is not None:
-            history = [
-                n for n in system_attrs.get("retry_history") or [system_attrs["failed_trial"]] if isinstance(n, int)
-            ]
-            link = system_attrs.get(_attrs.CHECKPOINT)
-            if history and link is not None:
-                return CloneOf(
-                    parent=history[-1],
-                    warm=True,
-                    resume=True,
-                    fetch=functools.partial(checkpoints.load, study, link, set(history)),
-                )
-        request = self.trial.user_attrs.get(_attrs.CLONE_OF) or system_attrs.get(_attrs.CLONE_OF)
-        if not isinstance(request, dict) or not isinstance(request.get("parent"), int):
-            return None
-        parent = request["parent"]
-        fetch = None if checkpoints is None else functools.partial(_fetch_parent, checkpoints, study, parent)
-        return CloneOf(parent=parent, warm=bool(request.get("warm", True)), fetch=fetch)
 
     def _follow(self) -> float:
         entry = self.entry
@@ -204,70 +152,12 @@ class TrialDriver:
         trial.set_user_attr(_attrs.TOTAL_CHUNKS, event.total_chunks)
         resolve_auto_resources(self.study.pruner, event.total_chunks)
         if event.branch is not None:
-            self._record_branch(event.branch)
+            self.record.branch(event.branch)
             if self.services.tracker is not None:
                 self.services.tracker.branch(self._run_id, event.branch, self.services.metric)
         self.shared.progress.trial_started(
             trial.number, event.total_chunks, done=event.branch.step if event.branch else 0
         )
-
-    def _record_branch(self, branch: Branch) -> None:
-        trial = self.trial
-        if branch.resume:
-            self._record_resume(branch)
-            return
-        trial.set_user_attr(_attrs.PARENT, branch.parent)
-        trial.set_user_attr(_attrs.BRANCH_STEP, branch.step)
-        trial.set_user_attr(_attrs.CLONE, "warm" if branch.warm else "cold")
-        if branch.warm:
-            # The clone's curve continues its parent's, so pruners compare it at equal progress.
-            for step, metrics in enumerate(branch.history):
-                trial.report(metrics[self.services.metric], step)
-            trial.set_user_attr(_attrs.CHUNKS_DONE, branch.step)
-            _logger.info(
-                "Trial %d is a warm clone of trial %d after chunk %d.", trial.number, branch.parent, branch.step
-            )
-        else:
-            trial.set_user_attr(_attrs.COLD_REASON, branch.reason)
-            _logger.info("Trial %d is a cold clone of trial %d: %s.", trial.number, branch.parent, branch.reason)
-
-    def _record_resume(self, branch: Branch) -> None:
-        trial = self.trial
-        trial.set_user_attr(_attrs.RETRY_OF, branch.parent)
-        if not branch.warm:
-            trial.set_user_attr(_attrs.RESUME_FAILED, branch.reason)
-            _logger.warning("Trial %d retries trial %d from scratch: %s.", trial.number, branch.parent, branch.reason)
-            return
-        # The retry keeps its predecessor's curve (Optuna's retry callback copies no values by default).
-        reported = _compat.storage(self.study).get_trial(_compat.trial_id(trial)).intermediate_values
-        for step, metrics in enumerate(branch.history):
-            if step not in reported:
-                trial.report(metrics[self.services.metric], step)
-        trial.set_user_attr(_attrs.CHUNKS_DONE, branch.step)
-        trial.set_user_attr(_attrs.RESUMED_FROM_STEP, branch.step)
-        _logger.info(
-            "Trial %d resumes trial %d (its worker died) from its checkpoint after chunk %d.",
-            trial.number,
-            branch.parent,
-            branch.step,
-        )
-
-    def _checkpoint(self, event: ChunkResult, previous: Any) -> None:
-        """Save the chunk's state to the artifact store and link it, before the chunk is reported."""
-        checkpoints = self.services.checkpoints(self.study)
-        if event.snapshot is None or checkpoints is None:
-            return
-        try:
-            checkpoints.save(self.study, _compat.trial_id(self.trial), event.snapshot, previous)
-        except Exception as error:  # the trial goes on; a retry would resume from an older checkpoint
-            _logger.warning(
-                "Trial %d: the checkpoint after chunk %d could not be saved (%s: %s).",
-                self.trial.number,
-                event.step + 1,
-                type(error).__name__,
-                error,
-            )
-        event.snapshot = None
 
     # -- after each chunk --------------------------------------------------------------------------
 
@@ -281,7 +171,7 @@ class TrialDriver:
             stored = _compat.storage(self.study).get_trial(_compat.trial_id(trial))
             if stored.state.is_finished():
                 raise UpdateFinishedTrialError("finished outside the executor")
-            self._checkpoint(event, stored.system_attrs.get(_attrs.CHECKPOINT))
+            self.record.checkpoint(event, stored.system_attrs.get(_attrs.CHECKPOINT))
             trial.report(value, step)
             trial.set_user_attr(_attrs.CHUNKS_DONE, step + 1)
             for key, attr in (("train_loss", _attrs.TRAIN_LOSS), ("train_learning_rate", _attrs.LEARNING_RATE)):
@@ -295,7 +185,7 @@ class TrialDriver:
         pruned, frozen = self._should_prune(step, float(value))
         if pruned:
             self._leave(Decision.STOP)
-            raise optuna.TrialPruned(self._pruned_reason(step, value))
+            raise optuna.TrialPruned(self.record.pruned_reason(step, value, self._total_chunks))
         pause = False
         for command in _commands.pending(self.study, frozen):
             action = self._apply(command, "last chunk" if event.last else "chunk", step + 1, pausing=pause)
@@ -315,17 +205,15 @@ class TrialDriver:
         """Ask the study's pruner about ``step`` in two passes: the first lets stateful pruners record the
         step (SuccessiveHalving's rung values), the second decides.
 
-        Under a schedule with barriers, each pass waits for every live trial to finish the one before
-        (the round). Without, the trial waits only for its :attr:`~Entry.mates` (trials that trained the
-        same step in the same fused pass, reporting now), so that they are judged alike whichever
-        reports first, and is judged against every trial that has reported ``step``: running, paused
-        and pruned ones appear as if complete at ``step``, complete ones as they are (a failed trial's
-        values are not evidence).
+        Each pass waits for the peers the schedule names (:meth:`BaseSchedule.pruning_peers`: every live
+        trial under "lockstep", a round barrier; the trial's fused mates under "promote", so that they are
+        judged alike whichever reports first). The trial is judged against every trial that has reported
+        ``step``: running, paused and pruned ones appear as if complete at ``step``, complete ones as they
+        are (a failed trial's values are not evidence).
         """
         entry, scheduler = self.entry, self.device.scheduler
         assert entry is not None
-        barriers = scheduler.schedule.barriers
-        among = None if barriers else entry.mates
+        among = scheduler.pruning_peers(entry)
         scheduler.mark(entry, reported=step, value=value)
         peers = scheduler.wait_for_round(entry, step, stage="reported", among=among)
         frozen = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
@@ -334,54 +222,8 @@ class TrialDriver:
         scheduler.wait_for_round(entry, step, stage="screened", among=among)
         return prune_decision(self.study, frozen, step, peers), frozen
 
-    def _pruned_reason(self, step: int, value: float) -> str:
-        """What the log and the trial's user attrs say about a pruning: who, when, on what value, against whom."""
-        peers = sum(
-            step in t.intermediate_values and t.number != self.trial.number
-            for t in _compat.storage(self.study).get_all_trials(_compat.study_id(self.study), deepcopy=False)
-        )
-        return (
-            f"{type(self.study.pruner).__name__} stopped it after chunk {step + 1}/{self._total_chunks} "
-            f"(step {step}): {self.services.metric}={value:.6g}, compared with {peers} other trial(s) at that step."
-        )
-
     def _apply(self, command: _commands.Command, where: str, chunk: int, *, pausing: bool = False) -> str | None:
-        """Apply one control command (or say why it is ignored) and mark it done; the one place that does.
-
-        Args:
-            command: The command.
-            where: Where the trial is: after a ``"chunk"`` (or its ``"last chunk"``), ``"paused"``, or
-                ``"saved"`` (complete, its adapter written).
-            chunk: Chunks the trial has trained (for the record).
-            pausing: A stop was already applied after this chunk.
-
-        Returns:
-            What the trial must do now: ``"pause"``, ``"resume"`` or ``"delete"``; ``None``: carry on.
-        """
-        op, action = command.op, None
-        if op == "delete" and where != "saved":
-            result, action = ("deleted while paused" if where == "paused" else f"deleted after chunk {chunk}"), op
-        elif op == "stop" and (where == "paused" or pausing):
-            result = "ignored: already paused"
-        elif op == "stop" and where == "chunk":
-            result, action = f"paused after chunk {chunk}", "pause"
-        elif op in ("stop", "delete"):
-            result = "ignored: the trial has trained its last chunk"
-        elif op == "resume" and where == "paused":
-            result, action = "resumed", op
-        elif op == "resume":
-            result = "ignored: the trial is not paused"
-        elif op == "clone":
-            try:
-                child = _commands.enqueue_clone(self.study, command.trial, command.params, warm_start=command.warm)
-            except (TypeError, ValueError) as error:
-                result = f"refused: {error}"
-            else:
-                result = f"enqueued as trial {child}"
-        else:
-            result = f"ignored: {command.reason}"
-        _commands.mark_done(self.study, _compat.trial_id(self.trial), command, result)
-        return action
+        return _commands.apply(self.study, _compat.trial_id(self.trial), command, where, chunk, pausing=pausing)
 
     # -- ways to end -------------------------------------------------------------------------------
 
@@ -479,7 +321,6 @@ class TrialDriver:
                         return self._delete(command.reason)
         finally:
             self.device.paused.discard(entry)
-            self.device.slots.notify()
 
     def _end_paused(self, step: int) -> float:
         self._leave(Decision.STOP)

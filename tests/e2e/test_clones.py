@@ -58,7 +58,7 @@ def test_warm_clone_takes_its_new_learning_rate_and_weight_decay(make_executor, 
     from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 
     groups: dict[int, list[dict]] = {}
-    original = TimeSlicedEngine._train_chunk
+    original = TimeSlicedEngine.train_chunk
 
     def record(self, runtime):
         groups.setdefault(runtime.spec.number, []).append(
@@ -66,7 +66,7 @@ def test_warm_clone_takes_its_new_learning_rate_and_weight_decay(make_executor, 
         )
         return original(self, runtime)
 
-    monkeypatch.setattr(TimeSlicedEngine, "_train_chunk", record)
+    monkeypatch.setattr(TimeSlicedEngine, "train_chunk", record)
     _study, parent, clone = _study_with_parent(
         make_executor, clone_after_step=1, params={"learning_rate": 5e-3, "weight_decay": 0.3}
     )
@@ -86,14 +86,14 @@ def test_warm_clone_moves_its_own_schedule_to_the_parents_position(make_executor
     from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 
     rates: dict[int, dict[int, float]] = {}
-    original = TimeSlicedEngine._train_chunk
+    original = TimeSlicedEngine.train_chunk
 
     def record(self, runtime):
         metrics = original(self, runtime)
         rates.setdefault(runtime.spec.number, {})[runtime.state.position.chunks_done] = metrics["train_learning_rate"]
         return metrics
 
-    monkeypatch.setattr(TimeSlicedEngine, "_train_chunk", record)
+    monkeypatch.setattr(TimeSlicedEngine, "train_chunk", record)
 
     def scheduled(trial: optuna.Trial):
         lr = trial.suggest_float("learning_rate", 1e-4, 1e-1, log=True)

@@ -140,7 +140,9 @@ def _values_without_dropout(make_executor) -> list[dict[int, float]]:
 
 
 def test_engine_must_be_known_and_auto_time_slices_on_the_cpu(make_executor, caplog) -> None:
-    with pytest.raises(ValueError, match="engine must be 'time_sliced', 'fused' or 'auto'"):
+    with pytest.raises(
+        ValueError, match="engine must be one of 'time_sliced', 'fused' or 'auto', but got engine='warp'"
+    ):
         make_executor(engine="warp")
     with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
         assert make_executor(devices="cpu").engine == "time_sliced"  # "auto" is the default
@@ -296,11 +298,11 @@ def test_a_failed_shared_pass_fails_only_the_trial_that_fails_alone(
     smaller); a trial that fails on its own fails alone, the others report the time-sliced values."""
     import torch
 
-    from optuna_rapidfire._engines._fused_engine import FusedEngine
+    from optuna_rapidfire._engines._gang_training import GangTraining
     from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 
     sliced = _values(make_executor, "time_sliced")
-    shared_pass, own_chunk = FusedEngine._fused_pass, TimeSlicedEngine._train_chunk
+    shared_pass, own_chunk = GangTraining.run_pass, TimeSlicedEngine.train_chunk
 
     def crowded(self, first, shared):
         if len(shared.group) > 1:
@@ -312,8 +314,8 @@ def test_a_failed_shared_pass_fails_only_the_trial_that_fails_alone(
             raise RuntimeError("trial 1 breaks on its own")
         return own_chunk(self, runtime)
 
-    monkeypatch.setattr(FusedEngine, "_fused_pass", crowded)
-    monkeypatch.setattr(TimeSlicedEngine, "_train_chunk", broken)
+    monkeypatch.setattr(GangTraining, "run_pass", crowded)
+    monkeypatch.setattr(TimeSlicedEngine, "train_chunk", broken)
     executor = make_executor(engine="fused", num_chunks=3, max_concurrent_trials=3)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     for i in range(len(CONFIGS)):
@@ -372,7 +374,7 @@ EVAL_CONFIGS = [  # mixed ranks, targets, adapter dropout (off when evaluating) 
 def _evaluated(make_executor, monkeypatch, *, shared: bool, configs=None, **executor_kwargs) -> tuple[dict, list, int]:
     """Every chunk's full metrics (trial, step -> metrics) of a lock-step fused study, the token sums of
     each eval micro-batch of the shared evaluation, and how many trials were evaluated one at a time."""
-    from optuna_rapidfire._engines._fused_engine import FusedEngine
+    from optuna_rapidfire._engines._gang_evaluation import GangEvaluation
     from optuna_rapidfire._engines._trials import DeviceTrials
     from optuna_rapidfire._trainers._dpo import DPOFusedLoss
     from optuna_rapidfire._trainers._sft import SFTFusedLoss
@@ -382,7 +384,7 @@ def _evaluated(make_executor, monkeypatch, *, shared: bool, configs=None, **exec
     metrics: dict[tuple[int, int], dict[str, float]] = {}
     sums: list = []
     alone = [0]
-    finish, evaluate, passes = DeviceTrials.finish, DeviceTrials.evaluate, FusedEngine._eval_passes
+    finish, evaluate, passes = DeviceTrials.finish, DeviceTrials.evaluate, GangEvaluation.passes_of
 
     def recording_finish(self, runtime, chunk_metrics, train_seconds, evaluated=None):
         result = finish(self, runtime, chunk_metrics, train_seconds, evaluated)
@@ -393,14 +395,14 @@ def _evaluated(make_executor, monkeypatch, *, shared: bool, configs=None, **exec
         alone[0] += max_batches is None  # not the metric name's check when the first trial is built
         return evaluate(self, runtime, max_batches)
 
-    def recording_passes(self, runtimes, loss):
-        found = passes(self, runtimes, loss)
+    def recording_passes(self, runtimes, loss, layout):
+        found = passes(self, runtimes, loss, layout)
         sums.extend(batch for member in found for batch in member)
         return found
 
     monkeypatch.setattr(DeviceTrials, "finish", recording_finish)
     monkeypatch.setattr(DeviceTrials, "evaluate", counting_evaluate)
-    monkeypatch.setattr(FusedEngine, "_eval_passes", recording_passes)
+    monkeypatch.setattr(GangEvaluation, "passes_of", recording_passes)
     if not shared:
         for loss in (SFTFusedLoss, DPOFusedLoss):
             monkeypatch.setattr(loss, "eval_refusal", lambda self: "the test asks for it")

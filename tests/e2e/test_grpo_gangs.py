@@ -53,7 +53,7 @@ def _run(make_executor, monkeypatch, prompts, configs, engine: str):
 
     completions: dict[str, list[list[list[int]]]] = {}
     metrics: dict[str, list[dict[str, float]]] = {}
-    original, evaluate, finish = Generation._generate, DeviceTrials.evaluate, DeviceTrials.finish
+    original, evaluate, finish = Generation.generate, DeviceTrials.evaluate, DeviceTrials.finish
     checking = [False]
 
     def recording(self, runtime, prompt_ids):
@@ -74,7 +74,7 @@ def _run(make_executor, monkeypatch, prompts, configs, engine: str):
         metrics.setdefault(runtime.state.adapter_name, []).append(dict(result.metrics))
         return result
 
-    monkeypatch.setattr(Generation, "_generate", recording)
+    monkeypatch.setattr(Generation, "generate", recording)
     monkeypatch.setattr(DeviceTrials, "evaluate", flagging)
     monkeypatch.setattr(DeviceTrials, "finish", recording_finish)
     executor = _executor(make_executor, prompts, len(configs), engine)
@@ -139,32 +139,32 @@ def test_a_member_out_of_phase_with_a_kl_member_trains_as_alone(
 def test_no_member_of_a_running_gang_is_offloaded(make_executor, prompts) -> None:
     """With a state budget that fits no trial, members still paused at a meeting keep their states on the
     device while the others run (the decode and the shared passes read them)."""
-    from optuna_rapidfire._engines._trials import DeviceTrials
+    from optuna_rapidfire._engines._placement import Placement
     from optuna_rapidfire._resident._state import SwapState
 
     offloaded_in_gang = []
-    offload, fit = SwapState.offload, DeviceTrials._fit_budget
+    offload, fit = SwapState.offload, Placement.fit_budget
 
     def fitting(self, keep):
         self._fitting_gang = list(self.gang)
         return fit(self, keep)
 
     def recording(state, device):
-        for trials in live:
-            if any(member.state is state for member in getattr(trials, "_fitting_gang", [])):
+        for placement in live:
+            if any(member.state is state for member in getattr(placement, "_fitting_gang", [])):
                 offloaded_in_gang.append(state.adapter_name)
         return offload(state, device)
 
     live: list = []
-    init = DeviceTrials.__init__
+    init = Placement.__init__
 
-    def tracking(self, **kwargs):
-        init(self, **kwargs)
+    def tracking(self, *args, **kwargs):
+        init(self, *args, **kwargs)
         live.append(self)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(DeviceTrials, "__init__", tracking)
-        patch.setattr(DeviceTrials, "_fit_budget", fitting)
+        patch.setattr(Placement, "__init__", tracking)
+        patch.setattr(Placement, "fit_budget", fitting)
         patch.setattr(SwapState, "offload", recording)
         executor = _executor(make_executor, prompts, 2, state_memory_budget=1)
         study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())

@@ -99,7 +99,7 @@ def test_every_trial_sees_the_same_chunks_in_the_same_order(make_executor, monke
     from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 
     seen: dict[int, list[list[str]]] = {}
-    original = TimeSlicedEngine._train_chunk
+    original = TimeSlicedEngine.train_chunk
 
     def train_chunk(self: TimeSlicedEngine, runtime):
         data = self.trials.data
@@ -108,7 +108,7 @@ def test_every_trial_sees_the_same_chunks_in_the_same_order(make_executor, monke
         seen.setdefault(runtime.spec.number, []).append(rows["prompt"])
         return original(self, runtime)
 
-    monkeypatch.setattr(TimeSlicedEngine, "_train_chunk", train_chunk)
+    monkeypatch.setattr(TimeSlicedEngine, "train_chunk", train_chunk)
     executor = make_executor(num_chunks=3, max_concurrent_trials=3)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     configs = [(lora(r=4), sft_args()), (lora(r=8), sft_args(per_device_train_batch_size=2)), (lora(), sft_args())]

@@ -176,6 +176,31 @@ def test_a_compiled_study_reports_the_uncompiled_values(make_executor, tiny_mode
         assert_within_rounding(b, a, terms=_terms(tiny_model))
 
 
+def test_a_gang_a_seen_layout_covers_runs_in_it_with_the_values_of_its_own_layout(
+    make_executor, tiny_model, caplog
+) -> None:
+    """A narrower gang after a wider one (the promote schedule's gangs change from chunk to chunk) runs in the
+    wider layout, zeros around its adapters: no new layout is compiled, and it reports what it reports in a
+    layout of its own."""
+    own, _ = _study(make_executor, compile="aot_eager", configs=(0, 2), concurrent=2)
+    executor = make_executor(
+        engine="fused", compile="aot_eager", num_chunks=2, max_concurrent_trials=2, schedule="lockstep"
+    )
+    values = []
+    for configs in ((1, 0), (0, 2)):  # all-linear rank 8 with dropout, then attention rank <= 4 without
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        for config in configs:
+            study.enqueue_trial({"config": config})
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+            executor.optimize(study, _configure, n_trials=2)
+        values = [dict(t.intermediate_values) for t in study.trials]
+        layouts = [r.getMessage() for r in caplog.records if "Compiled the launched pass for layout" in r.getMessage()]
+        assert len(layouts) == (1 if configs == (1, 0) else 0), layouts
+    for a, b in zip(own, values, strict=True):
+        assert_within_rounding(b, a, terms=_terms(tiny_model))
+
+
 def test_a_trial_joining_a_seen_layout_compiles_nothing_and_a_new_layout_compiles_once(make_executor) -> None:
     """Waves of two trials (lock-step, two slots): a wave of the same ranks and targets reuses the first
     wave's graphs; a wave with a larger rank bucket is a new layout, compiled once and then reused too.

@@ -68,13 +68,13 @@ def test_a_tracking_server_that_goes_away_never_fails_or_slows_a_trial(make_exec
     # The server is gone; every tracking call now fails (slowly): trials neither fail nor wait for it.
     tracker = executor._services.tracker
     monkeypatch.setattr(tracker, "flush", lambda timeout=120.0: None)
-    original = tracker._log
+    original = tracker.log_metrics
 
     def slow_failing(*args, **kwargs):
         time.sleep(5)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(tracker, "_log", slow_failing)
+    monkeypatch.setattr(tracker, "log_metrics", slow_failing)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     start = time.monotonic()
     executor.optimize(study, by_number([(lora(), sft_args())] * 2), n_trials=2)

@@ -21,14 +21,33 @@ def data():
 
 def test_defaults_are_resolved_and_the_config_is_frozen_and_picklable(data) -> None:
     train, evaluation = data
-    config = ExecutorConfig.create(model="some/model", train_dataset=train, eval_dataset=evaluation, metric="loss")
+    config = ExecutorConfig(model="some/model", train_dataset=train, eval_dataset=evaluation, metric="loss")
     assert config.metric == "eval_loss"
-    assert config.eval_samples == 32  # "auto": a quarter of a chunk's rows, at least 32
+    assert config.eval_rows == 32  # "auto": a quarter of a chunk's rows, at least 32
     assert config.memory_budget is None  # "auto": the device decides
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.num_chunks = 3  # type: ignore[misc]
     copy = pickle.loads(pickle.dumps(config.replace(show_progress_bar=False)))  # the worker processes' payload
     assert copy.show_progress_bar is False and copy.num_chunks == config.num_chunks
+    assert repr(copy.policy) == repr(config.policy) and copy.eval_rows == 32
+
+
+def test_the_executor_s_keywords_are_the_config_s_fields_with_the_same_defaults() -> None:
+    """One option list: a setting added to the config and not to the executor (or with another default)
+    fails here, and the executor passes every keyword through."""
+    import inspect
+
+    from optuna_rapidfire import RapidFireExecutor
+
+    def described(of: object) -> dict[str, tuple[object, object]]:
+        parameters = inspect.signature(of).parameters  # type: ignore[arg-type]
+        return {name: (p.default, p.annotation) for name, p in parameters.items() if name != "self"}
+
+    keywords, fields = described(RapidFireExecutor.__init__), described(ExecutorConfig)
+    assert list(keywords) == ExecutorConfig.options() == list(fields)
+    assert keywords == fields
+    for name in fields:  # each one documented in the executor's docstring
+        assert f"        {name}: " in (RapidFireExecutor.__doc__ or ""), name
 
 
 @pytest.mark.parametrize(
@@ -85,7 +104,7 @@ def test_a_bad_memory_budget_is_refused_by_name(setting, error, message) -> None
 def test_each_bad_setting_is_refused_by_name(data, kwargs, error, message) -> None:
     train, evaluation = data
     with pytest.raises(error, match=message):
-        ExecutorConfig.create(model="m", train_dataset=train, eval_dataset=evaluation, **kwargs)
+        ExecutorConfig(model="m", train_dataset=train, eval_dataset=evaluation, **kwargs)
 
 
 def test_a_max_trials_callback_sets_the_study_wide_target() -> None:

@@ -7,16 +7,8 @@ import time
 
 import pytest
 
-from optuna_rapidfire._runtime._scheduler import (
-    Decision,
-    Entry,
-    LockstepSchedule,
-    PromoteSchedule,
-    Scheduler,
-    Status,
-    Task,
-    schedule_from,
-)
+from optuna_rapidfire._runtime._scheduler import Decision, Entry, Scheduler, Task, schedule_from
+from optuna_rapidfire.schedules import BaseSchedule, LockstepSchedule, PromoteSchedule, Reports, Status, TrialView
 
 
 def _scheduler(*numbers: int, schedule: str = "lockstep") -> tuple[Scheduler, list[Entry]]:
@@ -316,8 +308,6 @@ def test_a_decision_about_a_trial_the_device_removed_leaves_it_gone() -> None:
 
 # -- ASHA's promotion rule (PromoteSchedule) ------------------------------------------------------------
 
-from optuna_rapidfire._runtime._scheduler import Reports  # noqa: E402
-
 
 def _waiting(number: int, chunks: int) -> Entry:
     entry = Entry(number=number, trial_id=100 + number, spec=None, status=Status.READY)
@@ -440,3 +430,27 @@ def test_with_every_slot_waiting_the_schedule_asks_for_a_new_trial_then_promotes
     lent = Reports(values, capacity=3, last_change=5.0, ask_for_trial=ask)
     assert schedule.choose(trials, fuse=True, now=6.5, reports=lent) == [trials[0]]
     assert asked == [True]
+
+
+def test_a_schedule_sees_read_only_views_and_names_the_peers_of_a_pruning_decision() -> None:
+    seen: list = []
+
+    class Newest(BaseSchedule):
+        def choose(self, live, *, fuse, now, reports=None):
+            seen.extend(live)
+            ready = [v for v in live if v.status is Status.READY]
+            return ready[-1:] or None
+
+    scheduler, entries = _scheduler(0, 1, schedule="lockstep")
+    scheduler.schedule = Newest()
+    _build_all(scheduler, 2)
+    task = scheduler.next_task()
+    assert task is not None and task[1] == [entries[1]]  # the view handed back names its entry
+    assert seen and all(isinstance(v, TrialView) for v in seen)
+    with pytest.raises(AttributeError):
+        seen[0].status = Status.GONE  # type: ignore[misc]
+    entries[0].mates = frozenset({1})
+    assert Newest().pruning_peers(entries[0].view()) == frozenset({1})  # by default: the fused mates
+    assert PromoteSchedule().pruning_peers(entries[0].view()) == frozenset({1})
+    assert LockstepSchedule().pruning_peers(entries[0].view()) is None  # a round barrier: every live trial
+    assert scheduler.pruning_peers(entries[0]) == frozenset({1})

@@ -111,7 +111,7 @@ class Generation:
             if images is not None or multimodal_fields:
                 self._say(f"Trial {runtime.spec.number} generates alone, as TRL does: its prompts have images.")
                 return original(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-            return self._generate(runtime, prompt_ids), None
+            return self.generate(runtime, prompt_ids), None
 
         _compat.set_grpo_generation(trainer, generate)
 
@@ -129,12 +129,12 @@ class Generation:
         setup = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
         self._turns = Turns(self._shared, name="generating-gang", setup=setup)
         self._gang, self._share_policy = list(runtimes), share_policy
-        self.trials.gang = self._gang  # a member paused at a meeting keeps its state on the device
+        self.trials.placement.gang = self._gang  # a member paused at a meeting keeps its state on the device
         try:
             return self._turns.run([functools.partial(self._member, work, runtime) for runtime in runtimes])
         finally:
             self._turns, self._gang, self._share_policy = None, [], False
-            self.trials.gang = []
+            self.trials.placement.gang = []
             self._shared_forward.clear()
             self.policy.close()
 
@@ -217,9 +217,9 @@ class Generation:
         try:
             return self._turns.meet(request)
         finally:
-            self.trials.resume(runtime, self._gang, rng, training)
+            self.trials.placement.resume(runtime, self._gang, rng, training)
 
-    def _generate(self, runtime: TrialRuntime, prompt_ids: list[list[int]]) -> Completions:
+    def generate(self, runtime: TrialRuntime, prompt_ids: list[list[int]]) -> Completions:
         """The trial's completions of ``prompt_ids``: decoded alone, or with the gang members waiting too."""
         generator = torch.Generator(device=self.trials.device)
         if runtime.state.sample_rng is None:
@@ -227,7 +227,7 @@ class Generation:
         else:
             generator.set_state(runtime.state.sample_rng)
         request = self._request(runtime, prompt_ids, generator)
-        completions = self._meet(runtime, request) if self._inside() else self._decode([request], runtime)[0]
+        completions = self._meet(runtime, request) if self._inside() else self.decode([request], runtime)[0]
         runtime.state.sample_rng = generator.get_state()
         return completions
 
@@ -250,7 +250,7 @@ class Generation:
 
     # -- decoding --------------------------------------------------------------------------------
 
-    def _decode(self, requests: Sequence[DecodeRequest], first: TrialRuntime) -> list[Completions]:
+    def decode(self, requests: Sequence[DecodeRequest], first: TrialRuntime) -> list[Completions]:
         """One decode batch for ``requests``, in the precision of ``first``'s trial (a gang's members share it)."""
         self.decodes += 1
         self.requests += len(requests)
@@ -282,7 +282,7 @@ class Generation:
         first = self._gang[0]
         starts = [request.generator.get_state() for request in requests if request.generator is not None]
         try:
-            return list(self._decode(requests, first))
+            return list(self.decode(requests, first))
         except Exception as error:
             if len(requests) == 1:
                 raise
@@ -299,7 +299,7 @@ class Generation:
             assert request.generator is not None  # every request made here has its trial's generator
             request.generator.set_state(start)
             try:
-                answers.append(self._decode([request], first)[0])
+                answers.append(self.decode([request], first)[0])
             except Exception as own:
                 answers.append(own)
         return answers

@@ -81,7 +81,7 @@ class PolicyPasses:
         pad = pad_token_id(first.trainer)
         input_ids = torch.cat([pad_right(request.input_ids, length, pad) for request in requests])
         attention = torch.cat([pad_right(request.attention_mask, length, 0) for request in requests])
-        streams = [trials.dropout_stream(request.runtime) for request in requests]
+        streams = [trials.placement.dropout_stream(request.runtime) for request in requests]
         gang = Gang(names, rows, [stream.next_key() for stream in streams])
         base = resident.base
         backbone, head = backbone_and_head(base)

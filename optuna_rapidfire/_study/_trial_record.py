@@ -1,0 +1,157 @@
+"""What a trial's record in the study says about it, written by its driver: how it started (a clone, a
+retry resuming a dead worker's trial), its checkpoints, why it was pruned, and how it ended.
+
+Every write goes through Optuna's trial API (user attrs, reports) or the storage the study already uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from optuna_rapidfire import _compat
+from optuna_rapidfire._engines._base import CloneOf
+from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._study import _attrs
+from optuna_rapidfire._study._checkpoints import CheckpointError
+
+if TYPE_CHECKING:
+    import optuna
+
+    from optuna_rapidfire._engines._base import Branch, ChunkResult
+    from optuna_rapidfire._resident._snapshot import TrialSnapshot
+    from optuna_rapidfire._study._checkpoints import Checkpoints
+    from optuna_rapidfire._study._services import StudyServices
+
+_logger = get_logger(__name__)
+
+
+def fetch_parent(checkpoints: Checkpoints, study: optuna.Study, parent: int) -> TrialSnapshot:
+    """The latest checkpoint of trial ``parent`` (for a warm clone of a trial that ran elsewhere)."""
+    storage = _compat.storage(study)
+    try:
+        trial_id = storage.get_trial_id_from_study_id_trial_number(_compat.study_id(study), parent)
+    except KeyError:
+        trial_id = None
+    link = None if trial_id is None else storage.get_trial(trial_id).system_attrs.get(_attrs.CHECKPOINT)
+    if link is None:
+        raise CheckpointError(f"trial {parent} has no checkpoint in the artifact store")
+    return checkpoints.load(study, link, {parent})
+
+
+class TrialRecord:
+    """The study's record of one trial (``trial`` of ``study``), as its driver writes it."""
+
+    def __init__(self, study: optuna.Study, trial: optuna.Trial, services: StudyServices) -> None:
+        self.study = study
+        self.trial = trial
+        self.services = services
+
+    def end(self, status: str, reason: tuple[str, str] | None = None) -> None:
+        """Write the trial's final status (unless a more telling one is set) and why it ended."""
+        try:
+            current = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
+            if current.state.is_finished():
+                return
+            if current.user_attrs.get(_attrs.STATUS) not in ("deleted", "paused-at-end"):
+                self.trial.set_user_attr(_attrs.STATUS, status)
+            if reason is not None and reason[0] not in current.user_attrs:
+                self.trial.set_user_attr(*reason)
+        except Exception:  # the storage is gone: the trial's end is still told by Optuna
+            _logger.debug("Trial %d: its final status could not be written.", self.trial.number, exc_info=True)
+
+    def clone_request(self) -> CloneOf | None:
+        """What the trial starts from: its dead predecessor's checkpoint (Optuna's retry of a trial whose
+        worker died), the parent a clone request names, or nothing (``None``)."""
+        study, checkpoints = self.study, self.services.checkpoints(self.study)
+        system_attrs = _compat.storage(study).get_trial(_compat.trial_id(self.trial)).system_attrs
+        # Optuna's RetryHeartbeatStaleTrialCallback re-enqueues a stale trial with the dead one's system
+        # attrs (our checkpoint link among them) plus "failed_trial" and "retry_history".
+        if "failed_trial" in system_attrs and checkpoints is not None:
+            history = [
+                n for n in system_attrs.get("retry_history") or [system_attrs["failed_trial"]] if isinstance(n, int)
+            ]
+            link = system_attrs.get(_attrs.CHECKPOINT)
+            if history and link is not None:
+                return CloneOf(
+                    parent=history[-1],
+                    warm=True,
+                    resume=True,
+                    fetch=functools.partial(checkpoints.load, study, link, set(history)),
+                )
+        request = self.trial.user_attrs.get(_attrs.CLONE_OF) or system_attrs.get(_attrs.CLONE_OF)
+        if not isinstance(request, dict) or not isinstance(request.get("parent"), int):
+            return None
+        parent = request["parent"]
+        fetch = None if checkpoints is None else functools.partial(fetch_parent, checkpoints, study, parent)
+        return CloneOf(parent=parent, warm=bool(request.get("warm", True)), fetch=fetch)
+
+    def branch(self, branch: Branch) -> None:
+        """Record how a clone (or a retry) started: its parent, its first step, warm or cold and why."""
+        trial = self.trial
+        if branch.resume:
+            self._resume(branch)
+            return
+        trial.set_user_attr(_attrs.PARENT, branch.parent)
+        trial.set_user_attr(_attrs.BRANCH_STEP, branch.step)
+        trial.set_user_attr(_attrs.CLONE, "warm" if branch.warm else "cold")
+        if branch.warm:
+            # The clone's curve continues its parent's, so pruners compare it at equal progress.
+            for step, metrics in enumerate(branch.history):
+                trial.report(metrics[self.services.metric], step)
+            trial.set_user_attr(_attrs.CHUNKS_DONE, branch.step)
+            _logger.info(
+                "Trial %d is a warm clone of trial %d after chunk %d.", trial.number, branch.parent, branch.step
+            )
+        else:
+            trial.set_user_attr(_attrs.COLD_REASON, branch.reason)
+            _logger.info("Trial %d is a cold clone of trial %d: %s.", trial.number, branch.parent, branch.reason)
+
+    def _resume(self, branch: Branch) -> None:
+        trial = self.trial
+        trial.set_user_attr(_attrs.RETRY_OF, branch.parent)
+        if not branch.warm:
+            trial.set_user_attr(_attrs.RESUME_FAILED, branch.reason)
+            _logger.warning("Trial %d retries trial %d from scratch: %s.", trial.number, branch.parent, branch.reason)
+            return
+        # The retry keeps its predecessor's curve (Optuna's retry callback copies no values by default).
+        reported = _compat.storage(self.study).get_trial(_compat.trial_id(trial)).intermediate_values
+        for step, metrics in enumerate(branch.history):
+            if step not in reported:
+                trial.report(metrics[self.services.metric], step)
+        trial.set_user_attr(_attrs.CHUNKS_DONE, branch.step)
+        trial.set_user_attr(_attrs.RESUMED_FROM_STEP, branch.step)
+        _logger.info(
+            "Trial %d resumes trial %d (its worker died) from its checkpoint after chunk %d.",
+            trial.number,
+            branch.parent,
+            branch.step,
+        )
+
+    def checkpoint(self, event: ChunkResult, previous: Any) -> None:
+        """Save the chunk's state to the artifact store and link it, before the chunk is reported."""
+        checkpoints = self.services.checkpoints(self.study)
+        if event.snapshot is None or checkpoints is None:
+            return
+        try:
+            checkpoints.save(self.study, _compat.trial_id(self.trial), event.snapshot, previous)
+        except Exception as error:  # the trial goes on; a retry would resume from an older checkpoint
+            _logger.warning(
+                "Trial %d: the checkpoint after chunk %d could not be saved (%s: %s).",
+                self.trial.number,
+                event.step + 1,
+                type(error).__name__,
+                error,
+            )
+        event.snapshot = None
+
+    def pruned_reason(self, step: int, value: float, total_chunks: int) -> str:
+        """What the log and the trial's user attrs say about a pruning: who, when, on what value, against whom."""
+        peers = sum(
+            step in t.intermediate_values and t.number != self.trial.number
+            for t in _compat.storage(self.study).get_all_trials(_compat.study_id(self.study), deepcopy=False)
+        )
+        return (
+            f"{type(self.study.pruner).__name__} stopped it after chunk {step + 1}/{total_chunks} "
+            f"(step {step}): {self.services.metric}={value:.6g}, compared with {peers} other trial(s) at that step."
+        )
