@@ -55,7 +55,7 @@ class GangEvaluation:
         ``None`` for the members that evaluate alone: every member when the kind's metrics need its trainer
         (the log says why, once), or when a shared pass failed (each member then fails or not on its own)."""
         loss = runtimes[0].spec.kind.fused_loss
-        assert loss is not None  # refusal() lets only kinds with a fused loss through
+        assert loss is not None  # train_refusal() lets only kinds with a fused loss through
         reason = loss.eval_refusal()
         if reason is not None:
             self.say(f"Evaluating trial by trial, not in shared passes: {reason}.")

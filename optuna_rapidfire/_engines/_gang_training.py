@@ -48,16 +48,13 @@ class GangTraining:
         self.stepped = False
 
     def train(self, runtimes: Sequence[TrialRuntime]) -> list[dict[str, float]]:
-        """Train every member's next chunk in shared passes; each member's training metrics.
-
-        Raises:
-            Whatever a pass raised; :attr:`stepped` says whether any member had stepped by then.
-        """
+        """Train every member's next chunk in shared passes; each member's training metrics. An error of a
+        pass propagates; :attr:`stepped` then says whether any member had stepped its optimizer by then."""
         device = self.device
         self.stepped = False
         first = runtimes[0]
         loss = first.spec.kind.fused_loss
-        assert loss is not None  # refusal() lets only kinds with a fused loss through
+        assert loss is not None  # train_refusal() lets only kinds with a fused loss through
         plans = [self.passes.plan(runtime, loss) for runtime in runtimes]
         self.trials.placement.enter_gang(runtimes)
         self.trials.resident.module.train()
