@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import warnings
 
@@ -41,3 +42,43 @@ def quiet_library_noise() -> None:
     """Ignore the warnings of :data:`_LIBRARY_NOISE` (every other warning still shows)."""
     for message in _LIBRARY_NOISE:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+
+
+class _Explained(logging.Filter):
+    """Drops Optuna's two "Trial N failed ..." lines for a trial that returned NaN after this package said
+    why it ended (a failure on the device, a delete): Optuna would add "The value nan is not acceptable"."""
+
+    _LINE = re.compile(r"Trial (\d+) failed with ")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._numbers: dict[int, int] = {}  # trial number -> Optuna lines still to drop
+
+    def add(self, number: int) -> None:
+        with self._lock:
+            self._numbers[number] = 2
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = self._LINE.match(str(record.msg))
+        if found is None:
+            return True
+        number = int(found.group(1))
+        with self._lock:
+            left = self._numbers.get(number)
+            if left is None:
+                return True
+            if left <= 1:
+                del self._numbers[number]
+            else:
+                self._numbers[number] = left - 1
+        return False
+
+
+_explained = _Explained()
+logging.getLogger("optuna.study._optimize").addFilter(_explained)
+
+
+def explained(number: int) -> None:
+    """Trial ``number`` is about to return NaN, its end already explained: leave out Optuna's own lines."""
+    _explained.add(number)

@@ -6,6 +6,7 @@ scheduler (what to do next) and each trial's event queue (what happened).
 
 from __future__ import annotations
 
+import math
 import threading
 import traceback
 from dataclasses import dataclass
@@ -66,6 +67,25 @@ class SetupError(ValueError):
     """An executor argument is unusable for every trial (raised by ``check_metrics``)."""
 
 
+class DivergedError(ArithmeticError):
+    """A trial's training or evaluation loss is not finite: it stops at that chunk instead of training on."""
+
+
+_LOSSES = ("train_loss", "eval_loss")
+
+
+def diverged(result: ChunkResult) -> DivergedError | None:
+    """Why a trained chunk ends its trial (a loss that is NaN or infinite), or ``None``."""
+    bad = {name: result.metrics[name] for name in _LOSSES if not math.isfinite(result.metrics.get(name, 0.0))}
+    if not bad:
+        return None
+    found = ", ".join(f"{name}={value}" for name, value in bad.items())
+    return DivergedError(
+        f"{found} after chunk {result.step + 1}: the trial diverged and stops here (a learning rate too large, "
+        "or no gradient clipping?)."
+    )
+
+
 class DeviceWorker(threading.Thread):
     """Runs every task of one device, in the order the scheduler gives them.
 
@@ -109,6 +129,8 @@ class DeviceWorker(threading.Thread):
         if task is Task.TRAIN:  # one trial, or a gang
             results = self.engine.run([e.runtime for e in entries])
             for member, result in zip(entries, results, strict=True):
+                if not isinstance(result, BaseException):
+                    result = diverged(result) or result
                 if isinstance(result, BaseException):  # this member failed alone
                     self._fail(member, result)
                 else:

@@ -19,7 +19,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._base import ChunkResult, TrialSpec
-from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._logging import explained, get_logger
 from optuna_rapidfire._runtime._scheduler import Decision, Entry
 from optuna_rapidfire._runtime._worker import Built, Failed, Paused, Released, Saved
 from optuna_rapidfire._study import _attrs, _commands
@@ -251,8 +251,10 @@ class TrialDriver:
             raise event.error
         reason = f"{type(event.error).__name__}: {event.error}"
         self.trial.set_user_attr(_attrs.FAIL_REASON, reason[:2000])
-        _logger.warning("Trial %d failed and was released: %s\n%s", self.trial.number, reason, event.traceback)
+        _logger.warning("Trial %d failed: %s", self.trial.number, reason.splitlines()[0] if reason else reason)
+        _logger.debug("Trial %d's error, in full:\n%s", self.trial.number, event.traceback)
         # Optuna marks a trial that returns NaN as FAIL and goes on with the study.
+        explained(self.trial.number)
         return math.nan
 
     def _delete(self, reason: str | None) -> float:
@@ -260,6 +262,7 @@ class TrialDriver:
         self.trial.set_user_attr(_attrs.STATUS, "deleted")
         self.trial.set_user_attr(_attrs.FAIL_REASON, f"deleted: {reason or 'deleted by user'}")
         _logger.info("Trial %d was deleted (%s); its state is freed.", self.trial.number, reason)
+        explained(self.trial.number)
         return math.nan
 
     def _finished_elsewhere(self) -> float:

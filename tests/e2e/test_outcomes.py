@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import optuna
@@ -41,6 +42,27 @@ def test_each_finished_trial_says_how_it_ended_and_why(make_executor) -> None:
     assert reason.startswith("_PruneOne stopped it after chunk 2/4 (step 1): eval_loss=")
     assert "compared with 1 other trial(s) at that step" in reason  # trial 0 (trial 2 never trained)
     assert "Target modules" in failed.user_attrs[_attrs.FAIL_REASON]
+
+
+def test_a_diverging_trial_stops_at_its_first_non_finite_loss_and_says_so_in_one_line(make_executor, caplog) -> None:
+    executor = make_executor(num_chunks=4, max_concurrent_trials=2)
+    study = optuna.create_study()
+    configs = [(lora(), sft_args()), (lora(), sft_args(learning_rate=float("inf")))]
+    optuna.logging.enable_propagation()  # Optuna's own lines too
+    try:
+        with caplog.at_level(logging.INFO):
+            executor.optimize(study, by_number(configs), n_trials=2)
+    finally:
+        optuna.logging.disable_propagation()
+    fine, diverged = study.trials
+    assert fine.state == TrialState.COMPLETE and sorted(fine.intermediate_values) == [0, 1, 2, 3]
+    assert diverged.state == TrialState.FAIL and diverged.user_attrs[_attrs.STATUS] == "failed"
+    reason = diverged.user_attrs[_attrs.FAIL_REASON]
+    assert reason.startswith("DivergedError: ") and "=nan after chunk 1:" in reason, reason
+    assert diverged.intermediate_values == {}  # it stopped at its first chunk: nothing non-finite was reported
+    said = [r for r in caplog.records if r.levelno >= logging.WARNING and "Trial 1 " in r.getMessage()]
+    assert [r.getMessage() for r in said] == [f"Trial 1 failed: {reason}"]
+    assert "not acceptable" not in caplog.text and "Traceback" not in caplog.text
 
 
 @pytest.mark.parametrize(
