@@ -1,0 +1,213 @@
+"""A trial's snapshot at a chunk boundary (``_resident/_snapshot.py``): a CPU copy that later training leaves
+alone, bytes and files that give back exactly what a trial continues from, damage said plainly, and the
+clones it can start. A small layer and AdamW stand in for an adapter and its optimizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save
+
+from optuna_rapidfire._resident._snapshot import TrialSnapshot
+from optuna_rapidfire._resident._state import Position, RngState, SwapState
+
+CPU = torch.device("cpu")
+SCALER = {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 3}
+
+
+def _train(layer: torch.nn.Linear, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    for step in range(steps):
+        layer(torch.full((1, 3), 1.0 + step)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _trial(steps: int = 2) -> tuple[SwapState, torch.nn.Linear]:
+    """A trial after ``steps`` optimizer steps: its layer's weights are the adapter's."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, betas=(0.8, 0.9))
+    _train(layer, optimizer, steps)
+    state = SwapState(
+        adapter_name="trial_3",
+        params=list(layer.parameters()),
+        optimizer=optimizer,
+        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        scaler=None,
+        rng=RngState.seeded(11, CPU),
+        position=Position(chunks_done=3, optimizer_steps=steps),
+        dropout_rng=torch.tensor([5, 2]),
+        sample_rng=torch.Generator().manual_seed(4).get_state(),
+    )
+    return state, layer
+
+
+def _weights(layer: torch.nn.Linear) -> dict[str, torch.Tensor]:
+    return {"q_proj.lora_A.weight": layer.weight.data, "q_proj.lora_B.weight": layer.bias.data}
+
+
+def _snapshot(steps: int = 2) -> tuple[TrialSnapshot, SwapState, torch.nn.Linear]:
+    state, layer = _trial(steps)
+    snapshot = TrialSnapshot.capture(3, "sft", state, _weights(layer), [{"eval_loss": 1.5}, {"eval_loss": 1.25}])
+    return snapshot, state, layer
+
+
+def _continue(snapshot: TrialSnapshot, steps: int) -> torch.nn.Linear:
+    """A fresh trial that continues from ``snapshot`` for ``steps`` more steps (as a clone would)."""
+    layer = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        layer.weight.copy_(snapshot.weights["q_proj.lora_A.weight"])
+        layer.bias.copy_(snapshot.weights["q_proj.lora_B.weight"])
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.5)
+    optimizer.load_state_dict(snapshot.optimizer)
+    _train(layer, optimizer, steps)
+    return layer
+
+
+def _draws() -> tuple[list[float], list[float], list[float]]:
+    return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]
+
+
+def _assert_same(loaded: TrialSnapshot, snapshot: TrialSnapshot) -> None:
+    assert loaded.weights.keys() == snapshot.weights.keys()
+    assert all(torch.equal(loaded.weights[k], v) for k, v in snapshot.weights.items())
+    assert (loaded.trial_number, loaded.kind, loaded.history) == (
+        snapshot.trial_number,
+        snapshot.kind,
+        snapshot.history,
+    )
+    assert (loaded.scheduler_steps, loaded.position, loaded.scaler) == (
+        snapshot.scheduler_steps,
+        snapshot.position,
+        snapshot.scaler,
+    )
+    for mine, theirs in ((loaded.dropout_rng, snapshot.dropout_rng), (loaded.sample_rng, snapshot.sample_rng)):
+        assert (mine is None and theirs is None) or (
+            mine is not None and theirs is not None and torch.equal(mine, theirs)
+        )
+
+
+def test_a_snapshot_is_a_cpu_copy_that_later_training_leaves_alone() -> None:
+    snapshot, state, layer = _snapshot()
+    weights = {k: v.clone() for k, v in snapshot.weights.items()}
+    moments = snapshot.optimizer["state"][0]["exp_avg"].clone()
+    history = [{"eval_loss": 1.5}, {"eval_loss": 1.25}]
+    _train(layer, state.optimizer, 2)  # the trial goes on
+    state.position.chunks_done = 5
+    assert all(torch.equal(snapshot.weights[k], v) for k, v in weights.items())
+    assert not torch.equal(snapshot.weights["q_proj.lora_A.weight"], layer.weight.data)  # the trial did move
+    assert torch.equal(snapshot.optimizer["state"][0]["exp_avg"], moments)
+    assert snapshot.position == Position(chunks_done=3, optimizer_steps=2) and snapshot.scheduler_steps == 2
+    assert snapshot.history == history
+
+
+def test_a_trial_continued_from_a_snapshots_bytes_trains_exactly_as_the_trial_itself() -> None:
+    snapshot, state, layer = _snapshot()
+    loaded, study_name = TrialSnapshot.from_bytes(snapshot.to_bytes(study_name="gsm8k"))
+    assert study_name == "gsm8k"
+    _assert_same(loaded, snapshot)
+    _train(layer, state.optimizer, 3)
+    continued = _continue(loaded, 3)  # its own lr (0.5) is replaced by the snapshot's (0.1), as are AdamW's betas
+    assert torch.equal(continued.weight, layer.weight) and torch.equal(continued.bias, layer.bias)
+
+
+@pytest.fixture
+def global_rng() -> Iterator[None]:
+    """Leave the process's generators as they were (the test restores a trial's)."""
+    saved = RngState.capture(CPU)
+    yield
+    saved.restore(CPU)
+
+
+def test_the_random_generators_continue_where_the_snapshot_left_them(global_rng: None) -> None:
+    snapshot, state, _ = _snapshot()
+    loaded, _ = TrialSnapshot.from_bytes(snapshot.to_bytes())
+    state.rng.restore(CPU)
+    expected = _draws()
+    loaded.rng.restore(CPU)
+    assert _draws() == expected
+
+
+def test_the_parts_a_trial_may_lack_come_back_as_none_and_a_scaler_as_it_was() -> None:
+    snapshot, _, _ = _snapshot()
+    snapshot.dropout_rng = snapshot.sample_rng = None
+    loaded, study_name = TrialSnapshot.from_bytes(snapshot.to_bytes())
+    assert loaded.dropout_rng is None and loaded.sample_rng is None and loaded.scaler is None
+    assert loaded.rng.device is None and study_name == ""
+    snapshot.scaler = dict(SCALER)
+    assert TrialSnapshot.from_bytes(snapshot.to_bytes())[0].scaler == SCALER
+
+
+def test_a_saved_snapshot_is_loaded_back_and_replaced_whole_by_the_next(tmp_path: Path) -> None:
+    directory = str(tmp_path / "trial_3")
+    assert not TrialSnapshot.exists(directory)
+    first, _, _ = _snapshot(steps=1)
+    first.save(directory)
+    assert TrialSnapshot.exists(directory)
+    _assert_same(TrialSnapshot.load(directory), first)
+    later, _, _ = _snapshot(steps=3)
+    later.save(directory)
+    _assert_same(TrialSnapshot.load(directory), later)
+    assert os.listdir(directory) == ["snapshot.safetensors"]  # no staging file left behind
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_snapshot_whole(tmp_path: Path) -> None:
+    directory = str(tmp_path / "trial_3")
+    good, _, _ = _snapshot()
+    good.save(directory)
+    bad, _, _ = _snapshot()
+    bad.optimizer["state"][0]["note"] = object()  # nothing JSON can write: the blob fails after staging began
+    with pytest.raises(TypeError):
+        bad.save(directory)
+    _assert_same(TrialSnapshot.load(directory), good)
+    assert os.listdir(directory) == ["snapshot.safetensors"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda blob: blob[: len(blob) // 2], r"is not a readable trial snapshot"),  # truncated
+        (lambda blob: b"\x00" * 16, r"is not a readable trial snapshot"),
+        (lambda blob: save({"w": torch.zeros(1)}), r"is not a readable trial snapshot \(KeyError"),  # foreign
+        (
+            lambda blob: save({"w": torch.zeros(1)}, metadata={"rapidfire": json.dumps({"format": 1})}),
+            r"holds a snapshot of an unknown format \(1\)",
+        ),
+    ],
+)
+def test_a_damaged_or_foreign_blob_is_refused_naming_its_source(damage: Callable[[bytes], bytes], message: str) -> None:
+    blob = damage(_snapshot()[0].to_bytes())
+    with pytest.raises(ValueError, match=r"^checkpoint 7 .*" + message):
+        TrialSnapshot.from_bytes(blob, source="checkpoint 7")
+
+
+def test_a_damaged_file_is_named_by_its_path(tmp_path: Path) -> None:
+    directory = str(tmp_path / "trial_3")
+    _snapshot()[0].save(directory)
+    path = os.path.join(directory, "snapshot.safetensors")
+    with open(path, "r+b") as file:
+        file.truncate(100)
+    with pytest.raises(ValueError, match=f"^{re.escape(path)} is not a readable trial snapshot"):
+        TrialSnapshot.load(directory)
+
+
+def test_only_a_trial_of_the_same_kind_and_adapter_shapes_can_continue_from_a_snapshot() -> None:
+    snapshot = _snapshot()[0]
+    shapes = {k: v.shape for k, v in snapshot.weights.items()}
+    assert snapshot.compatible_with("sft", shapes) is None
+    assert snapshot.compatible_with("dpo", shapes) == "trainer kind 'dpo' differs from the parent's 'sft'"
+    other_rank = {**shapes, "q_proj.lora_B.weight": torch.Size([4])}
+    assert snapshot.compatible_with("sft", other_rank) == (
+        "the adapter's weights differ from the parent's (rank or target modules), e.g. q_proj.lora_B.weight"
+    )
+    other_modules = {"v_proj.lora_A.weight": shapes["q_proj.lora_A.weight"], "q_proj.lora_B.weight": torch.Size([2])}
+    reason = snapshot.compatible_with("sft", other_modules)
+    assert reason is not None and reason.endswith("e.g. q_proj.lora_A.weight")
