@@ -232,7 +232,9 @@ class TrialPool:
         with self._lock:
             mine = sum(t.is_alive() for t in self._threads)
         if running <= mine:
-            return "done"
+            # Every running trial is this worker's: wait for them, since one that fails leaves the target
+            # short and is replaced (a paused one is not waited for here: the pause grace ends it).
+            return "wait" if mine > self._paused() else "done"
         if not self._told_waiting:
             self._told_waiting = True
             _logger.info(

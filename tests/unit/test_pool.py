@@ -78,3 +78,37 @@ def test_a_lease_is_given_back_once_and_resumed_trials_go_first() -> None:
     third.release()
     waiting_new.join(5)
     assert [name for name, _ in taken] == ["resumed", "new"]
+
+
+def test_a_trial_that_fails_is_replaced_until_the_target_count_is_met() -> None:
+    """MaxTrialsCallback(4, states=(COMPLETE, PRUNED)) with a slot to spare: four trials start at once, enough
+    if all end well; one fails, and a fifth is asked for, so that the study ends with exactly four counted."""
+    study = optuna.create_study()
+    counted = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+
+    def objective(trial: optuna.Trial) -> float:
+        pool.asked()
+        lease = pool.take_lease(trial.number)
+        time.sleep(0.3 if trial.number == 1 else 0.6)  # trial 1 fails while the others still run
+        lease.release()
+        return float("nan") if trial.number == 1 else 1.0
+
+    pool = TrialPool(
+        study,
+        objective,
+        Slots(5),
+        n_trials=None,
+        timeout=None,
+        callbacks=[optuna.study.MaxTrialsCallback(4, states=counted)],
+        catch=(),
+        gc_after_trial=False,
+        paused=lambda: 0,
+        end_paused=lambda: None,
+        pause_grace=1.0,
+        externally_finished=lambda number: False,
+        target=(4, counted),
+    )
+    pool.run()
+    states = [t.state for t in study.trials]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 4
+    assert states.count(optuna.trial.TrialState.FAIL) == 1 and len(states) == 5
