@@ -80,7 +80,9 @@ def clone(
     moments, LR-schedule position, RNG, data position) with its own hyperparameters, and inherits the
     parent's intermediate values up to there. A change that cannot keep the state (LoRA rank, target
     modules, trainer type) makes a cold clone, said in its ``rapidfire:clone``/``rapidfire:cold_reason``
-    user attrs. The parent may be running, paused or finished.
+    user attrs. The parent may be running, paused or finished. A warm clone of a trial that trained all its
+    chunks trains only if its own run is longer (more epochs); otherwise it ends FAIL with nothing trained
+    (clone it cold). A warm clone of a FAIL trial is refused: its state is not one to continue from.
 
     Returns:
         The number of the new (WAITING) trial; the next executor to ask for a trial runs it.

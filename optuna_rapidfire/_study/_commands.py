@@ -233,7 +233,7 @@ def register_dashboard_form(study: optuna.Study) -> bool:
         TextInputWidget(
             description=(
                 "clone: overrides as name=value, comma separated; trial=<n> clones trial n "
-                "(also a finished one); add 'cold' for a cold clone"
+                "(a finished one: cold, or with a longer run); add 'cold' for a cold clone"
             ),
             user_attr_key=_attrs.ACTION_ARGS,
             optional=True,
@@ -267,6 +267,8 @@ def enqueue_clone(
     parent = find_trial(study, trial_number)
     if parent.state == TrialState.WAITING:
         raise ValueError(f"Trial {trial_number} has not started: there is nothing to clone.")
+    if warm_start:
+        _check_warm_parent(parent)
     merged = dict(parent.params)
     for name, value in (params or {}).items():
         if name not in parent.distributions:
@@ -279,6 +281,17 @@ def enqueue_clone(
     study.enqueue_trial(merged, user_attrs={_attrs.CLONE_OF: request})
     waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     return next(t.number for t in waiting if t.user_attrs.get(_attrs.CLONE_OF) == request)
+
+
+def _check_warm_parent(parent: FrozenTrial) -> None:
+    """Refuse a warm clone of a trial that failed: its state is not one to continue from. (A warm clone of a
+    trial that trained every chunk continues only if its own run is longer; else it fails, untrained.)"""
+    if parent.state == TrialState.FAIL:
+        raise ValueError(
+            f"Trial {parent.number} failed ({parent.user_attrs.get(_attrs.FAIL_REASON, 'no reason recorded')}): "
+            "a warm clone would continue from a failed state. Clone it cold (warm_start=False, or 'cold' on the "
+            "command line) to train the new config from scratch."
+        )
 
 
 def find_trial(study: optuna.Study, trial_number: int) -> FrozenTrial:

@@ -135,10 +135,20 @@ class TrialDriver:
         while True:
             event = entry.events.get()
             if isinstance(event, Built):
+                branch = event.branch
+                if branch is not None and not branch.resume and branch.step >= event.total_chunks > 0:
+                    # A warm clone of a trial that trained every chunk, whose own run is no longer: nothing of
+                    # its config would be trained, so it records no result (not even the inherited curve).
+                    self._leave(Decision.STOP)
+                    return self._fail_here(
+                        f"Warm clone of trial {branch.parent}, which had trained all {event.total_chunks} chunks: "
+                        "nothing is left to train under the new parameters. Clone it cold, or give the clone a "
+                        "longer run (more epochs)."
+                    )
                 self._built(event)
-                if event.branch is not None and event.branch.step >= event.total_chunks > 0:
-                    # A warm clone of a trial that had trained every chunk: it ends where it starts.
-                    return self._complete(float(event.branch.history[-1][self.services.metric]))
+                if branch is not None and branch.step >= event.total_chunks > 0:
+                    # A retry of a trial whose worker died after its last chunk: it ends where it was.
+                    return self._complete(float(branch.history[-1][self.services.metric]))
             elif isinstance(event, Failed):
                 return self._failed(event)
             elif isinstance(event, ChunkResult):
@@ -249,11 +259,14 @@ class TrialDriver:
             self.device.fatal = event.error
             self.shared.stop_study(self.study)
             raise event.error
-        reason = f"{type(event.error).__name__}: {event.error}"
+        _logger.debug("Trial %d's error, in full:\n%s", self.trial.number, event.traceback)
+        return self._fail_here(f"{type(event.error).__name__}: {event.error}")
+
+    def _fail_here(self, reason: str) -> float:
+        """End the trial as FAIL with ``reason``, said in one line (Optuna marks a trial that returns NaN as FAIL
+        and goes on with the study)."""
         self.trial.set_user_attr(_attrs.FAIL_REASON, reason[:2000])
         _logger.warning("Trial %d failed: %s", self.trial.number, reason.splitlines()[0] if reason else reason)
-        _logger.debug("Trial %d's error, in full:\n%s", self.trial.number, event.traceback)
-        # Optuna marks a trial that returns NaN as FAIL and goes on with the study.
         explained(self.trial.number)
         return math.nan
 

@@ -141,7 +141,9 @@ def test_cold_clone_on_request(make_executor) -> None:
     assert clone.intermediate_values[0] == parent.intermediate_values[0]  # same params, same seed, from scratch
 
 
-def test_warm_clone_of_a_finished_trial_starts_from_its_saved_state(make_executor) -> None:
+def test_a_warm_clone_of_a_trial_that_trained_everything_fails_untrained_and_one_of_a_failed_trial_is_refused(
+    make_executor,
+) -> None:
     executor = make_executor(num_chunks=3, max_concurrent_trials=1)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     study.enqueue_trial({"r": 8, "learning_rate": 2e-2, "weight_decay": 0.1})
@@ -149,10 +151,14 @@ def test_warm_clone_of_a_finished_trial_starts_from_its_saved_state(make_executo
     child = control.clone(study, 0, params={"learning_rate": 1e-3})
     executor.optimize(study, configure, n_trials=1)
     clone = study.trials[child]
-    assert clone.state == TrialState.COMPLETE
-    assert clone.user_attrs[_attrs.CLONE] == "warm" and clone.user_attrs[_attrs.BRANCH_STEP] == 3
-    # Nothing left to train: a clone of a finished trial with the same length ends where it is.
-    assert list(clone.intermediate_values) == [0, 1, 2]
+    # The same run length: nothing of the new learning rate would be trained, so no result is recorded.
+    assert clone.state == TrialState.FAIL and clone.intermediate_values == {}
+    assert clone.user_attrs[_attrs.FAIL_REASON].startswith("Warm clone of trial 0, which had trained all 3 chunks")
+    with pytest.raises(ValueError, match=f"Trial {child} failed .*Clone it cold"):
+        control.clone(study, child)
+    cold = control.clone(study, child, warm_start=False)  # a cold clone of it trains from scratch
+    executor.optimize(study, configure, n_trials=1)
+    assert study.trials[cold].state == TrialState.COMPLETE and sorted(study.trials[cold].intermediate_values) == [0, 1, 2]
 
 
 def test_clone_rejects_unknown_or_out_of_range_params(make_executor) -> None:

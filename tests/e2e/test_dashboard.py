@@ -144,13 +144,14 @@ def test_a_bare_submit_does_nothing_and_a_running_trials_form_clones_a_finished_
         assert _attrs.ACTION_DONE not in study.trials[1].user_attrs and len(study.trials) == 2
 
         _open_trial(page, dashboard, study, 1)
-        _submit(page, "clone", "trial=0, learning_rate=5e-3")
+        _submit(page, "clone", "trial=0, learning_rate=5e-3, cold")
         done = wait_until(lambda: study.trials[1].user_attrs.get(_attrs.ACTION_DONE), what="the clone")
         assert done.startswith("clone: enqueued as trial 2"), done
         assert study.trials[1].user_attrs[_attrs.CHUNKS_DONE] < 10  # applied while trial 1 ran
         run.join()
     parent, second, child = study.trials
-    assert child.user_attrs[_attrs.CLONE_OF]["parent"] == 0 and child.user_attrs[_attrs.CLONE_OF]["warm"]
+    # Cold: trial 0 trained all its chunks, so a warm clone would have nothing to train.
+    assert child.user_attrs[_attrs.CLONE_OF]["parent"] == 0 and not child.user_attrs[_attrs.CLONE_OF]["warm"]
     assert child.params == {"learning_rate": 5e-3}
     assert child.state == TrialState.COMPLETE and child.user_attrs[_attrs.PARENT] == 0
     assert parent.state == second.state == TrialState.COMPLETE

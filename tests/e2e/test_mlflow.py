@@ -24,9 +24,9 @@ def test_each_trial_is_a_nested_run_with_per_chunk_metrics(make_executor, tmp_pa
         study = optuna.create_study(study_name="tracked", pruner=PruneTrialOne())
         configs = [(lora(r=4), sft_args()), (lora(r=8), sft_args(learning_rate=3e-2)), (lora(r=0), sft_args())]
         executor.optimize(study, by_number(configs), n_trials=3)
-        # A warm clone of trial 0 (finished): inherits its curve.
+        # A warm clone of trial 0 (finished) with a longer run: inherits its curve and trains on.
         child = control.clone(study, 0)
-        executor.optimize(study, by_number([*configs, configs[0]]), n_trials=1)
+        executor.optimize(study, by_number([*configs, (lora(r=4), sft_args(num_train_epochs=2))]), n_trials=1)
 
         client = MlflowClient(tracking_uri=url)
         experiment = client.get_experiment_by_name("tracked")
@@ -52,7 +52,7 @@ def test_each_trial_is_a_nested_run_with_per_chunk_metrics(make_executor, tmp_pa
         artifacts = {a.path for a in client.list_artifacts(done.info.run_id, "adapter")}
         assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= artifacts
         assert clone.data.tags["rapidfire.parent_trial"] == "0" and clone.data.tags["rapidfire.clone"] == "warm"
-        assert [m.step for m in client.get_metric_history(clone.info.run_id, "eval_loss")] == [0, 1, 2]
+        assert [m.step for m in client.get_metric_history(clone.info.run_id, "eval_loss")] == [0, 1, 2, 3, 4, 5]
 
 
 def test_an_unreachable_tracking_server_is_a_clear_error_up_front(make_executor) -> None:
