@@ -1,4 +1,10 @@
-"""Progress display: one line per live trial (chunk i/n and its latest metric), on a TTY only."""
+"""Progress: on a terminal, one bar per live trial (chunk i/n, its latest metric, its own seconds per chunk
+and what is left at that pace); elsewhere (a log file, CI, nohup), one log line per trial start and chunk.
+
+A trial's pace counts its own chunks' training and evaluation only, not the time it waits for its turn
+(under the promote schedule a trial may wait at a rung for minutes): an estimate from wall time between
+updates would mean nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,13 @@ import sys
 import threading
 from typing import Any
 
+from optuna_rapidfire._logging import get_logger
+
+_logger = get_logger(__name__)
+
 
 class Progress:
-    """Thread-safe progress bars, or nothing when disabled or not on a terminal.
+    """Thread-safe progress bars on a terminal, log lines elsewhere, nothing when disabled.
 
     Args:
         enabled: ``show_progress_bar`` as the user set it.
@@ -18,7 +28,9 @@ class Progress:
 
     def __init__(self, enabled: bool, total_trials: int | None = None) -> None:
         self.enabled = enabled and sys.stderr.isatty()
+        self.lines = enabled and not self.enabled  # one log line per event, off a terminal
         self._lock = threading.Lock()
+        self._chunks: dict[int, list[float]] = {}  # trial -> [done, total, its own seconds so far, chunks timed]
         self._bars: dict[int, Any] = {}
         self._free_positions: list[int] = []
         self._summary: Any = None
@@ -37,12 +49,24 @@ class Progress:
             self._redirect.__enter__()
 
     def trial_started(self, number: int, total_chunks: int, done: int = 0) -> None:
+        with self._lock:
+            self._chunks[number] = [done, total_chunks, 0.0, 0]
+        if self.lines:
+            start = f" (from chunk {done + 1})" if done else ""
+            _logger.info("Trial %d started: %d chunk(s)%s.", number, total_chunks, start)
         if not self.enabled:
             return
         with self._lock:
             position = self._free_positions.pop(0) if self._free_positions else len(self._bars) + 1
             self._bars[number] = self._tqdm(
-                total=total_chunks, initial=done, desc=f"trial {number}", unit="chunk", position=position, leave=False
+                total=total_chunks,
+                initial=done,
+                desc=f"trial {number}",
+                unit="chunk",
+                position=position,
+                leave=False,
+                mininterval=0,  # one update per chunk: each is shown
+                bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {postfix}",  # no wall-clock rate: see the module
             )
 
     def trial_paused(self, number: int) -> None:
@@ -59,16 +83,34 @@ class Progress:
             if bar is not None:
                 bar.set_description_str(text)
 
-    def chunk_done(self, number: int, metric: str, value: float) -> None:
+    def chunk_done(self, number: int, metric: str, value: float, seconds: float | None = None) -> None:
+        """Trial ``number`` reported ``value`` after a chunk that took it ``seconds`` (training and evaluation)."""
+        with self._lock:
+            counts = self._chunks.setdefault(number, [0, 0, 0.0, 0])
+            counts[0] += 1
+            if seconds is not None:
+                counts[2] += seconds
+                counts[3] += 1
+            done, total, spent, timed = counts
+        pace = spent / timed if timed else None
+        if self.lines:
+            took = "" if seconds is None else f" in {seconds:.1f} s"
+            _logger.info("Trial %d: chunk %d/%d%s, %s=%.4g.", number, done, total, took, metric, value)
         if not self.enabled:
             return
+        postfix = {metric: f"{value:.4g}"}
+        if pace is not None:
+            postfix["own"] = f"{pace:.1f}s/chunk"
+            postfix["left"] = _duration(pace * max(total - done, 0))
         with self._lock:
             bar = self._bars.get(number)
             if bar is not None:
-                bar.set_postfix({metric: f"{value:.4g}"}, refresh=False)
+                bar.set_postfix(postfix, refresh=False)
                 bar.update(1)
 
     def trial_ended(self, number: int, state: str, value: float | None = None) -> None:
+        with self._lock:
+            self._chunks.pop(number, None)
         if not self.enabled:
             return
         with self._lock:
@@ -91,3 +133,11 @@ class Progress:
             self._bars.clear()
             self._summary.close()
             self._redirect.__exit__(None, None, None)
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` as h:mm:ss or m:ss."""
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

@@ -189,7 +189,9 @@ class TrialDriver:
                     trial.set_user_attr(attr, event.metrics[key])
         except UpdateFinishedTrialError:
             return self._finished_elsewhere()
-        self.shared.progress.chunk_done(trial.number, self.services.metric, value)
+        self.shared.progress.chunk_done(
+            trial.number, self.services.metric, value, event.train_seconds + event.eval_seconds
+        )
         if self.services.tracker is not None:
             self.services.tracker.chunk(self._run_id, event)
         pruned, frozen = self._should_prune(step, float(value))

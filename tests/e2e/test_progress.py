@@ -27,12 +27,35 @@ def test_progress_shows_each_live_trial_on_a_terminal(make_executor, monkeypatch
     assert "trials" in text
 
 
-def test_no_progress_when_disabled_or_not_a_terminal(make_executor, monkeypatch) -> None:
-    for stream, enabled in ((_Terminal(), False), (io.StringIO(), True)):
+def test_off_a_terminal_each_chunk_is_one_log_line_and_disabled_is_silent(make_executor, monkeypatch, caplog) -> None:
+    import logging
+
+    for stream, enabled in ((io.StringIO(), True), (_Terminal(), False)):
         monkeypatch.setattr(sys, "stderr", stream)
+        caplog.clear()
         executor = make_executor(num_chunks=2, max_concurrent_trials=1, show_progress_bar=enabled)
-        executor.optimize(optuna.create_study(), by_number([(lora(), sft_args())]), n_trials=1)
-        assert "trial 0" not in stream.getvalue()
+        with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+            executor.optimize(optuna.create_study(), by_number([(lora(), sft_args())]), n_trials=1)
+        assert "trial 0" not in stream.getvalue()  # no bars
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Trial 0")]
+        if enabled:  # under nohup or CI: one line when the trial starts and one per chunk
+            assert lines[0] == "Trial 0 started: 2 chunk(s)."
+            assert [line.split(" in ")[0] for line in lines[1:]] == ["Trial 0: chunk 1/2", "Trial 0: chunk 2/2"]
+            assert all(" s, eval_loss=" in line for line in lines[1:])
+        else:
+            assert lines == []
+
+
+def test_a_trial_s_pace_counts_its_own_chunks_not_its_waits(monkeypatch) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    progress = Progress(True, total_trials=1)
+    progress.trial_started(0, 4)
+    progress.chunk_done(0, "eval_loss", 1.5, seconds=10.0)
+    progress.chunk_done(0, "eval_loss", 1.25, seconds=20.0)  # however long it waited in between
+    progress.close()
+    text = terminal.getvalue()
+    assert "own=15.0s/chunk" in text and "left=0:30" in text  # two chunks left at 15 s each
 
 
 def test_progress_reuses_lines_of_finished_trials() -> None:
