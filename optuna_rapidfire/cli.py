@@ -26,7 +26,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from optuna_rapidfire import control
-from optuna_rapidfire._study import _attrs
+from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._study._storages import hide_password
 
 if TYPE_CHECKING:
@@ -206,6 +206,9 @@ def _load_study(url: str, study_name: str) -> optuna.Study:
 def _lineage(trial: FrozenTrial, chunks_done: dict[int, int]) -> str:
     """``parent@step warm|cold`` for a clone: where it branched, or for one that has not started yet, where
     it would branch now (a warm clone starts from its parent's latest chunk boundary)."""
+    retried = _commands.retried(trial)
+    if retried:
+        return f"retry of {retried[-1]}"
     parent = trial.user_attrs.get(_attrs.PARENT)
     if parent is not None:
         return f"{parent}@{trial.user_attrs.get(_attrs.BRANCH_STEP, 0)} {trial.user_attrs.get(_attrs.CLONE, '')}"
@@ -228,6 +231,10 @@ def _table(study: optuna.Study) -> str:
         status = trial.user_attrs.get(_attrs.STATUS)
         if state == "RUNNING" and status:
             state = f"RUNNING ({status})"
+        if not trial.state.is_finished():
+            waiting = [c.op for c in _commands.pending(study, trial) if c.op in ("stop", "resume", "delete")]
+            if waiting:
+                state += f" [pending: {', '.join(waiting)}]"
         if trial.state == TrialState.WAITING:
             # Not started: Optuna keeps an enqueued trial's params (a clone's included) as "fixed_params".
             chunks, params = "-", dict(trial.system_attrs.get("fixed_params") or {})

@@ -3,7 +3,8 @@
 Commands travel through the study's storage, so any process that can open it can issue them; the
 executor running the trial applies each one exactly once, before the trial's next chunk starts (the
 chunk in progress finishes). A command about a trial that does not exist or has finished raises
-``ValueError`` and changes nothing.
+``ValueError`` and changes nothing; one about a trial whose worker died reaches Optuna's retry of it
+(``RetryFailedTrialCallback``), which applies it at its first chunk boundary.
 
 Example:
 
@@ -49,7 +50,7 @@ def stop(study: optuna.Study, trial_number: int) -> str:
     trial = _running(study, trial_number, "stopped")
     if trial.user_attrs.get(_attrs.STATUS) == "paused":
         raise ValueError(f"Trial {trial_number} is already paused.")
-    return _commands.issue(study, "stop", trial_number)
+    return _commands.issue(study, "stop", trial.number)
 
 
 def resume(study: optuna.Study, trial_number: int) -> str:
@@ -59,13 +60,13 @@ def resume(study: optuna.Study, trial_number: int) -> str:
         raise ValueError(
             f"Trial {trial_number} is not paused (it is {trial.user_attrs.get(_attrs.STATUS, 'running')})."
         )
-    return _commands.issue(study, "resume", trial_number)
+    return _commands.issue(study, "resume", trial.number)
 
 
 def delete(study: optuna.Study, trial_number: int, reason: str = "deleted by user") -> str:
     """Stop a running or paused trial for good and free its state; it ends as FAIL with ``reason``."""
-    _running(study, trial_number, "deleted")
-    return _commands.issue(study, "delete", trial_number, reason=reason)
+    trial = _running(study, trial_number, "deleted")
+    return _commands.issue(study, "delete", trial.number, reason=reason)
 
 
 def clone(
@@ -91,7 +92,13 @@ def clone(
 
 
 def _running(study: optuna.Study, trial_number: int, verb: str) -> FrozenTrial:
+    """The running trial a command to ``trial_number`` reaches: the trial itself, or, when its worker died,
+    Optuna's retry of it (the retry applies the command at its first chunk boundary)."""
     trial = find_trial(study, trial_number)
+    if trial.state == TrialState.FAIL:
+        retry = _commands.retry_of(study, trial_number)
+        if retry is not None:
+            return retry
     if trial.state != TrialState.RUNNING:
         raise ValueError(f"Trial {trial_number} is {trial.state.name}: only a running trial can be {verb}.")
     return trial

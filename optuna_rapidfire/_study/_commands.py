@@ -91,11 +91,13 @@ def issue(study: optuna.Study, op: str, trial: int, **fields: Any) -> str:
 def pending(study: optuna.Study, trial: FrozenTrial) -> list[Command]:
     """Commands for ``trial`` not applied yet, oldest first (storage commands, then the dashboard form)."""
     attrs = _compat.storage(study).get_study_system_attrs(_compat.study_id(study))
+    # A retry of a trial whose worker died takes the commands sent to the trials it continues.
+    targets = {trial.number, *retried(trial)}
     found = []
     for key, payload in attrs.items():
         if not key.startswith(_attrs.COMMAND_PREFIX) or not isinstance(payload, dict):
             continue
-        if payload.get("trial") != trial.number:
+        if payload.get("trial") not in targets:
             continue
         if _attrs.DONE_PREFIX + key.removeprefix(_attrs.COMMAND_PREFIX) in attrs:
             continue
@@ -115,6 +117,23 @@ def pending(study: optuna.Study, trial: FrozenTrial) -> list[Command]:
     if form is not None:
         found.append(form)
     return found
+
+
+def retried(trial: FrozenTrial) -> list[int]:
+    """The trials ``trial`` is Optuna's retry of (``RetryFailedTrialCallback``), oldest first; ``[]`` if none."""
+    history = trial.system_attrs.get("retry_history")
+    if not isinstance(history, list):
+        failed = trial.system_attrs.get("failed_trial")
+        history = [failed] if isinstance(failed, int) else []
+    return [n for n in history if isinstance(n, int)]
+
+
+def retry_of(study: optuna.Study, trial_number: int) -> FrozenTrial | None:
+    """The unfinished retry of ``trial_number`` (a trial whose worker died), if there is one."""
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING)):
+        if trial_number in retried(trial):
+            return trial
+    return None
 
 
 def mark_done(study: optuna.Study, trial_id: int, command: Command, result: str) -> None:

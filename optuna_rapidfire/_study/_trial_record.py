@@ -110,7 +110,13 @@ class TrialRecord:
     def _resume(self, branch: Branch) -> None:
         trial = self.trial
         trial.set_user_attr(_attrs.RETRY_OF, branch.parent)
+        # Optuna's retry copied the dead trial's user attrs: what they said of its progress is not this one's.
+        inherited = trial.user_attrs
+        stale = _attrs.RESUMED_FROM_STEP if not branch.warm else _attrs.RESUME_FAILED
+        if stale in inherited:
+            trial.set_user_attr(stale, None)
         if not branch.warm:
+            trial.set_user_attr(_attrs.CHUNKS_DONE, 0)
             trial.set_user_attr(_attrs.RESUME_FAILED, branch.reason)
             _logger.warning("Trial %d retries trial %d from scratch: %s.", trial.number, branch.parent, branch.reason)
             return

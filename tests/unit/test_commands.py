@@ -63,3 +63,32 @@ def test_a_form_clone_may_name_another_trial_and_other_actions_may_not() -> None
         assert command is not None and (command.op, command.trial) == ("invalid", 3), (action, text)
     stop_self = _commands._form_command(_form_trial(3, 1.0, "trial=3"))
     assert stop_self is not None and (stop_self.op, stop_self.trial) == ("stop", 3)
+
+
+def test_a_command_to_a_trial_whose_worker_died_reaches_its_retry_and_ls_shows_both(tmp_path, capsys) -> None:
+    from optuna_rapidfire import control
+    from optuna_rapidfire.cli import main
+
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    study = optuna.create_study(storage=url, study_name="s")
+    dead = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    early = control.stop(study, dead.number)  # sent while its worker is dying: it still looks RUNNING
+    study.tell(dead, state=TrialState.FAIL)  # what the heartbeat check does
+    optuna.storages.RetryFailedTrialCallback()(study, study.trials[dead.number])  # Optuna's retry, WAITING
+    retry = study.trials[-1]
+    late = control.delete(study, dead.number, reason="not needed")  # sent after it was failed
+    assert retry.number != dead.number
+    found = {c.key: c for c in _commands.pending(study, study.trials[retry.number])}
+    assert set(found) == {early, late} and {c.trial for c in found.values()} == {retry.number}
+    assert [c.key for c in _commands.pending(study, study.trials[dead.number])] == [early]  # the late one: retry's
+    main(["ls", "--storage", url, "--study-name", "s"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(str(retry.number)))
+    assert "[pending: stop, delete]" in row and f"retry of {dead.number}" in row
+    finished = study.ask()
+    study.tell(finished, 1.0)
+    try:
+        control.stop(study, finished.number)
+    except ValueError as error:
+        assert "is COMPLETE: only a running trial can be stopped" in str(error)
+    else:
+        raise AssertionError("a command to a finished trial without a retry must be refused")
