@@ -350,8 +350,12 @@ def _worker(options: argparse.Namespace) -> int:
     if options.study_trials is not None:
         finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
         callbacks.append(optuna.study.MaxTrialsCallback(options.study_trials, states=finished))
-    with executor:
-        executor.optimize(study, configure, n_trials=options.n_trials, timeout=options.timeout, callbacks=callbacks)
+    try:
+        with executor:
+            executor.optimize(study, configure, n_trials=options.n_trials, timeout=options.timeout, callbacks=callbacks)
+    except KeyboardInterrupt:
+        print(f"optuna-rapidfire: worker {os.getpid()} interrupted; its live trials ended (PRUNED).", file=sys.stderr)
+        return 130
     logger.info("Worker %s is done.", os.getpid())
     return 0
 

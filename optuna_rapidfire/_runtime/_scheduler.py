@@ -168,6 +168,7 @@ class Scheduler:
         self._last_arrival = time.monotonic()
         self._last_change = self._last_arrival
         self._closed = False
+        self._draining = False  # an interrupted study: nothing new starts, chunks in flight finish
         self._values: dict[int, dict[int, float]] = {}  # step -> trial number -> reported value
         self.maximize = False  # the study's direction (see :meth:`study`)
         self._study: Any = None
@@ -283,6 +284,8 @@ class Scheduler:
         for e in entries:
             if e.request is not None:
                 return self._housekeeping(e), None
+        if self._draining:
+            return None, None
         for e in entries:
             if e.status is Status.BUILDING and e.runtime is None:
                 return (Task.BUILD, [e]), None
@@ -368,6 +371,14 @@ class Scheduler:
             if not self._entries:
                 self._gathering = True
             self._cond.notify_all()
+
+    def drain(self, draining: bool = True) -> list[Entry]:
+        """Start nothing new (no build, no chunk) while ``draining``; housekeeping goes on, and chunks in flight
+        finish. Returns the trials registered now."""
+        with self._cond:
+            self._draining = draining
+            self._cond.notify_all()
+            return sorted(self._entries.values(), key=lambda e: e.number)
 
     def close(self) -> None:
         """Stop handing out tasks."""

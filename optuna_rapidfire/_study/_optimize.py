@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._runtime._scheduler import Status
 from optuna_rapidfire._study._pool import TrialPool
 from optuna_rapidfire._study._progress import Progress
-from optuna_rapidfire._study._trial_driver import EndPaused, TrialDriver
+from optuna_rapidfire._study._trial_driver import EndPaused, Interrupted, TrialDriver
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -25,6 +27,9 @@ if TYPE_CHECKING:
     from optuna_rapidfire._runtime._slots import Lease
     from optuna_rapidfire._study._services import StudyServices
     from optuna_rapidfire._study._trial_driver import Configure
+
+
+_logger = get_logger(__name__)
 
 
 class Run:
@@ -77,6 +82,21 @@ def end_paused(device: DeviceRuntime) -> None:
     """Tell every paused trial of the device that the study is over (they end as PRUNED)."""
     for entry in device.paused.entries():
         entry.events.put(EndPaused())
+
+
+def interrupt(device: DeviceRuntime) -> None:
+    """Ctrl-C: the device starts nothing new, live trials end after their chunk in flight (as PRUNED, their
+    state kept for clones, what they reported kept), paused ones end as at a study's end."""
+    entries = device.scheduler.drain()
+    live = [entry for entry in entries if entry.status is not Status.PAUSED]
+    _logger.warning(
+        "Interrupted: no new trial or chunk starts; %d live trial(s) end after their chunk in flight, their state "
+        "kept for clones. Press Ctrl-C again to quit at once.",
+        len(live),
+    )
+    for entry in live:
+        entry.events.put(Interrupted())
+    end_paused(device)
 
 
 def make_objective(run: Run, configure: Configure) -> Callable[[optuna.Trial], float]:
@@ -132,8 +152,9 @@ def optimize(
         retry_seconds=config.storage_retry_seconds,
     )
     try:
-        run.pool.run()
+        run.pool.run(on_interrupt=lambda: interrupt(device))
     finally:
+        device.scheduler.drain(False)
         if services.tracker is not None:
             services.tracker.flush()
         run.progress.close()

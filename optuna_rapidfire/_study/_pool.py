@@ -156,7 +156,24 @@ class TrialPool:
         self.local = threading.local()
         self._ask_lock = AskLock(study)
 
-    def run(self) -> None:
+    def run(self, on_interrupt: Callable[[], None] | None = None) -> None:
+        """Start trials until the budget is spent, then wait for them to end.
+
+        A first ``KeyboardInterrupt`` (Ctrl-C) starts no further trial, calls ``on_interrupt`` (which ends the
+        live trials after their chunk in flight), waits for them and raises ``KeyboardInterrupt``; a second one
+        stops waiting at once.
+        """
+        try:
+            self._run()
+        except KeyboardInterrupt:
+            if on_interrupt is None:
+                raise
+            self._stop = True
+            on_interrupt()
+            self._wait_for_trials()
+            raise
+
+    def _run(self) -> None:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         started = 0
         while not self._should_stop_starting(started, deadline):
@@ -187,6 +204,9 @@ class TrialPool:
                 self._unasked += 1
             thread.start()
             started += 1
+        self._wait_for_trials()
+
+    def _wait_for_trials(self) -> None:
         only_paused_since: float | None = None
         while True:
             with self._lock:

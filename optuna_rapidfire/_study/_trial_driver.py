@@ -20,7 +20,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._base import ChunkResult, TrialSpec
 from optuna_rapidfire._logging import explained, get_logger
-from optuna_rapidfire._runtime._scheduler import Decision, Entry
+from optuna_rapidfire._runtime._scheduler import Decision, Entry, Status
 from optuna_rapidfire._runtime._worker import Built, Failed, Paused, Released, Saved
 from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._study._pruning import prune_decision, resolve_auto_resources
@@ -37,6 +37,10 @@ _logger = get_logger(__name__)
 
 class EndPaused:
     """Event for a paused trial: the study is over, finish as PRUNED."""
+
+
+class Interrupted:
+    """Event for a live trial: the study was interrupted (Ctrl-C); end after the chunk in flight, if any."""
 
 
 class FinishedElsewhere(Exception):
@@ -58,6 +62,7 @@ class TrialDriver:
         self._run_id = 0  # the trial's MLflow run handle, when tracking is on
         self._adapter_path: str | None = None
         self._total_chunks = 0
+        self._interrupted = False
         self.record = TrialRecord(self.study, trial, self.services)
 
     # -- the trial from start to end -------------------------------------------------------------
@@ -149,6 +154,10 @@ class TrialDriver:
                 if branch is not None and branch.step >= event.total_chunks > 0:
                     # A retry of a trial whose worker died after its last chunk: it ends where it was.
                     return self._complete(float(branch.history[-1][self.services.metric]))
+            elif isinstance(event, Interrupted):
+                self._interrupted = True
+                if entry.status is not Status.TRAINING:  # else it ends once its chunk in flight is reported
+                    return self._end_interrupted(entry.chunks_done)
             elif isinstance(event, Failed):
                 return self._failed(event)
             elif isinstance(event, ChunkResult):
@@ -194,6 +203,8 @@ class TrialDriver:
         )
         if self.services.tracker is not None:
             self.services.tracker.chunk(self._run_id, event)
+        if self._interrupted:
+            return self._end_interrupted(step + 1)
         pruned, frozen = self._should_prune(step, float(value))
         if pruned:
             self._leave(Decision.STOP)
@@ -339,6 +350,15 @@ class TrialDriver:
                         return self._delete(command.reason)
         finally:
             self.device.paused.discard(entry)
+
+    def _end_interrupted(self, chunks: int) -> float:
+        """End the trial after an interrupt (Ctrl-C): its state is saved for clones, what it reported stays."""
+        self._leave(Decision.STOP)
+        self.trial.set_user_attr(_attrs.STATUS, "interrupted")
+        raise optuna.TrialPruned(
+            f"Interrupted (Ctrl-C) after chunk {chunks}/{self._total_chunks or '?'}; its state is kept: clone it to "
+            "continue."
+        )
 
     def _end_paused(self, step: int) -> float:
         self._leave(Decision.STOP)

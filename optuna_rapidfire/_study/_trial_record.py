@@ -53,7 +53,7 @@ class TrialRecord:
             current = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
             if current.state.is_finished():
                 return
-            if current.user_attrs.get(_attrs.STATUS) not in ("deleted", "paused-at-end"):
+            if current.user_attrs.get(_attrs.STATUS) not in ("deleted", "paused-at-end", "interrupted"):
                 self.trial.set_user_attr(_attrs.STATUS, status)
             if reason is not None and reason[0] not in current.user_attrs:
                 self.trial.set_user_attr(*reason)

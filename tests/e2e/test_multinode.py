@@ -282,3 +282,32 @@ def test_checkpoints_are_on_by_default_only_when_the_storage_records_heartbeats(
     link = beating.trials[0].system_attrs[_attrs.CHECKPOINT]
     assert (tmp_path / "beat.db.artifacts" / link["artifact_id"]).is_file()
     assert not (tmp_path / "plain.db.artifacts").exists()
+
+
+@pytest.mark.timeout(400)
+def test_ctrl_c_ends_the_live_trials_cleanly_and_the_worker_exits_130_with_one_line(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'ctrl-c.db'}"
+    study = optuna.create_study(storage=url, study_name="multi", pruner=optuna.pruners.NopPruner())
+    for lr in (1e-3, 3e-3, 1e-2, 3e-2):
+        study.enqueue_trial({"learning_rate": lr})
+    worker = _worker(url, _env(tiny_model, tmp_path), tmp_path / "w.log", "--study-trials", "4")
+    wait_until(
+        lambda: any(t.intermediate_values for t in study.get_trials(deepcopy=False)), timeout=240, what="a report"
+    )
+    worker.send_signal(signal.SIGINT)
+    assert worker.wait(timeout=240) == 130, (tmp_path / "w.log").read_text()
+    log = (tmp_path / "w.log").read_text()
+    assert "Traceback" not in log and "terminate called" not in log, log[-4000:]
+    assert (
+        log.rstrip().splitlines()[-1]
+        == f"optuna-rapidfire: worker {worker.pid} interrupted; its live trials ended (PRUNED)."
+    )
+    trials = study.get_trials()
+    assert TrialState.RUNNING not in [t.state for t in trials]  # no zombie, also without heartbeats' help
+    interrupted = [t for t in trials if t.user_attrs.get(_attrs.STATUS) == "interrupted"]
+    assert interrupted and all(t.state == TrialState.PRUNED for t in interrupted)
+    for trial in interrupted:  # what it reported stays, and the reason says where it stopped
+        reason = trial.user_attrs[_attrs.PRUNED_REASON]
+        assert reason.startswith(f"Interrupted (Ctrl-C) after chunk {len(trial.intermediate_values)}/4"), reason
