@@ -88,6 +88,15 @@ def backend_storage(study: optuna.Study) -> Any:
     return getattr(wrapped, "_backend", wrapped)
 
 
+def artifact_folder(store: Any) -> str | None:
+    """The folder of a ``FileSystemArtifactStore`` (Optuna 4-5 keep it as ``_base_path``); ``None`` for others."""
+    from optuna.artifacts import FileSystemArtifactStore
+
+    if isinstance(store, FileSystemArtifactStore):
+        return str(store._base_path)
+    return None
+
+
 def journal_file(storage: Any) -> str | None:
     """The file of a ``JournalStorage`` on a ``JournalFileBackend``: ``storage._backend._file_path``
     (``None`` for any other storage). Optuna keeps both private."""

@@ -64,6 +64,11 @@ class Checkpoints:
         """
         blob = snapshot.to_bytes(study.study_name)
         artifact_id = f"rapidfire-{uuid.uuid4().hex}"
+        folder = _compat.artifact_folder(self.store)
+        if folder is not None and not os.path.isdir(folder):
+            # Deleted while the study runs (a cleanup, a remount): make it again rather than stop checkpointing.
+            os.makedirs(folder, exist_ok=True)
+            _logger.warning("The artifact folder %s was gone; it is made again for the next checkpoints.", folder)
         self.store.write(artifact_id, io.BytesIO(blob))
         link: dict[str, Any] = {
             "artifact_id": artifact_id,
