@@ -128,9 +128,11 @@ def retried(trial: FrozenTrial) -> list[int]:
     return [n for n in history if isinstance(n, int)]
 
 
-def retry_of(study: optuna.Study, trial_number: int) -> FrozenTrial | None:
-    """The unfinished retry of ``trial_number`` (a trial whose worker died), if there is one."""
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING)):
+def retry_of(study: optuna.Study, trial_number: int, *, unfinished: bool = True) -> FrozenTrial | None:
+    """Optuna's retry of ``trial_number`` (a trial whose worker died), if there is one: only one still to run or
+    running (``unfinished``), or any."""
+    states = (TrialState.WAITING, TrialState.RUNNING) if unfinished else None
+    for trial in study.get_trials(deepcopy=False, states=states):
         if trial_number in retried(trial):
             return trial
     return None

@@ -12,6 +12,7 @@ import math
 import os
 import queue
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -294,12 +295,39 @@ class TrialDriver:
     def _finished_elsewhere(self) -> float:
         if self.entry is not None and not self.entry.gone:
             self._leave(Decision.STOP)
-        self.shared.externally_finished.add(self.trial.number)
-        _logger.warning(
-            "Trial %d was finished outside the executor (optuna-dashboard's 'Fail Trial'?): its state is released.",
-            self.trial.number,
-        )
-        raise FinishedElsewhere(f"Trial {self.trial.number} was finished outside the executor.")
+        number = self.trial.number
+        self.shared.externally_finished.add(number)
+        retry = self._retry_of_self()
+        if retry is not None:
+            # Another worker's heartbeat check failed it: this worker's heartbeats did not reach the storage
+            # for longer than the grace period (an outage, a stalled process). Its retry continues it there.
+            _logger.warning(
+                "Trial %d was failed by another worker's heartbeat check (this worker's heartbeats did not reach "
+                "the storage within the grace period) and was retried there as trial %d; its state here is released.",
+                number,
+                retry.number,
+            )
+        else:
+            _logger.warning(
+                "Trial %d was finished outside the executor (optuna-dashboard's 'Fail Trial'?): its state is released.",
+                number,
+            )
+        explained(number)  # Optuna would add its own two lines and a traceback
+        raise FinishedElsewhere(f"Trial {number} was finished outside the executor.")
+
+    def _retry_of_self(self, wait: float = 2.0) -> Any:
+        """Optuna's retry of this trial, if another worker's heartbeat check failed it (which sets FAIL, then
+        enqueues the retry: it is waited for a moment), else ``None``."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                retry = _commands.retry_of(self.study, self.trial.number, unfinished=False)
+            except Exception:  # the storage is failing: say what is known
+                _logger.debug("Looking for a retry of trial %d failed.", self.trial.number, exc_info=True)
+                return None
+            if retry is not None or time.monotonic() >= deadline:
+                return retry
+            time.sleep(0.1)
 
     def _leave(self, decision: Decision) -> Any:
         """Tell the device the trial is done (``FINISH``: save its adapter; ``STOP``: release it); wait until it is."""

@@ -241,3 +241,33 @@ def test_fail_trial_while_its_adapter_is_saved_ends_it_cleanly_and_the_study_goe
     executor.optimize(study, by_number(CONFIGS[:3]), n_trials=3)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
     assert executor.stats().live_trials == 0
+
+
+def test_a_trial_failed_by_another_worker_s_heartbeat_check_says_so_and_its_retry_runs(
+    make_executor, slow_chunks, tmp_path, rapidfire_logs
+) -> None:
+    """What a worker sees after its heartbeats missed the grace period: another worker failed its trial and
+    enqueued the retry. The message names that, not optuna-dashboard, and the retry runs."""
+    slow_chunks(0.05)
+    url = f"sqlite:///{tmp_path / 'rf.db'}"
+    executor = make_executor(num_chunks=4, max_concurrent_trials=2)
+    study = optuna.create_study(storage=url, study_name="stale", pruner=optuna.pruners.NopPruner())
+    optuna.logging.enable_propagation()  # Optuna's lines too
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=3))
+    wait_until(lambda: 0 in study.trials[1].intermediate_values, what="trial 1's first report")
+    # What fail_stale_trials does, its callback first here: on a busy machine the driver could otherwise look
+    # for the retry (it waits 2 s) before the test's callback has written it.
+    optuna.storages.RetryFailedTrialCallback()(study, study.trials[1])
+    study._storage.set_trial_state_values(study.trials[1]._trial_id, TrialState.FAIL)
+    try:
+        run.join()
+    finally:
+        optuna.logging.disable_propagation()
+    retry = next(t for t in study.trials if t.system_attrs.get("failed_trial") == 1)
+    assert "Trial 1 was failed by another worker's heartbeat check" in rapidfire_logs.text
+    assert f"was retried there as trial {retry.number}" in rapidfire_logs.text
+    assert "FinishedElsewhere" not in rapidfire_logs.text  # no traceback of Optuna's about it
+    if retry.state == TrialState.WAITING:  # the budget went to trials started before it was enqueued
+        executor.optimize(study, by_number(CONFIGS), n_trials=1)
+        retry = study.trials[retry.number]
+    assert retry.state == TrialState.COMPLETE  # (from scratch: this study keeps no checkpoints)
