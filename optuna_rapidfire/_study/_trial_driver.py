@@ -120,8 +120,13 @@ class TrialDriver:
             with ACCELERATE_STATE:  # making TrainingArguments must not clear a trainer being built
                 peft_config, args, kind = self.services.check_config(self.configure(self.trial), self.study)
         except (TypeError, ValueError) as error:
-            # A config no trial can use: stop the study rather than fail trial after trial.
+            # A config no trial can use: stop the study rather than fail trial after trial. The error is raised
+            # by optimize once; Optuna's own lines (and traceback) about each trial it failed would repeat it.
+            first = self.shared.error is None
             self.shared.stop_study(self.study, error)
+            if first:
+                _logger.warning("Trial %d failed, and the study stops: %s", self.trial.number, error)
+            explained(self.trial.number)
             raise
         root = os.path.join(self.services.config.output_dir, self.study.study_name)
         return TrialSpec(

@@ -99,14 +99,20 @@ def test_a_missing_metric_is_the_fail_reason(make_executor) -> None:
     ],
 )
 def test_data_without_the_columns_the_trainer_needs_is_refused_before_any_training(
-    make_executor, chunk_log, train_format, args, needed
+    make_executor, chunk_log, caplog, train_format, args, needed
 ) -> None:
     train = load_gsm8k("train", num_rows=16, format=train_format)
     executor = make_executor(train_dataset=train, eval_dataset=train, max_concurrent_trials=2, reward_funcs=[len])
     study = optuna.create_study(direction="maximize" if isinstance(args, GRPOConfig) else "minimize")
-    with pytest.raises(ValueError, match="train_dataset has the columns") as raised:
-        executor.optimize(study, lambda trial: (lora(), args), n_trials=6)
+    optuna.logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.INFO), pytest.raises(ValueError, match="train_dataset has the columns") as raised:
+            executor.optimize(study, lambda trial: (lora(), args), n_trials=6)
+    finally:
+        optuna.logging.disable_propagation()
     assert str(train.column_names) in str(raised.value) and needed in str(raised.value)
+    # Said once in the log (then raised), without Optuna's lines and traceback for each trial of the wave.
+    assert caplog.text.count("train_dataset has the columns") == 1 and "Traceback" not in caplog.text
     assert chunk_log == []
     assert len(study.trials) <= 2  # the first wave; the study stopped instead of failing trial after trial
 
