@@ -61,6 +61,14 @@ def heartbeats_enabled(storage: Any) -> bool:
     return bool(is_heartbeat_enabled(storage))
 
 
+def stale_trial_ids(storage: Any, study_id: int) -> list[int]:
+    """The running trials whose heartbeat is older than the grace period: ``BaseHeartbeat._get_stale_trial_ids``
+    (what ``optuna.storages.fail_stale_trials`` fails; no public accessor). ``[]`` without heartbeats."""
+    if not heartbeats_enabled(storage):
+        return []
+    return list(storage._get_stale_trial_ids(study_id))
+
+
 def stop_requested(study: optuna.Study) -> bool:
     """``study._stop_flag``: whether ``study.stop()`` was called during this ``optimize``. Public
     alternative: none (``study.stop()`` only sets it)."""

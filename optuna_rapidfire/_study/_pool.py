@@ -24,6 +24,7 @@ from optuna.trial import TrialState
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._study import _attrs
 from optuna_rapidfire._study._storages import StorageUnavailableError, file_path, retrying
 
 if TYPE_CHECKING:
@@ -33,6 +34,29 @@ if TYPE_CHECKING:
 
 _logger = get_logger(__name__)
 _WAIT_SECONDS = 1.0  # how often a worker waiting for the study's end looks at the storage
+
+
+STALE_REASON = (
+    "HeartbeatStale: its worker sent no heartbeat for longer than the storage's grace period (it died, or lost "
+    "the storage); Optuna's heartbeat callback retries it as a new trial"
+)
+
+
+def fail_stale_trials(study: optuna.Study) -> None:
+    """``optuna.storages.fail_stale_trials``, each stale trial first marked as failed, with why: once Optuna has
+    failed it, a finished trial's attributes can no longer be written."""
+    storage = _compat.storage(study)
+    stale = _compat.stale_trial_ids(storage, _compat.study_id(study))
+    for trial_id in stale:
+        try:
+            storage.set_trial_user_attr(trial_id, _attrs.STATUS, "failed")
+            storage.set_trial_user_attr(trial_id, _attrs.FAIL_REASON, STALE_REASON)
+        except optuna.exceptions.UpdateFinishedTrialError:  # another worker failed it first
+            continue
+    if stale:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
 
 
 def _storage_error_in(error: BaseException) -> StorageUnavailableError | None:
@@ -193,6 +217,7 @@ class TrialPool:
                     self.slots.wait_for_change(_WAIT_SECONDS)
                     continue
             lease = self.slots.acquire()
+            fail_stale_trials(_compat.with_storage(self.study, self._storage))  # before Optuna's own call does
             if self._take_ticket is not None and not self._take_ticket():
                 lease.release()
                 break
@@ -232,13 +257,9 @@ class TrialPool:
         """With ``target``: ``start`` a trial, ``wait`` (another worker's trials may still need a retry),
         or ``done`` (the study has the target's trials and nothing is left to run)."""
         storage = self._storage
-        if _compat.heartbeats_enabled(storage):
-            # Optuna does this when a trial starts; a worker waiting for the study's end does it too, so
-            # the trials of a dead worker come back (as retries) while others can take them.
-            view = _compat.with_storage(self.study, storage)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                optuna.storages.fail_stale_trials(view)
+        # Optuna does this when a trial starts; a worker waiting for the study's end does it too, so the trials
+        # of a dead worker come back (as retries) while others can take them.
+        fail_stale_trials(_compat.with_storage(self.study, storage))
         assert self.target is not None
         wanted, counted = self.target
         trials = storage.get_all_trials(_compat.study_id(self.study), deepcopy=False)

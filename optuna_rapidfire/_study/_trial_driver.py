@@ -79,6 +79,8 @@ class TrialDriver:
             self.services.register_form(self.study)
             self.trial.set_user_attr(_attrs.METRIC, self.services.metric)
             self.trial.set_user_attr(_attrs.STATUS, "running")
+            if self.trial.user_attrs.get(_attrs.FAIL_REASON) is not None:  # copied by Optuna's retry from the dead one
+                self.trial.set_user_attr(_attrs.FAIL_REASON, None)
             self.trial.set_user_attr(_attrs.WORKER, f"{socket.gethostname()}:{os.getpid()}:{self.device.label}")
             entry = Entry(number=self.trial.number, trial_id=_compat.trial_id(self.trial), spec=spec)
             maximize = self.study.direction == optuna.study.StudyDirection.MAXIMIZE

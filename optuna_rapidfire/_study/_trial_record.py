@@ -55,7 +55,7 @@ class TrialRecord:
                 return
             if current.user_attrs.get(_attrs.STATUS) not in ("deleted", "paused-at-end", "interrupted"):
                 self.trial.set_user_attr(_attrs.STATUS, status)
-            if reason is not None and reason[0] not in current.user_attrs:
+            if reason is not None and current.user_attrs.get(reason[0]) is None:
                 self.trial.set_user_attr(*reason)
         except Exception:  # the storage is gone: the trial's end is still told by Optuna
             _logger.debug("Trial %d: its final status could not be written.", self.trial.number, exc_info=True)

@@ -115,12 +115,16 @@ def test_a_killed_worker_s_trials_resume_on_another_worker_from_their_checkpoint
         by_number = {t.number: t for t in trials}
         # The dead worker's trials were failed by heartbeat and retried, each once.
         assert all(by_number[number].state == TrialState.FAIL for number in dead)
+        for number in dead:  # each says why it failed, and is no longer "running"
+            attrs = by_number[number].user_attrs
+            assert attrs[_attrs.STATUS] == "failed" and attrs[_attrs.FAIL_REASON].startswith("HeartbeatStale: ")
         retries = {t.system_attrs["failed_trial"]: t for t in trials if "failed_trial" in t.system_attrs}
         assert sorted(retries) == dead
         # On failure: each trial's state, why it failed or how it resumed, and the workers' logs.
         told = (_attrs.FAIL_REASON, _attrs.RETRY_OF, _attrs.RESUMED_FROM_STEP, _attrs.RESUME_FAILED)
         summary = [(t.number, t.state.name, {k: t.user_attrs[k] for k in told if k in t.user_attrs}) for t in trials]
         assert all(r.state == TrialState.COMPLETE for r in retries.values()), f"{summary}\n{log[-6000:]}"
+        assert all(r.user_attrs.get(_attrs.FAIL_REASON) is None for r in retries.values())  # not the dead one's
 
         # Every config completed exactly once: nothing lost, nothing trained twice.
         complete = [t for t in trials if t.state == TrialState.COMPLETE]
