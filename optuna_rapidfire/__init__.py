@@ -6,11 +6,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["RapidFireExecutor", "StorageUnavailableError", "__version__", "best_adapter_path"]
+__all__ = ["RapidFireExecutor", "StorageUnavailableError", "__version__", "best_adapter_path", "tune"]
 
 if TYPE_CHECKING:
     from optuna_rapidfire._executor import RapidFireExecutor, best_adapter_path
     from optuna_rapidfire._study._storages import StorageUnavailableError
+    from optuna_rapidfire._tune import tune
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from optuna_rapidfire._study._storages import StorageUnavailableError
 
         return StorageUnavailableError
+    if name == "tune":
+        from optuna_rapidfire._tune import tune
+
+        return tune
     raise AttributeError(f"module 'optuna_rapidfire' has no attribute {name!r}")

@@ -1,4 +1,6 @@
-"""optuna-rapidfire: list trials and stop, resume, delete or clone them, from any machine.
+"""optuna-rapidfire: run a declared search; list trials and stop, resume, delete or clone them, from any machine.
+
+  optuna-rapidfire tune   search.yaml [--merge]
 
   optuna-rapidfire ls     --storage sqlite:///rf.db --study-name demo
   optuna-rapidfire stop   --storage sqlite:///rf.db --study-name demo 3
@@ -13,6 +15,11 @@ the trial's next chunk starts. A worker joins a study from any machine: --app na
 module, called as app(devices=...), that returns (executor, configure) or (executor, configure,
 study_kwargs), the last with sampler= and pruner= for optuna.load_study. Workers record heartbeats; the
 trials of a worker that dies are retried on a live one from their last per-chunk checkpoint.
+
+tune runs the search a YAML file declares (model, data, trainer, space, objective, budget) and creates or
+continues its study: running it again never repeats a finished trial. It writes summary.json, report.md and
+best_adapter/ (with --merge also best_merged/) to the search's output folder. Exit status: 0 when a trial
+completed, 1 when none did, 2 for bad input, 130 when interrupted (Ctrl-C or SIGTERM; run it again to go on).
 """
 
 # The docstring above is the text of --help, so it is plain text, not reST.
@@ -86,6 +93,15 @@ def _parser() -> argparse.ArgumentParser:
         "--grace-period", type=int, default=None, help="seconds without a heartbeat before a trial counts as dead"
     )
     worker.add_argument("--max-retry", type=int, default=3, help="retries of a trial whose worker died")
+    tune = commands.add_parser(
+        "tune",
+        help="run a declared search (YAML): create or continue its study, write summary.json and report.md",
+        description="Run the search SEARCH declares; running it again continues its study.",
+    )
+    tune.add_argument("search", metavar="SEARCH", help="the search file (YAML)")
+    tune.add_argument(
+        "--merge", action="store_true", help="also save the base model with the best adapter merged in (best_merged/)"
+    )
     clone = command("clone", "enqueue a warm (or --cold) clone of a trial")
     clone.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="change a parameter")
     clone.add_argument("--cold", action="store_true", help="start from scratch instead of the parent's state")
@@ -262,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     options = _parser().parse_args(argv)
     if options.command == "worker":
         return _worker(options)
+    if options.command == "tune":
+        return _tune(options)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         study = _load_study(options.storage, options.study_name)
@@ -357,6 +375,45 @@ def _worker(options: argparse.Namespace) -> int:
         print(f"optuna-rapidfire: worker {os.getpid()} interrupted; its live trials ended (PRUNED).", file=sys.stderr)
         return 130
     logger.info("Worker %s is done.", os.getpid())
+    return 0
+
+
+def _tune(options: argparse.Namespace) -> int:
+    """``optuna-rapidfire tune``: 0 with a COMPLETE trial, 1 without, 2 for bad input, 130 when interrupted."""
+    import signal
+    import threading
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from optuna_rapidfire._tune import NoCompleteTrialError, tune
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # a pipeline's cancel (SIGTERM) ends the step as Ctrl-C does: cleanly
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        result = tune(options.search, merge=options.merge)
+    except NoCompleteTrialError as error:
+        print(f"optuna-rapidfire: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("optuna-rapidfire: the tuning step was interrupted; run it again to continue it.", file=sys.stderr)
+        return 130
+    except SQLAlchemyError as error:
+        return _error(f"the study's storage failed: {str(getattr(error, 'orig', None) or error).splitlines()[0]}")
+    except (ValueError, TypeError, KeyError) as error:
+        return _error(error.args[0] if isinstance(error, KeyError) and error.args else error)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    best = result.summary["best"]
+    print(f"best trial {best['number']}: {result.summary['metric']} = {best['value']}, params {best['params']}")
+    print(f"best adapter: {result.best_adapter}")
+    if result.merged is not None:
+        print(f"merged model: {result.merged}")
+    print(f"summary: {result.summary_path}")
     return 0
 
 

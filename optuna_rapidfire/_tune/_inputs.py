@@ -1,0 +1,199 @@
+"""What a valid search becomes for a run: data sets, reward functions, the sampler and pruner, the storage
+and the ``configure(trial)`` that turns a trial's sampled values into ``(LoraConfig, <TRL config>)``.
+
+Every function here reads a :class:`~optuna_rapidfire._tune._search.Search` and returns objects; none of them
+runs a trial. Errors name the search key they come from, as the schema's do.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from optuna_rapidfire._tune._search import (
+    BUILTIN_REWARDS,
+    DATA_FILE_TYPES,
+    DEMO_FORMATS,
+    Named,
+    config_classes,
+    pruner_names,
+    sampler_names,
+    training_values,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    import optuna
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainingArguments
+
+    from optuna_rapidfire._tune._search import DataSource, Search
+
+HEARTBEAT_INTERVAL_S = 10
+"""Seconds between a running trial's heartbeats in a tuning step's storage: a step that was killed leaves its
+trials RUNNING, and they are retried from their last per-chunk checkpoint once their heartbeat is older than
+Optuna's grace period (twice this)."""
+MAX_RETRY = 3
+"""Retries of a trial whose step was killed, before it stays FAIL."""
+
+
+def load_data(source: DataSource, trainer: str, where: str) -> Dataset:
+    """The ``datasets.Dataset`` ``source`` names (``where``: its key in the search, for errors)."""
+    import datasets
+
+    if source.demo is not None:
+        from optuna_rapidfire.demo import load_gsm8k
+
+        dataset = load_gsm8k(
+            source.split,  # type: ignore[arg-type]
+            num_rows=source.rows,
+            format=source.format or DEMO_FORMATS[trainer],  # type: ignore[arg-type]
+        )
+    elif source.path is not None:
+        path = Path(source.path)
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+        else:
+            loaded = datasets.load_dataset(DATA_FILE_TYPES[path.suffix.lower()], data_files=str(path), split="train")
+        dataset = _split(loaded, source.split, where)
+    else:
+        assert source.dataset is not None
+        try:
+            loaded = datasets.load_dataset(source.dataset, source.name, split=source.split)
+        except (FileNotFoundError, ValueError, OSError) as error:
+            raise ValueError(f"{where}.dataset: datasets cannot load {source.dataset!r}: {error}") from None
+        dataset = _split(loaded, None, where)
+    if source.rows is not None and source.demo is None:
+        dataset = dataset.select(range(min(source.rows, len(dataset))))
+    missing = sorted(set(source.columns) - set(dataset.column_names))
+    if missing:
+        raise ValueError(f"{where}.columns: no column {', '.join(missing)}; the data has {dataset.column_names}.")
+    if source.columns:
+        dataset = dataset.rename_columns(dict(source.columns))
+    if len(dataset) == 0:
+        raise ValueError(f"{where}: the data is empty.")
+    return dataset
+
+
+def _split(loaded: Any, split: str | None, where: str) -> Dataset:
+    from datasets import Dataset, DatasetDict
+
+    if isinstance(loaded, Dataset):
+        return loaded
+    if isinstance(loaded, DatasetDict):
+        if split is None or split not in loaded:
+            raise ValueError(
+                f"{where}.split must be one of {', '.join(loaded)} (the folder holds splits), got {split!r}."
+            )
+        return loaded[split]
+    raise TypeError(f"{where}: expected a datasets.Dataset, but loading gave {type(loaded).__name__}.")
+
+
+def reward_funcs(search: Search) -> list[Callable[..., list[float]] | str]:
+    """The GRPO rewards: built-in ones by name, ``module:function`` imported, anything else a reward model's
+    path or hub id (the executor loads those once)."""
+    found: list[Callable[..., list[float]] | str] = []
+    for i, name in enumerate(search.rewards):
+        where = f"rewards[{i}]"
+        if name in BUILTIN_REWARDS:
+            from optuna_rapidfire.demo import gsm8k_reward
+
+            found.append(gsm8k_reward)
+            continue
+        module_name, sep, attr = name.partition(":")
+        if not sep or os.path.exists(name):
+            found.append(name)
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"{where}: cannot import {module_name!r} ({error}).") from None
+        function = getattr(module, attr, None)
+        if not callable(function):
+            raise ValueError(f"{where}: {module_name!r} has no function {attr!r}.")
+        found.append(function)
+    return found
+
+
+def build_named(spec: Named | None, kind: str, *, seed_offset: int = 0) -> Any:
+    """The sampler or pruner ``spec`` names (nested ones built first); ``None`` for Optuna's default.
+
+    ``seed_offset`` is added to every ``seed``: a step run again passes the number of trials its study holds,
+    so that a seeded sampler does not draw its first configs again (it would, from the same seed), while the
+    same history still gives the same draws.
+    """
+    if spec is None:
+        return None
+    classes = sampler_names() if kind == "sampler" else pruner_names()
+    kwargs = {}
+    for key, value in spec.kwargs.items():
+        if isinstance(value, Named):
+            value = build_named(value, "sampler" if key.endswith("sampler") else "pruner", seed_offset=seed_offset)
+        elif key == "seed" and isinstance(value, int) and not isinstance(value, bool):
+            value += seed_offset
+        kwargs[key] = value
+    return classes[spec.name](**kwargs)
+
+
+def trials_in_study(storage: optuna.storages.BaseStorage, study_name: str) -> int:
+    """How many trials the study ``study_name`` holds in ``storage`` (0 when it does not exist yet)."""
+    try:
+        study_id = storage.get_study_id_from_name(study_name)
+    except KeyError:
+        return 0
+    return len(storage.get_all_trials(study_id, deepcopy=False))
+
+
+def open_storage(search: Search) -> optuna.storages.RDBStorage:
+    """The study's storage, with heartbeats: a killed step's trials are retried from their checkpoints."""
+    import warnings
+
+    import optuna
+    from optuna.exceptions import ExperimentalWarning
+
+    if search.storage.startswith("sqlite:///"):
+        Path(search.storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # heartbeats have been "experimental" since Optuna 2.8; nothing to act on
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        return optuna.storages.RDBStorage(
+            search.storage,
+            heartbeat_interval=HEARTBEAT_INTERVAL_S,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY),
+        )
+
+
+def make_configure(search: Search) -> Callable[[optuna.Trial], tuple[LoraConfig, TrainingArguments]]:
+    """``configure(trial)``: suggest every parameter of the space under its name, then build the configs from
+    the fixed values and the sampled ones (a sampled value goes where its name says: ``lora.r`` into
+    ``LoraConfig.r``, ``training.learning_rate`` into the TRL config's ``learning_rate``)."""
+    lora_class, args_class = config_classes(search.trainer)
+    fixed_lora, fixed_training = dict(search.lora), training_values(search)
+    space: Mapping[str, Any] = search.space
+
+    def configure(trial: optuna.Trial) -> tuple[LoraConfig, TrainingArguments]:
+        from optuna.distributions import CategoricalDistribution, IntDistribution
+
+        sampled: dict[str, dict[str, Any]] = {"lora": {}, "training": {}}
+        for name, distribution in space.items():
+            section, _, field = name.partition(".")
+            if isinstance(distribution, CategoricalDistribution):
+                value: Any = trial.suggest_categorical(name, distribution.choices)
+            elif isinstance(distribution, IntDistribution):
+                value = trial.suggest_int(
+                    name, distribution.low, distribution.high, step=distribution.step, log=distribution.log
+                )
+            else:
+                value = trial.suggest_float(
+                    name, distribution.low, distribution.high, step=distribution.step, log=distribution.log
+                )
+            sampled[section][field] = value
+        return (
+            lora_class(**{**fixed_lora, **sampled["lora"]}),
+            args_class(**{**fixed_training, **sampled["training"]}),
+        )
+
+    return configure
