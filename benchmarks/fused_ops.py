@@ -31,8 +31,8 @@ import torch
 from peft import LoraConfig
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.run import machine
-from benchmarks.search import BASE_MODEL
+from benchmarks.harness.environment import machine
+from benchmarks.parts.search.settings import BASE_MODEL
 from optuna_rapidfire._fused._fused_pass import Gang, fused_forward, layer_plans, segment_losses
 from optuna_rapidfire._resident._model import ResidentModel
 

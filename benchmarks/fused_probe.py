@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from peft import LoraConfig
 
-from benchmarks.run import SHAPES, machine
+from benchmarks.harness.environment import machine
+from benchmarks.harness.models import SHAPES
 from optuna_rapidfire._fused._fused_pass import Gang, fused_forward, segment_losses
 from optuna_rapidfire._resident._model import ResidentModel
 

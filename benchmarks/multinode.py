@@ -37,7 +37,7 @@ def app(devices: str) -> tuple[Any, Any, dict[str, Any]]:
     """What each worker runs (``--app benchmarks.multinode:app``)."""
     import functools
 
-    from benchmarks.run import _configure, build_model
+    from benchmarks.harness.models import build_model, configure_from_params
     from optuna_rapidfire import RapidFireExecutor
     from optuna_rapidfire.demo import load_gsm8k
 
@@ -53,7 +53,7 @@ def app(devices: str) -> tuple[Any, Any, dict[str, Any]]:
         dashboard_controls=False,
         devices=devices,
     )
-    return executor, functools.partial(_configure, batch=BATCH), {"pruner": optuna.pruners.NopPruner()}
+    return executor, configure_from_params(BATCH), {"pruner": optuna.pruners.NopPruner()}
 
 
 def _run(workdir: Path, name: str, kill_after_chunks: int | None) -> dict[str, Any]:
@@ -144,7 +144,7 @@ def main() -> None:
         out = Path(options.out)
         (out / "multinode.md").write_text(markdown(json.loads((out / "multinode.json").read_text())))
         return
-    from benchmarks.run import machine
+    from benchmarks.harness.environment import machine
     from optuna_rapidfire.demo import build_tiny_model
 
     workdir = Path(tempfile.mkdtemp(prefix="rapidfire-nodes-"))

@@ -10,7 +10,8 @@ Runs, in this order (``--grpo-runs`` measures some of them and merges them into 
   holds every trial. Wall time is the whole study (trainer builds, generation, rewards, policy steps,
   per-chunk evaluation, which generates too); the model is loaded before the clock starts. Every decode
   the engine runs (``Generation._decode``: a trial alone, or the members of a gang together) is timed with
-  the device synchronized before and after, and its generated tokens are counted from the completions.
+  the device synchronized before and after, and its generated tokens are counted from the completions
+  (:class:`benchmarks.harness.hooks.DecodeLog`).
 - ``decode_ceiling``: a fresh model of the same shape with one LoRA adapter (r16), and one call of
   :func:`~optuna_rapidfire._fused._fused_decode.decode` with ONE request holding the rows of one of the
   gang's decodes (trials x completions per step: GSM8K train prompts, tokenized as TRL does, each
@@ -31,30 +32,25 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import optuna
 import torch
 from peft import LoraConfig, get_peft_model
 from trl import GRPOConfig
 
-from benchmarks.run import _drop, _peak_memory_gb, _reset_peak, _sync, build_model, lora
+from benchmarks.harness.bench import Bench
+from benchmarks.harness.hooks import DecodeLog, DecodeRequest, decode
+from benchmarks.harness.measure import drop, peak_memory_gb, release, reset_peak, sync
+from benchmarks.harness.models import build_model, lora
 from optuna_rapidfire import RapidFireExecutor
-from optuna_rapidfire._engines._trials import DeviceTrials
-from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
-from optuna_rapidfire._trainers.grpo._generation import Generation
 from optuna_rapidfire.demo import gsm8k_reward, load_gsm8k
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from benchmarks.run import Bench
 
 
 @dataclass(frozen=True)
@@ -111,64 +107,6 @@ def _configure(trial: optuna.Trial, sizes: Sizes) -> tuple[LoraConfig, GRPOConfi
     return lora(16), grpo_args(lr, beta, seed, sizes)
 
 
-class DecodeLog:
-    """Every decode an engine runs: its requests, rows, widest prompt, generated tokens, seconds (device
-    synchronized before and after) and phase ("train", "eval", "check": the metric-name check of the first
-    trial built, or "mixed"). Hooks ``Generation._decode`` and ``DeviceTrials.evaluate``."""
-
-    def __init__(self) -> None:
-        self.decodes: list[dict[str, Any]] = []
-        self.settings: dict[str, Any] | None = None  # the first request's sampling settings
-        self._phase: dict[str, str] = {}  # adapter -> "eval" or "check" while its trial evaluates
-        self._originals: tuple[Any, Any] | None = None
-
-    def __enter__(self) -> DecodeLog:
-        log = self
-        run_decode, evaluate = self._originals = (Generation._decode, DeviceTrials.evaluate)
-
-        def timed(generation: Generation, requests: Any, first: Any) -> Any:
-            phases = {log._phase.get(r.adapter, "train") for r in requests}
-            _sync()
-            start = time.perf_counter()
-            out = run_decode(generation, requests, first)
-            _sync()
-            seconds = time.perf_counter() - start
-            if log.settings is None:
-                log.settings = _settings(requests[0])
-            log.decodes.append(
-                {
-                    "requests": len(requests),
-                    "rows": sum(len(r.prompts) for r in requests),
-                    "prompt_width": max(len(p) for r in requests for p in r.prompts),
-                    "tokens": sum(len(c) for completions in out for c in completions),
-                    "seconds": seconds,
-                    "phase": phases.pop() if len(phases) == 1 else "mixed",
-                }
-            )
-            return out
-
-        def flagged(trials: DeviceTrials, runtime: Any, max_batches: int | None = None) -> Any:
-            name = runtime.state.adapter_name
-            log._phase[name] = "eval" if max_batches is None else "check"
-            try:
-                return evaluate(trials, runtime, max_batches)
-            finally:
-                log._phase.pop(name, None)
-
-        Generation._decode = timed  # type: ignore[method-assign,assignment]
-        DeviceTrials.evaluate = flagged  # type: ignore[method-assign,assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._originals is not None
-        Generation._decode, DeviceTrials.evaluate = self._originals  # type: ignore[method-assign]
-
-
-def _settings(request: DecodeRequest) -> dict[str, Any]:
-    keep = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
-    return {name: getattr(request, name) for name in keep} | {"eos_token_ids": list(request.eos_token_ids)}
-
-
 def _totals(decodes: list[dict[str, Any]]) -> dict[str, Any]:
     tokens, seconds = sum(d["tokens"] for d in decodes), sum(d["seconds"] for d in decodes)
     return {
@@ -201,14 +139,14 @@ def run_study(bench: Bench, shape: str, engine: Literal["fused", "time_sliced"],
     for index in range(sizes.trials):
         study.enqueue_trial(params(index))
     executor.objective(configure)  # loads the model
-    _reset_peak()
+    reset_peak()
     with DecodeLog() as log:
         start = time.perf_counter()
         executor.optimize(study, configure, n_trials=sizes.trials)
         wall = time.perf_counter() - start
     stats = executor.stats()
-    peak = _peak_memory_gb()
-    _drop(executor)
+    peak = peak_memory_gb()
+    drop(executor)
     decoded = _totals(log.decodes)
     gang = [d for d in log.decodes if d["requests"] == sizes.trials]
     return {
@@ -255,22 +193,20 @@ def ceiling(bench: Bench, shape: str, sizes: Sizes) -> dict[str, Any]:
     }
     eos = (int(tokenizer.eos_token_id),)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
-    _reset_peak()
+    reset_peak()
     timed: list[tuple[float, int]] = []
     for _ in range(1 + CEILING_REPEATS):  # the first warms up
         generator = torch.Generator(device=device).manual_seed(0)
         request = DecodeRequest(adapter="default", prompts=rows, generator=generator, eos_token_ids=eos, **settings)
-        _sync()
+        sync()
         start = time.perf_counter()
         with torch.no_grad(), autocast:
             out = decode(peft_model, [request], int(tokenizer.pad_token_id))
-        _sync()
+        sync()
         timed.append((time.perf_counter() - start, sum(len(c) for c in out[0])))
-    peak = _peak_memory_gb()
+    peak = peak_memory_gb()
     del peft_model, model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release()
     seconds = statistics.median(s for s, _ in timed[1:])
     tokens = timed[1][1]
     return {
@@ -286,8 +222,10 @@ def ceiling(bench: Bench, shape: str, sizes: Sizes) -> dict[str, Any]:
     }
 
 
-def run(bench: Bench, shape: str, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """The grpo part: the runs asked for (``--grpo-runs``, default all), merged into ``--out/grpo.json``."""
+def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """The grpo part: the runs asked for (``--grpo-runs``, default all), merged into ``--out/grpo.json``; on the
+    first shape."""
+    shape = shapes[0]
     sizes = SMOKE if bench.smoke else GPU
     k = sizes.trials
     # The time-sliced study is the longest: last, so that a call cut short keeps the other two (each run is
@@ -331,7 +269,14 @@ def ratios(data: dict[str, Any]) -> None:
         )
 
 
+def summary(data: dict[str, Any]) -> dict[str, Any]:
+    """The part's keys of summary.json (the ratios are recomputed)."""
+    ratios(data)
+    return {key: data[key] for key in KEYS if key in data}
+
+
 def markdown(data: dict[str, Any]) -> list[str]:
+    """The part's section of results.md."""
     ratios(data)
     sizes = Sizes(**data["sizes"])
     lines = [

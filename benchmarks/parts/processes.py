@@ -3,7 +3,7 @@
 The fused part's ``processes_*`` runs (issue 14). Each trial is an OS process that builds its own copy of
 the model (the same random-weight shape and weights as the executor's), wraps it in the trial's LoRA and
 trains TRL's ``SFTTrainer`` on the same GSM8K rows, batch and ``max_length`` as the executor's trial, with
-no evaluation. The processes start together through :func:`benchmarks.search.spawn_workers`:
+no evaluation. The processes start together through :func:`benchmarks.harness.workers.spawn_workers`:
 
 - before it says it is ready, each process imports, builds its model, trains 3 untimed steps of its own
   LoRA config (CUDA context, kernels, allocator) and builds its timed trainer (TRL tokenizes and packs
@@ -33,8 +33,9 @@ from peft import get_peft_model
 from transformers import TrainerCallback
 from trl import SFTTrainer
 
-from benchmarks.run import build_model, sft_args, trial_lora
-from benchmarks.search import spawn_workers, wait_for_go
+from benchmarks.harness.measure import sync
+from benchmarks.harness.models import build_model, sft_args, trial_lora
+from benchmarks.harness.workers import spawn_workers, wait_for_go
 from optuna_rapidfire.demo import load_gsm8k
 
 
@@ -54,7 +55,7 @@ def run_processes(
         }
         for p in params
     ]
-    results = sorted(spawn_workers(specs, stop_when_done=False, module="benchmarks.processes"), key=_index)
+    results = sorted(spawn_workers(specs, stop_when_done=False, module="benchmarks.parts.processes"), key=_index)
     tokens = sum(r["tokens"] for r in results)
     window = max(r["end"] for r in results)  # seconds since the go
     peaks = [r["peak_memory_gb"] for r in results]
@@ -87,7 +88,7 @@ class _StepTimes(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if len(self.times) < 3:
-            _sync()
+            sync()
         self.times.append(time.time())
 
 
@@ -100,15 +101,10 @@ def _memory_gb(statistic: Any) -> float:
     return statistic() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _worker_main(spec_path: str) -> None:
-    """``python -m benchmarks.processes --worker SPEC``: one trial's plain-TRL process (see the module)."""
+    """``python -m benchmarks.parts.processes --worker SPEC``: one trial's plain-TRL process (see the module)."""
     spec = json.loads(Path(spec_path).read_text())
-    sync, index, batch = Path(spec["dir"]), spec["index"], spec["batch"]
+    folder, index, batch = Path(spec["dir"]), spec["index"], spec["batch"]
     params = spec["params"]
     started = time.time() - spec["spawned"]  # interpreter and imports
     model, tokenizer = build_model(spec["shape"], spec["tokenizer"])
@@ -134,14 +130,14 @@ def _worker_main(spec_path: str) -> None:
             processing_class=tokenizer,
             callbacks=[stamps],
         )
-        _sync()
+        sync()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         ready = time.time() - spec["spawned"]
-        go = wait_for_go(sync, index)
+        go = wait_for_go(folder, index)
         begun = time.time()
         trainer.train()
-        _sync()
+        sync()
         end = time.time()
         steps = int(trainer.state.global_step)
         tokens = int(trainer._total_train_tokens)
@@ -165,7 +161,7 @@ def _worker_main(spec_path: str) -> None:
             "peak_memory_gb": _memory_gb(torch.cuda.max_memory_allocated),
             "reserved_memory_gb": _memory_gb(torch.cuda.max_memory_reserved),
         }
-    (sync / f"result-{index}.json").write_text(json.dumps(result))
+    (folder / f"result-{index}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

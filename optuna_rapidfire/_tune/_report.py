@@ -54,8 +54,8 @@ def _time(moment: datetime | None) -> str | None:
     return None if moment is None else moment.astimezone().isoformat()
 
 
-def trial_entry(trial: FrozenTrial) -> dict[str, Any]:
-    """One trial as the summary lists it."""
+def trial_entry(trial: FrozenTrial, continued_by: int | None = None) -> dict[str, Any]:
+    """One trial as the summary lists it (``continued_by``: the trial that carries it on, if any)."""
     attrs = trial.user_attrs
     reason = attrs.get(_attrs.FAIL_REASON) or attrs.get(_attrs.PRUNED_REASON)
     seconds = None
@@ -73,6 +73,7 @@ def trial_entry(trial: FrozenTrial) -> dict[str, Any]:
         "curve": [_number(trial.intermediate_values[step]) for step in sorted(trial.intermediate_values)],
         "parent": attrs.get(_attrs.PARENT),
         "retry_of": attrs.get(_attrs.RETRY_OF),
+        "continued_by": continued_by,
         "adapter_path": attrs.get(_attrs.ADAPTER_PATH),
         "started": _time(trial.datetime_start),
         "ended": _time(trial.datetime_complete),
@@ -89,6 +90,7 @@ def summary(
     started: datetime,
     ended: datetime,
     trials_run: int,
+    continued_by: dict[int, int],
     best_adapter: Path | None,
     merged: Path | None,
     mlflow_run: str | None,
@@ -97,7 +99,7 @@ def summary(
     """The whole summary (see the README's "Tuning step for pipelines" for each key)."""
     from optuna.trial import TrialState
 
-    trials = [trial_entry(t) for t in study.get_trials(deepcopy=False)]
+    trials = [trial_entry(t, continued_by.get(t.number)) for t in study.get_trials(deepcopy=False)]
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     best = None
     if complete:
@@ -216,9 +218,12 @@ def markdown(data: dict[str, Any]) -> str:
     lines += ["", "## Trials", "", "| trial | state | chunks | value | params | reason |", "|---|---|---|---|---|---|"]
     for trial in data["trials"]:
         chunks = f"{trial['chunks_done']}/{trial['total_chunks'] or '?'}"
+        reason = _cell(trial["reason"])
+        if trial["continued_by"] is not None:
+            reason += f" (continued by trial {trial['continued_by']})"
         lines.append(
             f"| {trial['number']} | {trial['state']} | {chunks} | {_cell(trial['value'])} | "
-            f"{_cell(trial['params'])} | {_cell(trial['reason'])} |"
+            f"{_cell(trial['params'])} | {reason.strip()} |"
         )
     lines += ["", "## Per-chunk curves", ""]
     if data["plot"]:

@@ -166,17 +166,31 @@ def tune(search: str | os.PathLike[str] | Mapping[str, Any], *, merge: bool = Fa
             left = trials_left(study, spec.n_trials)
             if left == 0:
                 _logger.info("The study has its %d trials: nothing to run; writing the outputs again.", spec.n_trials)
+            elif left is None:
+                _logger.info("Tuning step %r: running trials for %.0f s.", spec.study_name, spec.timeout)
             else:
+                assert spec.n_trials is not None
                 _logger.info(
-                    "Tuning step %r: %d finished trial(s) so far, %s to run.",
+                    "Tuning step %r: %d of %d trials done, %d to run.",
                     spec.study_name,
-                    len([t for t in study.trials if t.state.is_finished()]),
-                    "trials until the timeout" if left is None else left,
+                    spec.n_trials - left,
+                    spec.n_trials,
+                    left,
                 )
                 executor.optimize(study, make_configure(spec), n_trials=left, timeout=spec.timeout)
         except BaseException as caught:
             error = caught
     return _finish(spec, study, started, len(study.trials) - before, error, merge=merge or spec.merge)
+
+
+def successors(study: optuna.Study) -> dict[int, int]:
+    """``{trial: the trial that carries it on}``: Optuna's retry of a trial whose run was killed, or the warm
+    clone that continues an interrupted one."""
+    found = {int(number): int(child) for number, child in study.user_attrs.get(CONTINUED_ATTR, {}).items()}
+    for trial in study.get_trials(deepcopy=False):
+        for number in _commands.retried(trial):
+            found.setdefault(number, trial.number)
+    return found
 
 
 def trials_left(study: optuna.Study, n_trials: int | None) -> int | None:
@@ -188,10 +202,8 @@ def trials_left(study: optuna.Study, n_trials: int | None) -> int | None:
     """
     if n_trials is None:
         return None
-    trials = study.get_trials(deepcopy=False)
-    succeeded = {number for trial in trials for number in _commands.retried(trial)}
-    succeeded |= {int(number) for number in study.user_attrs.get(CONTINUED_ATTR, {})}
-    done = [t for t in trials if t.state.is_finished() and t.number not in succeeded]
+    succeeded = successors(study)
+    done = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished() and t.number not in succeeded]
     return max(0, n_trials - len(done))
 
 
@@ -342,6 +354,7 @@ def _finish(
         started=started,
         ended=datetime.now(timezone.utc),
         trials_run=trials_run,
+        continued_by=successors(study),
         best_adapter=best_adapter,
         merged=merged,
         mlflow_run=mlflow_run,

@@ -1,0 +1,65 @@
+"""Worker processes started together: the plain-TRL baselines (several processes sharing one GPU).
+
+The parent writes one spec per worker, starts ``python -m MODULE --worker SPEC`` for each, waits until every
+worker is warm and ready, then gives all of them one go time; each worker writes its result last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def wait_for_go(sync: Path, index: int) -> float:
+    """A worker's side of :func:`spawn_workers`: say it is ready, wait until every worker is; the go time."""
+    (sync / f"ready-{index}").touch()
+    while not (sync / "go").exists():
+        time.sleep(0.01)
+    return float((sync / "go").read_text())
+
+
+def spawn_workers(specs: list[dict[str, Any]], stop_when_done: bool, module: str) -> list[dict[str, Any]]:
+    """Start one worker process per spec, let them go together once all are warm, collect their results.
+
+    ``stop_when_done``: tell every worker to stop once all have trained their timed chunks, so each timed
+    chunk ran with every other process still training. ``module``: the workers' code, run as ``python -m
+    module --worker SPEC``; a worker reads its spec (with ``index`` and the folder ``dir``), calls
+    :func:`wait_for_go` once it is ready and writes ``result-<index>.json`` in ``dir`` last.
+    """
+    sync = Path(tempfile.mkdtemp(prefix="search-workers-"))
+    procs = []
+    for index, spec in enumerate(specs):
+        spec = {**spec, "index": index, "dir": str(sync), "spawned": time.time()}
+        path = sync / f"spec-{index}.json"
+        path.write_text(json.dumps(spec))
+        command = [sys.executable, "-m", module, "--worker", str(path)]
+        with (sync / f"log-{index}.txt").open("w") as log:
+            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd()))
+
+    def wait_for(name: str, what: str) -> None:
+        while sum((sync / name.format(i)).exists() for i in range(len(specs))) < len(specs):
+            for index, proc in enumerate(procs):
+                if proc.poll() is not None and not (sync / f"result-{index}.json").exists():
+                    tail = (sync / f"log-{index}.txt").read_text()[-3000:]
+                    for other in procs:
+                        if other.poll() is None:
+                            other.kill()
+                    raise RuntimeError(f"worker {index} exited with {proc.returncode} before {what}:\n{tail}")
+            time.sleep(0.05)
+
+    wait_for("ready-{}", "it was ready")
+    (sync / "go.tmp").write_text(repr(time.time()))
+    (sync / "go.tmp").replace(sync / "go")  # whole, never half-written, when a worker sees it
+    if stop_when_done:
+        wait_for("done-{}", "its timed chunks")
+        (sync / "stop").touch()
+    wait_for("result-{}.json", "it wrote its result")
+    for proc in procs:
+        proc.wait()
+    return [json.loads((sync / f"result-{i}.json").read_text()) for i in range(len(specs))]

@@ -1,0 +1,256 @@
+"""The tuning step end to end: the example searches (shrunk to the tiny local model), what a run writes, running
+it again, exit codes, --merge, MLflow and a real Metaflow pipeline around it.
+
+Each example search is the file as written with only sizes changed (the model id becomes the tiny model's
+path, rows, chunks and trials shrink, the output goes to a temporary folder), written back to a YAML file and
+run through that file, so the tests read the searches as users do.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import json
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from _numerics import assert_within_rounding, forward_terms
+from _servers import mlflow_server
+from helpers import run_python
+from optuna.trial import TrialState
+
+import optuna_rapidfire
+from optuna_rapidfire import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICE = os.environ.get("RAPIDFIRE_TEST_DEVICE", "cpu")
+
+
+def shrunk(name: str, tiny_model: str, output: Path, n_trials: int = 2) -> dict[str, Any]:
+    """``examples/search_<name>.yaml`` sized for a test (every key it changes must be in the file)."""
+    search = yaml.safe_load((ROOT / "examples" / f"search_{name}.yaml").read_text())
+    assert search["model"] == "meta-llama/Llama-3.2-1B", "update this test with the example's model"
+    search["model"] = tiny_model
+    for split, rows in (("train", 32), ("eval", 8)):
+        assert "rows" in search["data"][split]
+        search["data"][split]["rows"] = rows
+    search["budget"] = {"n_trials": n_trials}
+    assert {"num_chunks", "max_concurrent_trials"} <= set(search["executor"])
+    search["executor"].update(num_chunks=2, max_concurrent_trials=2, devices=DEVICE, show_progress_bar=False)
+    training = search["training"]
+    if name == "grpo":
+        for key, value in {
+            "num_generations": 2,
+            "per_device_train_batch_size": 4,
+            "per_device_eval_batch_size": 4,
+        }.items():
+            assert key in training
+            training[key] = value
+        training.update(num_generations_eval=2, max_completion_length=8)
+    else:
+        assert "max_length" in training
+        training.update(max_length=128, per_device_train_batch_size=4)
+    search["output"] = str(output)
+    return search
+
+
+def write(search: dict[str, Any], path: Path) -> Path:
+    path.write_text(yaml.safe_dump(search))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sft_run(
+    tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, optuna_rapidfire._tune.TuneResult]:
+    """The SFT example, run once with --merge (the tests below read it; the last one runs it again)."""
+    folder = tmp_path_factory.mktemp("sft")
+    path = write(shrunk("sft", tiny_model, folder / "out"), folder / "search_sft.yaml")
+    return path, optuna_rapidfire.tune(path, merge=True)
+
+
+def test_a_run_writes_the_summary_the_report_the_plot_and_the_best_adapter(sft_run) -> None:
+    path, result = sft_run
+    output = path.parent / "out"
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary == result.summary
+    assert summary["status"] == "ok" and summary["error"] is None and summary["format"] == 1
+    assert (summary["study_name"], summary["trainer"], summary["metric"]) == ("gsm8k-sft", "sft", "eval_loss")
+    study = result.study
+    assert [t["number"] for t in summary["trials"]] == [t.number for t in study.trials] == [0, 1]
+    for entry, trial in zip(summary["trials"], study.trials, strict=True):
+        assert entry["state"] == trial.state.name == "COMPLETE"
+        assert (entry["chunks_done"], entry["total_chunks"]) == (2, 2)
+        assert entry["curve"] == [trial.intermediate_values[0], trial.intermediate_values[1]]
+        assert entry["value"] == trial.value and entry["params"] == trial.params and entry["seconds"] > 0
+        assert set(entry["params"]) == {"training.learning_rate", "training.weight_decay", "lora.r"}
+    best = summary["best"]
+    assert best["number"] == study.best_trial.number and best["value"] == study.best_value
+    assert best["params"] == result.best_params == study.best_params
+    assert best["adapter_path"] == str(output / "best_adapter") == str(result.best_adapter)
+    assert (output / "best_adapter" / "adapter_model.safetensors").is_file()
+    assert best["merged_path"] == str(output / "best_merged")
+    import hashlib
+
+    assert summary["search"] == {"path": str(path.resolve()), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    assert {"python", "torch", "transformers", "peft", "trl", "optuna", "optuna-rapidfire"} <= set(summary["versions"])
+    assert summary["times"]["seconds"] > 0 and summary["trials_run_now"] == 2
+    report = (output / "report.md").read_text()
+    assert "# Tuning step: gsm8k-sft" in report and f"best trial {best['number']}" in report
+    assert "![eval_loss after each chunk](curves.png)" in report and "| 1 | COMPLETE | 2/2 |" in report
+    assert (output / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_merged_model_computes_what_base_and_adapter_compute(sft_run, tiny_model: str) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, result = sft_run
+    assert result.merged is not None
+    merged = AutoModelForCausalLM.from_pretrained(result.merged).eval()
+    with_adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model), result.best_adapter
+    ).eval()
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    tokenizer = AutoTokenizer.from_pretrained(result.merged)
+    batch = tokenizer(["Question: 3 apples and 2 more?\nAnswer: 5"], return_tensors="pt")
+    with torch.no_grad():
+        expected, actual = with_adapter(**batch).logits, merged(**batch).logits
+        with with_adapter.disable_adapter():
+            base = with_adapter(**batch).logits
+    assert not torch.equal(expected, base)  # the adapter does something
+    # Merging folds scale * B @ A into each adapted weight: one more sum over the rank and the width per layer.
+    config = merged.config
+    rank = result.best_params["lora.r"]
+    extra = config.num_hidden_layers * (config.hidden_size + rank)
+    length = batch["input_ids"].shape[1]
+    assert_within_rounding(actual, expected, terms=forward_terms(config, length=length) + extra, what="logits")
+
+
+def test_bad_input_exits_2_with_the_key_and_no_complete_trial_exits_1(tmp_path: Path, tiny_model: str, capsys) -> None:
+    search = shrunk("sft", tiny_model, tmp_path / "out", n_trials=1)
+    search["space"]["lora.r"]["type"] = "choice"
+    assert cli.main(["tune", str(write(search, tmp_path / "bad.yaml"))]) == 2
+    err = capsys.readouterr().err
+    assert "optuna-rapidfire: error: space.lora.r.type must be one of float, int, categorical, but got 'choice'" in err
+    assert not (tmp_path / "out").exists()  # refused before any work
+    assert cli.main(["tune", str(tmp_path / "missing.yaml")]) == 2
+
+    search["space"]["lora.r"]["type"] = "categorical"
+    search["lora"]["target_modules"] = ["no_such_module"]  # every trial fails when its adapter is built
+    assert cli.main(["tune", str(write(search, tmp_path / "failing.yaml"))]) == 1
+    assert "has no COMPLETE trial" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["best"] is None
+    assert summary["trials"][0]["state"] == "FAIL" and "no_such_module" in summary["trials"][0]["reason"]
+    assert "no trial completed" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["dpo", "grpo"])
+def test_the_dpo_and_grpo_example_searches_run(name: str, tiny_model: str, tmp_path: Path) -> None:
+    result = optuna_rapidfire.tune(write(shrunk(name, tiny_model, tmp_path / "out"), tmp_path / f"search_{name}.yaml"))
+    summary = result.summary
+    assert summary["trainer"] == name and summary["counts"] == {"COMPLETE": 2}
+    assert summary["metric"] == ("eval_reward" if name == "grpo" else "eval_loss")
+    assert summary["direction"] == ("maximize" if name == "grpo" else "minimize")
+    assert (result.best_adapter / "adapter_config.json").is_file()
+
+
+def test_the_best_adapter_is_an_artifact_of_the_studys_mlflow_run(tiny_model: str, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    with mlflow_server(tmp_path / "mlflow") as url:
+        search = shrunk("sft", tiny_model, tmp_path / "out", n_trials=1)
+        search["mlflow_tracking_uri"] = url
+        result = optuna_rapidfire.tune(search)
+        client = MlflowClient(tracking_uri=url)
+        experiment = client.get_experiment_by_name("gsm8k-sft")
+        assert experiment is not None
+        parents = [
+            r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get("rapidfire.role") == "study"
+        ]
+        assert len(parents) == 1
+        run = parents[0]
+        assert result.summary["mlflow"] == {"run_id": run.info.run_id, "artifact_path": "best_adapter"}
+        assert run.data.tags["rapidfire.best_trial"] == str(result.summary["best"]["number"])
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "best_adapter")}
+        assert {"best_adapter/adapter_config.json", "best_adapter/adapter_model.safetensors"} <= artifacts
+        assert "tune/summary.json" in {a.path for a in client.list_artifacts(run.info.run_id, "tune")}
+
+
+def test_an_interrupted_step_run_again_continues_its_trials(tiny_model: str, tmp_path: Path, slow_chunks) -> None:
+    slow_chunks(0.5)
+    search = shrunk("sft", tiny_model, tmp_path / "out")
+    search["schedule"] = "lockstep"
+    database = tmp_path / "out" / "study.db"
+
+    def interrupt_after_the_first_chunk() -> None:
+        # Read with sqlite3: opening the study through Optuna would race the step at creating its tables.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with contextlib.closing(sqlite3.connect(database)) as connection:
+                    reported = connection.execute("SELECT COUNT(*) FROM trial_intermediate_values").fetchone()[0]
+            except sqlite3.Error:  # no database or no tables yet
+                reported = 0
+            if reported:
+                _thread.interrupt_main()  # as Ctrl-C (the CLI turns SIGTERM into the same)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=interrupt_after_the_first_chunk, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        optuna_rapidfire.tune(search)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    interrupted = [t for t in summary["trials"] if t["status"] == "interrupted"]
+    assert interrupted and all(t["state"] == "PRUNED" and t["chunks_done"] == 1 for t in interrupted)
+
+    result = optuna_rapidfire.tune(search)
+    trials = {t.number: t for t in result.study.trials}
+    continued = result.study.user_attrs["rapidfire:tune:continued"]
+    assert sorted(int(n) for n in continued) == [t["number"] for t in interrupted]
+    for parent, child in continued.items():
+        clone = trials[child]
+        assert clone.state == TrialState.COMPLETE and clone.user_attrs["rapidfire:parent"] == int(parent)
+        assert clone.intermediate_values[0] == trials[int(parent)].intermediate_values[0]  # its curve goes on
+        assert result.summary["trials"][int(parent)]["continued_by"] == child
+    finished = [t for t in trials.values() if t.state.is_finished() and str(t.number) not in continued]
+    assert len(finished) == 2 and result.summary["status"] == "ok"
+
+
+def test_running_the_step_again_continues_the_study(sft_run) -> None:
+    """After the tests above: the same budget runs nothing, a larger one only the missing trials, and a
+    changed space is refused."""
+    path, first = sft_run
+    search = yaml.safe_load(path.read_text())
+    again = optuna_rapidfire.tune(path)
+    assert len(again.study.trials) == 2 and again.summary["trials_run_now"] == 0
+    assert again.summary["best"]["number"] == first.summary["best"]["number"]
+
+    search["budget"]["n_trials"] = 3
+    more = optuna_rapidfire.tune(write(search, path))
+    assert [t.state for t in more.study.trials] == [TrialState.COMPLETE] * 3 and more.summary["trials_run_now"] == 1
+    assert more.study.trials[2].params != more.study.trials[0].params  # the seeded sampler did not start over
+    assert more.summary["search"]["sha256"] != first.summary["search"]["sha256"]
+
+    search["space"]["training.learning_rate"]["high"] = 1.0e-2
+    with pytest.raises(ValueError, match=r"was run with another space \(training.learning_rate\)"):
+        optuna_rapidfire.tune(write(search, path))
+
+
+def test_a_metaflow_pipeline_tunes_then_loads_the_best_adapter(tiny_model: str, tmp_path: Path) -> None:
+    search = write(shrunk("sft", tiny_model, tmp_path / "out"), tmp_path / "search.yaml")
+    os.environ.setdefault("METAFLOW_USER", "ci")  # Metaflow names a run's user; CI's environment may have none
+    flow = str(ROOT / "examples" / "pipeline_metaflow.py")
+    out = run_python([flow, "--no-pylint", "run", "--search", str(search)], tmp_path, timeout=600).stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert f"best trial {summary['best']['number']}: value {summary['best']['value']}" in out
+    assert f"loaded the best adapter from {tmp_path / 'out' / 'best_adapter'} (default)" in out
