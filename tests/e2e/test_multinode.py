@@ -261,11 +261,19 @@ def test_a_warm_clone_of_a_trial_that_ran_elsewhere_starts_from_its_checkpoint(t
     with _worker_app.executor("cpu", output_dir=tmp_path / "machine-a") as executor:
         executor.optimize(study, _worker_app.configure, n_trials=1)
     child = control.clone(study, 0)
+
+    def longer(trial: optuna.Trial):  # the clone runs a second epoch: it continues after the parent's last chunk
+        peft_config, args = _worker_app.configure(trial)
+        args.num_train_epochs = 2
+        return peft_config, args
+
     with _worker_app.executor("cpu", output_dir=tmp_path / "machine-b") as executor:
-        executor.optimize(study, _worker_app.configure, n_trials=1)
+        executor.optimize(study, longer, n_trials=1)
     clone = study.trials[child]
     assert clone.user_attrs[_attrs.CLONE] == "warm" and clone.user_attrs[_attrs.BRANCH_STEP] == 4
-    assert clone.intermediate_values == study.trials[0].intermediate_values
+    parent = study.trials[0].intermediate_values
+    assert {step: clone.intermediate_values[step] for step in parent} == parent
+    assert sorted(clone.intermediate_values) == list(range(8))
     assert not (tmp_path / "machine-b" / "multi" / "state" / "trial-0").exists()
 
 
