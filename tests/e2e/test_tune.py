@@ -226,14 +226,17 @@ def test_an_interrupted_step_run_again_continues_its_trials(tiny_model: str, tmp
     assert len(finished) == 2 and result.summary["status"] == "ok"
 
 
-def test_running_the_step_again_continues_the_study(sft_run) -> None:
-    """After the tests above: the same budget runs nothing, a larger one only the missing trials, and a
-    changed space is refused."""
+def test_running_the_step_again_continues_the_study(sft_run, capsys) -> None:
+    """After the tests above: the same budget runs nothing (here through the command), a larger one only the
+    missing trials, and a changed space is refused."""
     path, first = sft_run
     search = yaml.safe_load(path.read_text())
-    again = optuna_rapidfire.tune(path)
-    assert len(again.study.trials) == 2 and again.summary["trials_run_now"] == 0
-    assert again.summary["best"]["number"] == first.summary["best"]["number"]
+    assert cli.main(["tune", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"best adapter: {first.best_adapter}" in out and f"summary: {first.summary_path}" in out
+    again = json.loads(first.summary_path.read_text())
+    assert len(again["trials"]) == 2 and again["trials_run_now"] == 0
+    assert again["best"]["number"] == first.summary["best"]["number"]
 
     search["budget"]["n_trials"] = 3
     more = optuna_rapidfire.tune(write(search, path))

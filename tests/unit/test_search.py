@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +102,7 @@ def test_a_valid_search_becomes_optuna_distributions_and_defaults(tmp_path: Path
         ),
         (
             {"space": {"training.learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3, "steps": 1e-5}}},
-            r"^space.training.learning_rate.steps: unknown key \(did you mean 'step'\?\); allowed: high, log, low, step, type",
+            r"^space.training.learning_rate.steps: unknown key \(did you mean 'step'\?\); allowed: high, log, low",
         ),
         (
             {"space": {"lora.r": {"type": "int", "low": 4.5, "high": 8}}},
@@ -192,9 +194,16 @@ def test_a_yaml_file_reads_like_the_dict_and_its_name_and_hash_are_kept(tmp_path
         load_search(tmp_path / "nope.yaml")
 
 
-def test_every_example_search_is_valid() -> None:
-    for path in sorted((ROOT / "examples").glob("search_*.yaml")):
+def test_every_example_search_and_the_readmes_are_valid(tmp_path: Path) -> None:
+    paths = sorted((ROOT / "examples").glob("search_*.yaml"))
+    assert [p.name for p in paths] == ["search_dpo.yaml", "search_grpo.yaml", "search_sft.yaml"]
+    for path in paths:
         load_search(path)
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Tuning step for pipelines") :]
+    block = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)[0]
+    (tmp_path / "search.yaml").write_text(block)
+    assert load_search(tmp_path / "search.yaml").study_name == "gsm8k-sft"
 
 
 def test_configure_puts_each_sampled_value_where_its_name_says() -> None:
@@ -243,3 +252,28 @@ def test_the_budget_counts_each_finished_trial_once() -> None:
     study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.PRUNED))
     study.set_user_attr("rapidfire:tune:continued", {"4": 5})
     assert trials_left(study, 5) == 3
+
+
+def test_data_comes_from_local_files_saved_folders_and_the_bundled_set(tmp_path: Path) -> None:
+    from datasets import Dataset, DatasetDict
+
+    from optuna_rapidfire._tune._inputs import load_data
+
+    rows = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    Dataset.from_list(rows).to_csv(str(tmp_path / "train.csv"))
+    DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:2])}).save_to_disk(tmp_path / "dd")
+    columns = {"question": "prompt", "answer": "completion"}
+    for name in ("train.jsonl", "train.csv"):
+        spec = load_search(search(data__train={"path": str(tmp_path / name), "rows": 3, "columns": columns}))
+        loaded = load_data(spec.train, "sft", "data.train")
+        assert loaded.column_names == ["prompt", "completion"] and loaded["prompt"] == ["q0", "q1", "q2"]
+    spec = load_search(search(data__eval={"path": str(tmp_path / "dd"), "split": "test"}))
+    assert len(load_data(spec.eval, "sft", "data.eval")) == 2
+    with pytest.raises(ValueError, match=r"^data.eval.split must be one of train, test"):
+        load_data(load_search(search(data__eval={"path": str(tmp_path / "dd")})).eval, "sft", "data.eval")
+    with pytest.raises(ValueError, match=r"^data.train.columns: no column query"):
+        bad = load_search(search(data__train={"path": str(tmp_path / "train.jsonl"), "columns": {"query": "prompt"}}))
+        load_data(bad.train, "sft", "data.train")
+    demo = load_search(search(trainer="dpo", space={"training.beta": {"type": "float", "low": 0.1, "high": 0.2}}))
+    assert load_data(demo.train, "dpo", "data.train").column_names == ["prompt", "chosen", "rejected"]
