@@ -13,6 +13,8 @@ import contextlib
 import json
 import os
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -189,21 +191,10 @@ def test_an_interrupted_step_run_again_continues_its_trials(tiny_model: str, tmp
     slow_chunks(0.5)
     search = shrunk("sft", tiny_model, tmp_path / "out")
     search["schedule"] = "lockstep"
-    database = tmp_path / "out" / "study.db"
 
     def interrupt_after_the_first_chunk() -> None:
-        # Read with sqlite3: opening the study through Optuna would race the step at creating its tables.
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with contextlib.closing(sqlite3.connect(database)) as connection:
-                    reported = connection.execute("SELECT COUNT(*) FROM trial_intermediate_values").fetchone()[0]
-            except sqlite3.Error:  # no database or no tables yet
-                reported = 0
-            if reported:
-                _thread.interrupt_main()  # as Ctrl-C (the CLI turns SIGTERM into the same)
-                return
-            time.sleep(0.05)
+        _first_chunk_reported(tmp_path / "out" / "study.db")
+        _thread.interrupt_main()  # as Ctrl-C (the CLI turns SIGTERM into the same)
 
     threading.Thread(target=interrupt_after_the_first_chunk, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
@@ -224,6 +215,61 @@ def test_an_interrupted_step_run_again_continues_its_trials(tiny_model: str, tmp
         assert result.summary["trials"][int(parent)]["continued_by"] == child
     finished = [t for t in trials.values() if t.state.is_finished() and str(t.number) not in continued]
     assert len(finished) == 2 and result.summary["status"] == "ok"
+
+
+def _first_chunk_reported(database: Path, timeout: float = 300) -> None:
+    """Wait until the study in ``database`` holds a reported chunk (read with sqlite3: opening the study through
+    Optuna would race the step at creating its tables)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with contextlib.closing(sqlite3.connect(database)) as connection:
+                if connection.execute("SELECT COUNT(*) FROM trial_intermediate_values").fetchone()[0]:
+                    return
+        except sqlite3.Error:  # no database or no tables yet
+            pass
+        time.sleep(0.05)
+    raise AssertionError("no chunk was reported")
+
+
+def test_a_killed_step_run_again_retries_its_trials_from_their_checkpoints(
+    tiny_model: str, tmp_path: Path, monkeypatch
+) -> None:
+    from optuna_rapidfire._tune import _inputs, _run
+
+    # Heartbeats every second (a 2 s grace period) instead of 10, in the killed process and here.
+    script = (
+        "import sys, optuna_rapidfire\n"
+        "from optuna_rapidfire._tune import _inputs, _run\n"
+        "_inputs.HEARTBEAT_INTERVAL_S = _run.HEARTBEAT_INTERVAL_S = 1\n"
+        "optuna_rapidfire.tune(sys.argv[1])\n"
+    )
+    monkeypatch.setattr(_inputs, "HEARTBEAT_INTERVAL_S", 1)
+    monkeypatch.setattr(_run, "HEARTBEAT_INTERVAL_S", 1)
+    search = shrunk("sft", tiny_model, tmp_path / "out")
+    search["schedule"] = "lockstep"
+    path = write(search, tmp_path / "search.yaml")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    process = subprocess.Popen([sys.executable, "-c", script, str(path)], cwd=tmp_path, env=env)
+    try:
+        _first_chunk_reported(tmp_path / "out" / "study.db")
+    finally:
+        process.kill()  # as a lost node or an out-of-memory kill: nothing is cleaned up
+        process.wait()
+
+    result = optuna_rapidfire.tune(path)
+    trials = {t.number: t for t in result.study.trials}
+    killed = [n for n, t in trials.items() if t.state == TrialState.FAIL]
+    assert killed and all("HeartbeatStale" in trials[n].user_attrs["rapidfire:fail_reason"] for n in killed)
+    for number in killed:
+        retry = trials[result.summary["trials"][number]["continued_by"]]
+        assert retry.state == TrialState.COMPLETE
+        if trials[number].intermediate_values:  # it had reported a chunk: the retry went on from its checkpoint
+            assert retry.user_attrs["rapidfire:retry_of"] == number
+            assert retry.user_attrs["rapidfire:resumed_from_step"] == 1
+            assert retry.intermediate_values[0] == trials[number].intermediate_values[0]
+    assert any(trials[n].intermediate_values for n in killed)
+    assert result.summary["counts"].get("COMPLETE") == 2 and result.summary["status"] == "ok"
 
 
 def test_running_the_step_again_continues_the_study(sft_run, capsys) -> None:
