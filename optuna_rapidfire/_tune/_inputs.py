@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,8 @@ def reward_funcs(search: Search) -> list[Callable[..., list[float]] | str]:
         if not sep or os.path.exists(name):
             found.append(name)
             continue
+        if os.getcwd() not in sys.path:  # a module of the pipeline's own, as `python -m` would find it
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(module_name)
         except ImportError as error:

@@ -295,9 +295,9 @@ def test_running_the_step_again_continues_the_study(sft_run, capsys) -> None:
         optuna_rapidfire.tune(write(search, path))
 
 
-def test_a_metaflow_pipeline_tunes_then_loads_the_best_adapter(tiny_model: str, tmp_path: Path) -> None:
+def test_a_metaflow_pipeline_tunes_then_loads_the_best_adapter(tiny_model: str, tmp_path: Path, monkeypatch) -> None:
     search = write(shrunk("sft", tiny_model, tmp_path / "out"), tmp_path / "search.yaml")
-    os.environ.setdefault("METAFLOW_USER", "ci")  # Metaflow names a run's user; CI's environment may have none
+    monkeypatch.setenv("METAFLOW_USER", "ci")  # Metaflow names a run's user; CI's environment may have none
     flow = str(ROOT / "examples" / "pipeline_metaflow.py")
     out = run_python([flow, "--no-pylint", "run", "--search", str(search)], tmp_path, timeout=600).stdout
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())

@@ -277,3 +277,20 @@ def test_data_comes_from_local_files_saved_folders_and_the_bundled_set(tmp_path:
         load_data(bad.train, "sft", "data.train")
     demo = load_search(search(trainer="dpo", space={"training.beta": {"type": "float", "low": 0.1, "high": 0.2}}))
     assert load_data(demo.train, "dpo", "data.train").column_names == ["prompt", "chosen", "rejected"]
+
+
+def test_grpo_rewards_are_built_in_imported_from_the_working_directory_or_reward_models(tmp_path, monkeypatch) -> None:
+    from optuna_rapidfire._tune._inputs import reward_funcs
+    from optuna_rapidfire.demo import gsm8k_reward
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "my_rewards.py").write_text("def short(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    space = {"training.beta": {"type": "float", "low": 0.0, "high": 0.1}}
+    spec = load_search(search(trainer="grpo", space=space, rewards=["gsm8k", "my_rewards:short", "org/reward-model"]))
+    built = reward_funcs(spec)
+    assert built[0] is gsm8k_reward and built[1].__name__ == "short" and built[2] == "org/reward-model"
+    with pytest.raises(ValueError, match=r"^rewards\[0\]: 'my_rewards' has no function 'long'"):
+        reward_funcs(load_search(search(trainer="grpo", space=space, rewards=["my_rewards:long"])))
+    with pytest.raises(ValueError, match=r"^rewards\[0\]: cannot import 'no_such_module'"):
+        reward_funcs(load_search(search(trainer="grpo", space=space, rewards=["no_such_module:f"])))
