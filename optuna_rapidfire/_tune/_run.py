@@ -125,6 +125,7 @@ def tune(search: str | os.PathLike[str] | Mapping[str, Any], *, merge: bool = Fa
             are continued when the step runs again.
     """
     import optuna
+    from optuna.trial import TrialState
 
     from optuna_rapidfire._executor import RapidFireExecutor
 
@@ -159,28 +160,27 @@ def tune(search: str | os.PathLike[str] | Mapping[str, Any], *, merge: bool = Fa
         )
         _check_same_search(study, spec)
         _wait_for_earlier_run(study)
-        before = len(study.trials)
+        started_before = {t.number for t in study.trials if t.state != TrialState.WAITING}
         error: BaseException | None = None
         try:
             _continue_interrupted(study)
             left = trials_left(study, spec.n_trials)
             if left == 0:
                 _logger.info("The study has its %d trials: nothing to run; writing the outputs again.", spec.n_trials)
-            elif left is None:
-                _logger.info("Tuning step %r: running trials for %.0f s.", spec.study_name, spec.timeout)
             else:
-                assert spec.n_trials is not None
-                _logger.info(
-                    "Tuning step %r: %d of %d trials done, %d to run.",
-                    spec.study_name,
-                    spec.n_trials - left,
-                    spec.n_trials,
-                    left,
-                )
+                if left is None:
+                    _logger.info("Tuning step %r: running trials for %.0f s.", spec.study_name, spec.timeout)
+                else:
+                    assert spec.n_trials is not None
+                    done = spec.n_trials - left
+                    _logger.info(
+                        "Tuning step %r: %d of %d trials done, %d to run.", spec.study_name, done, spec.n_trials, left
+                    )
                 executor.optimize(study, make_configure(spec), n_trials=left, timeout=spec.timeout)
         except BaseException as caught:
             error = caught
-    return _finish(spec, study, started, len(study.trials) - before, error, merge=merge or spec.merge)
+    started_now = sum(t.state != TrialState.WAITING and t.number not in started_before for t in study.trials)
+    return _finish(spec, study, started, started_now, error, merge=merge or spec.merge)
 
 
 def successors(study: optuna.Study) -> dict[int, int]:

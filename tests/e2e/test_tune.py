@@ -157,9 +157,13 @@ def test_bad_input_exits_2_with_the_key_and_no_complete_trial_exits_1(tmp_path: 
 
 @pytest.mark.parametrize("name", ["dpo", "grpo"])
 def test_the_dpo_and_grpo_example_searches_run(name: str, tiny_model: str, tmp_path: Path) -> None:
-    result = optuna_rapidfire.tune(write(shrunk(name, tiny_model, tmp_path / "out"), tmp_path / f"search_{name}.yaml"))
+    search = shrunk(name, tiny_model, tmp_path / "out")
+    if name == "dpo":  # a budget of time alone: trials start for 1 s (the first wave at once), then finish
+        search["budget"] = {"timeout": 1}
+    result = optuna_rapidfire.tune(write(search, tmp_path / f"search_{name}.yaml"))
     summary = result.summary
-    assert summary["trainer"] == name and summary["counts"] == {"COMPLETE": 2}
+    assert summary["trainer"] == name and summary["status"] == "ok"
+    assert set(summary["counts"]) == {"COMPLETE"} and summary["trials_run_now"] == len(summary["trials"]) >= 2
     assert summary["metric"] == ("eval_reward" if name == "grpo" else "eval_loss")
     assert summary["direction"] == ("maximize" if name == "grpo" else "minimize")
     assert (result.best_adapter / "adapter_config.json").is_file()
