@@ -158,7 +158,11 @@ def test_a_warm_clone_of_a_trial_that_trained_everything_fails_untrained_and_one
         control.clone(study, child)
     cold = control.clone(study, child, warm_start=False)  # a cold clone of it trains from scratch
     executor.optimize(study, configure, n_trials=1)
-    assert study.trials[cold].state == TrialState.COMPLETE and sorted(study.trials[cold].intermediate_values) == [0, 1, 2]
+    assert study.trials[cold].state == TrialState.COMPLETE and sorted(study.trials[cold].intermediate_values) == [
+        0,
+        1,
+        2,
+    ]
 
 
 def test_clone_rejects_unknown_or_out_of_range_params(make_executor) -> None:
