@@ -47,12 +47,11 @@ class RapidFireExecutor:
     """Train many Optuna trials together on one resident base model, chunk by chunk.
 
     The train set is shuffled once with ``seed`` and cut into ``num_chunks`` chunks. Up to
-    ``max_concurrent_trials`` trials are live on the device; the device always goes to the live trial
-    with the least progress, so live trials advance in lock-step rounds. After each chunk a trial is
-    evaluated, reports its metric to Optuna at ``step`` = its global chunk count, and asks the study's
-    pruner whether to stop, with its running peers visible to the pruner. Switching trials swaps only
-    the small per-trial state (LoRA weights, optimizer, LR schedule, RNG, data position): the base
-    model is loaded once.
+    ``max_concurrent_trials`` trials are live on the device, and the ``schedule`` picks who trains next
+    (by default ASHA's promotion rule). After each chunk a trial is evaluated, reports its metric at
+    ``step`` = its global chunk count, and asks the study's pruner whether to stop, with its running peers
+    visible to the pruner. Switching trials swaps only the small per-trial state: the base model is
+    loaded once.
 
     Example:
 
@@ -270,7 +269,8 @@ class RapidFireExecutor:
         paused trial gives its place to a new one, and a trial failed from optuna-dashboard ends
         cleanly while the study goes on. ``timeout`` stops new trials from starting, as in Optuna.
         Trials still paused ``pause_grace_seconds`` after nothing else is left to run are finished as
-        PRUNED (their state is kept for clones).
+        PRUNED (their state is kept for clones). Ctrl-C ends the live trials after their chunk in flight
+        (PRUNED, state kept), then raises ``KeyboardInterrupt``.
 
         Several workers (processes or machines) sharing one study: pass Optuna's
         ``MaxTrialsCallback(n, states=(TrialState.COMPLETE, TrialState.PRUNED))`` in ``callbacks`` (and
@@ -288,20 +288,9 @@ class RapidFireExecutor:
             raise TypeError(f"configure must be callable, but got {type(configure).__name__}.")
         self._services.check_study(study)
         if len(self._devices) > 1:
-            run_workers(
-                self.config,
-                self._devices,
-                study,
-                {
-                    "configure": configure,
-                    "n_trials": n_trials,
-                    "timeout": timeout,
-                    "callbacks": callbacks,
-                    "catch": catch,
-                    "gc_after_trial": gc_after_trial,
-                    "target": target,
-                },
-            )
+            options: dict[str, Any] = {"configure": configure, "n_trials": n_trials, "timeout": timeout}
+            options |= {"callbacks": callbacks, "catch": catch, "gc_after_trial": gc_after_trial, "target": target}
+            run_workers(self.config, self._devices, study, options)
             return
         optimize(
             self._device,

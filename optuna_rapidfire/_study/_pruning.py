@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
     from optuna.pruners import BasePruner
 
+    from optuna_rapidfire._runtime._scheduler import Entry, Scheduler
+
 _logger = get_logger(__name__)
 
 
@@ -128,6 +130,29 @@ def prune_decision(study: Study, snapshot: FrozenTrial, step: int, round_peers: 
     storage = _PeerViewStorage(_compat.storage(study), snapshot, step, round_peers)
     view = _compat.with_storage(study, storage)
     return bool(study.pruner.prune(view, snapshot))
+
+
+def should_prune(
+    scheduler: Scheduler, entry: Entry, study: Study, trial: optuna.Trial, step: int, value: float
+) -> tuple[bool, FrozenTrial]:
+    """Ask the study's pruner about ``trial``'s ``step`` in two passes: the first lets stateful pruners record
+    the step (SuccessiveHalving's rung values), the second decides. Returns the decision and the trial as
+    judged.
+
+    Each pass waits for the peers the schedule names (:meth:`BaseSchedule.pruning_peers`: every live trial under
+    "lockstep", a round barrier; the trial's fused mates under "promote", so that they are judged alike
+    whichever reports first). The trial is judged against every trial that has reported ``step``: running,
+    paused and pruned ones appear as if complete at ``step``, complete ones as they are (a failed trial's
+    values are not evidence).
+    """
+    among = scheduler.pruning_peers(entry)
+    scheduler.mark(entry, reported=step, value=value)
+    peers = scheduler.wait_for_round(entry, step, stage="reported", among=among)
+    frozen = _compat.storage(study).get_trial(_compat.trial_id(trial))
+    prune_decision(study, frozen, step, peers)
+    scheduler.mark(entry, screened=step)
+    scheduler.wait_for_round(entry, step, stage="screened", among=among)
+    return prune_decision(study, frozen, step, peers), frozen
 
 
 def resolve_auto_resources(pruner: BasePruner, max_steps: int) -> None:

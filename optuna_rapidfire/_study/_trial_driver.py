@@ -12,7 +12,6 @@ import math
 import os
 import queue
 import socket
-import time
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -24,7 +23,7 @@ from optuna_rapidfire._logging import explained, get_logger
 from optuna_rapidfire._runtime._scheduler import Decision, Entry, Status
 from optuna_rapidfire._runtime._worker import Built, Failed, Paused, Released, Saved
 from optuna_rapidfire._study import _attrs, _commands
-from optuna_rapidfire._study._pruning import prune_decision, resolve_auto_resources
+from optuna_rapidfire._study._pruning import resolve_auto_resources, should_prune
 from optuna_rapidfire._study._trial_record import TrialRecord
 from optuna_rapidfire._trainers._base import ACCELERATE_STATE
 
@@ -153,7 +152,7 @@ class TrialDriver:
                     # A warm clone of a trial that trained every chunk, whose own run is no longer: nothing of
                     # its config would be trained, so it records no result (not even the inherited curve).
                     self._leave(Decision.STOP)
-                    return self._fail_here(
+                    return self.record.fail(
                         f"Warm clone of trial {branch.parent}, which had trained all {event.total_chunks} chunks: "
                         "nothing is left to train under the new parameters. Clone it cold, or give the clone a "
                         "longer run (more epochs)."
@@ -213,7 +212,7 @@ class TrialDriver:
             self.services.tracker.chunk(self._run_id, event)
         if self._interrupted:
             return self._end_interrupted(step + 1)
-        pruned, frozen = self._should_prune(step, float(value))
+        pruned, frozen = should_prune(self.device.scheduler, entry, self.study, self.trial, step, float(value))
         if pruned:
             self._leave(Decision.STOP)
             raise optuna.TrialPruned(self.record.pruned_reason(step, value, self._total_chunks))
@@ -231,27 +230,6 @@ class TrialDriver:
                 return outcome
         self.device.scheduler.decide(entry, Decision.CONTINUE)
         return None
-
-    def _should_prune(self, step: int, value: float) -> tuple[bool, optuna.trial.FrozenTrial]:
-        """Ask the study's pruner about ``step`` in two passes: the first lets stateful pruners record the
-        step (SuccessiveHalving's rung values), the second decides.
-
-        Each pass waits for the peers the schedule names (:meth:`BaseSchedule.pruning_peers`: every live
-        trial under "lockstep", a round barrier; the trial's fused mates under "promote", so that they are
-        judged alike whichever reports first). The trial is judged against every trial that has reported
-        ``step``: running, paused and pruned ones appear as if complete at ``step``, complete ones as they
-        are (a failed trial's values are not evidence).
-        """
-        entry, scheduler = self.entry, self.device.scheduler
-        assert entry is not None
-        among = scheduler.pruning_peers(entry)
-        scheduler.mark(entry, reported=step, value=value)
-        peers = scheduler.wait_for_round(entry, step, stage="reported", among=among)
-        frozen = _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
-        prune_decision(self.study, frozen, step, peers)
-        scheduler.mark(entry, screened=step)
-        scheduler.wait_for_round(entry, step, stage="screened", among=among)
-        return prune_decision(self.study, frozen, step, peers), frozen
 
     def _apply(self, command: _commands.Command, where: str, chunk: int, *, pausing: bool = False) -> str | None:
         return _commands.apply(self.study, _compat.trial_id(self.trial), command, where, chunk, pausing=pausing)
@@ -281,60 +259,18 @@ class TrialDriver:
             self.shared.stop_study(self.study)
             raise event.error
         _logger.debug("Trial %d's error, in full:\n%s", self.trial.number, event.traceback)
-        return self._fail_here(f"{type(event.error).__name__}: {event.error}")
-
-    def _fail_here(self, reason: str) -> float:
-        """End the trial as FAIL with ``reason``, said in one line (Optuna marks a trial that returns NaN as FAIL
-        and goes on with the study)."""
-        self.trial.set_user_attr(_attrs.FAIL_REASON, reason[:2000])
-        _logger.warning("Trial %d failed: %s", self.trial.number, reason.splitlines()[0] if reason else reason)
-        explained(self.trial.number)
-        return math.nan
+        return self.record.fail(f"{type(event.error).__name__}: {event.error}")
 
     def _delete(self, reason: str | None) -> float:
         self._leave(Decision.STOP)
-        self.trial.set_user_attr(_attrs.STATUS, "deleted")
-        self.trial.set_user_attr(_attrs.FAIL_REASON, f"deleted: {reason or 'deleted by user'}")
-        _logger.info("Trial %d was deleted (%s); its state is freed.", self.trial.number, reason)
-        explained(self.trial.number)
-        return math.nan
+        return self.record.deleted(reason)
 
     def _finished_elsewhere(self) -> float:
         if self.entry is not None and not self.entry.gone:
             self._leave(Decision.STOP)
-        number = self.trial.number
-        self.shared.externally_finished.add(number)
-        retry = self._retry_of_self()
-        if retry is not None:
-            # Another worker's heartbeat check failed it: this worker's heartbeats did not reach the storage
-            # for longer than the grace period (an outage, a stalled process). Its retry continues it there.
-            _logger.warning(
-                "Trial %d was failed by another worker's heartbeat check (this worker's heartbeats did not reach "
-                "the storage within the grace period) and was retried there as trial %d; its state here is released.",
-                number,
-                retry.number,
-            )
-        else:
-            _logger.warning(
-                "Trial %d was finished outside the executor (optuna-dashboard's 'Fail Trial'?): its state is released.",
-                number,
-            )
-        explained(number)  # Optuna would add its own two lines and a traceback
-        raise FinishedElsewhere(f"Trial {number} was finished outside the executor.")
-
-    def _retry_of_self(self, wait: float = 2.0) -> Any:
-        """Optuna's retry of this trial, if another worker's heartbeat check failed it (which sets FAIL, then
-        enqueues the retry: it is waited for a moment), else ``None``."""
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                retry = _commands.retry_of(self.study, self.trial.number, unfinished=False)
-            except Exception:  # the storage is failing: say what is known
-                _logger.debug("Looking for a retry of trial %d failed.", self.trial.number, exc_info=True)
-                return None
-            if retry is not None or time.monotonic() >= deadline:
-                return retry
-            time.sleep(0.1)
+        self.shared.externally_finished.add(self.trial.number)
+        self.record.finished_elsewhere()
+        raise FinishedElsewhere(f"Trial {self.trial.number} was finished outside the executor.")
 
     def _leave(self, decision: Decision) -> Any:
         """Tell the device the trial is done (``FINISH``: save its adapter; ``STOP``: release it); wait until it is."""

@@ -7,12 +7,14 @@ Every write goes through Optuna's trial API (user attrs, reports) or the storage
 from __future__ import annotations
 
 import functools
+import math
+import time
 from typing import TYPE_CHECKING, Any
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._base import CloneOf
-from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._study import _attrs
+from optuna_rapidfire._logging import explained, get_logger
+from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._study._checkpoints import CheckpointError
 
 if TYPE_CHECKING:
@@ -161,3 +163,54 @@ class TrialRecord:
             f"{type(self.study.pruner).__name__} stopped it after chunk {step + 1}/{total_chunks} "
             f"(step {step}): {self.services.metric}={value:.6g}, compared with {peers} other trial(s) at that step."
         )
+
+    def fail(self, reason: str) -> float:
+        """End the trial as FAIL with ``reason``, said in one line (Optuna marks a trial that returns NaN as FAIL
+        and goes on with the study); returns that NaN."""
+        self.trial.set_user_attr(_attrs.FAIL_REASON, reason[:2000])
+        _logger.warning("Trial %d failed: %s", self.trial.number, reason.splitlines()[0] if reason else reason)
+        explained(self.trial.number)
+        return math.nan
+
+    def deleted(self, reason: str | None) -> float:
+        """Record a delete command's end (FAIL, with the command's reason); returns the NaN the trial returns."""
+        self.trial.set_user_attr(_attrs.STATUS, "deleted")
+        self.trial.set_user_attr(_attrs.FAIL_REASON, f"deleted: {reason or 'deleted by user'}")
+        _logger.info("Trial %d was deleted (%s); its state is freed.", self.trial.number, reason)
+        explained(self.trial.number)
+        return math.nan
+
+    def finished_elsewhere(self) -> None:
+        """Say who finished the trial outside this executor: another worker's heartbeat check (it has a retry),
+        or someone else (optuna-dashboard's "Fail Trial")."""
+        number = self.trial.number
+        retry = self._retry_of_self()
+        if retry is not None:
+            # This worker's heartbeats did not reach the storage for longer than the grace period (an outage, a
+            # stalled process): another worker failed the trial, and its retry continues it there.
+            _logger.warning(
+                "Trial %d was failed by another worker's heartbeat check (this worker's heartbeats did not reach "
+                "the storage within the grace period) and was retried there as trial %d; its state here is released.",
+                number,
+                retry.number,
+            )
+        else:
+            _logger.warning(
+                "Trial %d was finished outside the executor (optuna-dashboard's 'Fail Trial'?): its state is released.",
+                number,
+            )
+        explained(number)  # Optuna would add its own two lines and a traceback
+
+    def _retry_of_self(self, wait: float = 2.0) -> Any:
+        """Optuna's retry of this trial, if another worker's heartbeat check failed it (which sets FAIL, then
+        enqueues the retry: it is waited for a moment), else ``None``."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                retry = _commands.retry_of(self.study, self.trial.number, unfinished=False)
+            except Exception:  # the storage is failing: say what is known
+                _logger.debug("Looking for a retry of trial %d failed.", self.trial.number, exc_info=True)
+                return None
+            if retry is not None or time.monotonic() >= deadline:
+                return retry
+            time.sleep(0.1)
