@@ -5,11 +5,19 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 
 from optuna_rapidfire._runtime._slots import Lease, Slots
 from optuna_rapidfire._study._pool import TrialPool
+
+
+def _pool(study: optuna.Study, objective: Any, slots: Slots, **settings: Any) -> TrialPool:
+    """A pool with nothing paused, no timeout and no callbacks unless ``settings`` say otherwise."""
+    defaults: dict[str, Any] = {"timeout": None, "callbacks": None, "catch": (), "gc_after_trial": False}
+    defaults |= {"paused": lambda: 0, "end_paused": lambda: None, "pause_grace": 1.0}
+    return TrialPool(study, objective, slots, externally_finished=lambda number: False, **(defaults | settings))
 
 
 def test_enqueued_trials_each_run_once_on_sqlite(tmp_path: Path) -> None:
@@ -31,21 +39,7 @@ def test_enqueued_trials_each_run_once_on_sqlite(tmp_path: Path) -> None:
         lease.release()
         return trial.suggest_float("x", 0, 100)
 
-    slots = Slots(8)
-    pool = TrialPool(
-        study,
-        objective,
-        slots,
-        n_trials=n,
-        timeout=None,
-        callbacks=None,
-        catch=(),
-        gc_after_trial=False,
-        paused=lambda: 0,
-        end_paused=lambda: None,
-        pause_grace=1.0,
-        externally_finished=lambda number: False,
-    )
+    pool = _pool(study, objective, Slots(8), n_trials=n)
     pool.run()
     assert sorted(runs) == list(range(n))
     trials = study.get_trials()
@@ -93,21 +87,8 @@ def test_a_trial_that_fails_is_replaced_until_the_target_count_is_met() -> None:
         lease.release()
         return float("nan") if trial.number == 1 else 1.0
 
-    pool = TrialPool(
-        study,
-        objective,
-        Slots(5),
-        n_trials=None,
-        timeout=None,
-        callbacks=[optuna.study.MaxTrialsCallback(4, states=counted)],
-        catch=(),
-        gc_after_trial=False,
-        paused=lambda: 0,
-        end_paused=lambda: None,
-        pause_grace=1.0,
-        externally_finished=lambda number: False,
-        target=(4, counted),
-    )
+    callbacks = [optuna.study.MaxTrialsCallback(4, states=counted)]
+    pool = _pool(study, objective, Slots(5), n_trials=None, callbacks=callbacks, target=(4, counted))
     pool.run()
     states = [t.state for t in study.trials]
     assert states.count(optuna.trial.TrialState.COMPLETE) == 4
