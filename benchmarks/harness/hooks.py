@@ -8,25 +8,25 @@ Every patch is a context manager that puts the original back on exit.
 
 Patched:
 
-- ``TimeSlicedEngine.run_chunk`` (:class:`Recorder`): a time-sliced trial's chunk: its tokens, training and
-  evaluation seconds;
+- ``TimeSlicedEngine.run_chunk`` (:class:`Recorder`): a time-sliced trial's chunk (switch, training,
+  evaluation): its tokens, training and evaluation seconds;
 - ``FusedEngine.run`` (:class:`Recorder`, :class:`ChunkLog`): a fused gang's chunk, each member's result;
-- ``DeviceTrials.switch_to`` (:class:`Recorder`): a switch to another trial's state, the device synchronized
+- ``Placement.switch_to`` (:class:`Recorder`): a switch to another trial's state, the device synchronized
   before and after;
-- ``FusedEngine._train_gang`` (:class:`GangTrainingWindows`): the training phase of a gang's chunk, its
+- ``GangTraining.train`` (:class:`GangTrainingWindows`): the training phase of a fused gang's chunk, its
   wall-clock window;
-- ``Generation._decode`` (:class:`DecodeLog`): every GRPO decode (a trial's alone or a gang's), timed and
+- ``Generation.decode`` (:class:`DecodeLog`): every GRPO decode (a trial's alone or a gang's), timed and
   its generated tokens counted;
 - ``DeviceTrials.evaluate`` (:class:`DecodeLog`): whether a decode serves an evaluation or the metric-name
   check of the first trial built.
 
 The patches read these attributes of the package's objects: a runtime's ``trainer._total_train_tokens`` (TRL's
-count), ``spec.number`` and ``state.adapter_name``; ``DeviceTrials.current``; a chunk result's ``step``,
+count), ``spec.number`` and ``state.adapter_name``; ``Placement.current``; a chunk result's ``step``,
 ``train_seconds`` and ``eval_seconds``; a decode request's ``adapter``, ``prompts`` and sampling settings.
 
 Read as they are:
 
-- :data:`PASS_TOKENS`: the fused engine's cap of tokens per pass, recorded with the fused part's results;
+- :data:`PASS_TOKENS`: the fused engine's default cap of tokens per pass, recorded with the fused part's results;
 - :data:`attrs`: the keys of the trial attributes the package writes (worker, fail reason, clone, parent);
 - :class:`ChunkPlan`: which train rows each chunk holds (plain TRL visits them in the executor's order);
 - :class:`DecodeRequest`, :func:`decode`: the fused decode, called directly for the GRPO decode ceiling.
@@ -40,7 +40,10 @@ from typing import Any
 
 from benchmarks.harness.measure import sync
 from optuna_rapidfire._engines._base import ChunkResult
-from optuna_rapidfire._engines._fused_engine import PASS_TOKENS, FusedEngine
+from optuna_rapidfire._engines._fused_engine import FusedEngine
+from optuna_rapidfire._engines._gang_passes import PASS_TOKENS
+from optuna_rapidfire._engines._gang_training import GangTraining
+from optuna_rapidfire._engines._placement import Placement
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 from optuna_rapidfire._engines._trials import DeviceTrials
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
@@ -76,7 +79,7 @@ class Recorder:
 
     def __enter__(self) -> Recorder:
         recorder = self
-        run_chunk, switch_to = TimeSlicedEngine.run_chunk, DeviceTrials.switch_to
+        run_chunk, switch_to = TimeSlicedEngine.run_chunk, Placement.switch_to
         run_gang = FusedEngine.run
         self._originals = {"run_chunk": run_chunk, "switch_to": switch_to, "run_gang": run_gang}
 
@@ -111,17 +114,17 @@ class Recorder:
                 record(runtime, count, result)
             return results
 
-        def timed_switch(trials: DeviceTrials, runtime: Any) -> None:
-            changes = trials.current is not runtime
+        def timed_switch(placement: Placement, runtime: Any) -> None:
+            changes = placement.current is not runtime
             sync()
             start = time.perf_counter()
-            switch_to(trials, runtime)
+            switch_to(placement, runtime)
             sync()
             if changes:
                 recorder.switches.append(time.perf_counter() - start)
 
         TimeSlicedEngine.run_chunk = timed_run_chunk  # type: ignore[method-assign, assignment]
-        DeviceTrials.switch_to = timed_switch  # type: ignore[method-assign, assignment]
+        Placement.switch_to = timed_switch  # type: ignore[method-assign, assignment]
         FusedEngine.run = timed_run_gang  # type: ignore[method-assign, assignment]
         return self
 
@@ -132,7 +135,7 @@ class Recorder:
 
     def __exit__(self, *exc: object) -> None:
         TimeSlicedEngine.run_chunk = self._originals["run_chunk"]  # type: ignore[method-assign]
-        DeviceTrials.switch_to = self._originals["switch_to"]  # type: ignore[method-assign]
+        Placement.switch_to = self._originals["switch_to"]  # type: ignore[method-assign]
         FusedEngine.run = self._originals["run_gang"]  # type: ignore[method-assign]
 
 
@@ -145,23 +148,23 @@ class GangTrainingWindows:
         self._original: Any = None
 
     def __enter__(self) -> GangTrainingWindows:
-        original = self._original = FusedEngine._train_gang
+        original = self._original = GangTraining.train
         windows = self.windows
 
-        def timed(engine: FusedEngine, runtimes: Any) -> Any:
+        def timed(training: GangTraining, runtimes: Any) -> Any:
             sync()
             begin = time.time_ns()
             try:
-                return original(engine, runtimes)
+                return original(training, runtimes)
             finally:
                 sync()
                 windows.append((begin, time.time_ns()))
 
-        FusedEngine._train_gang = timed  # type: ignore[method-assign, assignment]
+        GangTraining.train = timed  # type: ignore[method-assign, assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        FusedEngine._train_gang = self._original  # type: ignore[method-assign]
+        GangTraining.train = self._original  # type: ignore[method-assign]
 
 
 class ChunkLog:
@@ -202,7 +205,7 @@ class ChunkLog:
 class DecodeLog:
     """Every decode an engine runs: its requests, rows, widest prompt, generated tokens, seconds (device
     synchronized before and after) and phase ("train", "eval", "check": the metric-name check of the first
-    trial built, or "mixed"). Hooks ``Generation._decode`` and ``DeviceTrials.evaluate``."""
+    trial built, or "mixed"). Hooks ``Generation.decode`` and ``DeviceTrials.evaluate``."""
 
     def __init__(self) -> None:
         self.decodes: list[dict[str, Any]] = []
@@ -212,7 +215,7 @@ class DecodeLog:
 
     def __enter__(self) -> DecodeLog:
         log = self
-        run_decode, evaluate = self._originals = (Generation._decode, DeviceTrials.evaluate)
+        run_decode, evaluate = self._originals = (Generation.decode, DeviceTrials.evaluate)
 
         def timed(generation: Generation, requests: Any, first: Any) -> Any:
             phases = {log._phase.get(r.adapter, "train") for r in requests}
@@ -243,13 +246,13 @@ class DecodeLog:
             finally:
                 log._phase.pop(name, None)
 
-        Generation._decode = timed  # type: ignore[method-assign,assignment]
+        Generation.decode = timed  # type: ignore[method-assign,assignment]
         DeviceTrials.evaluate = flagged  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._originals is not None
-        Generation._decode, DeviceTrials.evaluate = self._originals  # type: ignore[method-assign]
+        Generation.decode, DeviceTrials.evaluate = self._originals  # type: ignore[method-assign]
 
 
 def _decode_settings(request: DecodeRequest) -> dict[str, Any]:

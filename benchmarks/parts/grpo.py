@@ -9,7 +9,7 @@ Runs, in this order (``--grpo-runs`` measures some of them and merges them into 
   (see :data:`GPU` for the sizes), schedule ``"lockstep"`` on both engines, so that the fused engine's gang
   holds every trial. Wall time is the whole study (trainer builds, generation, rewards, policy steps,
   per-chunk evaluation, which generates too); the model is loaded before the clock starts. Every decode
-  the engine runs (``Generation._decode``: a trial alone, or the members of a gang together) is timed with
+  the engine runs (``Generation.decode``: a trial alone, or the members of a gang together) is timed with
   the device synchronized before and after, and its generated tokens are counted from the completions
   (:class:`benchmarks.harness.hooks.DecodeLog`).
 - ``decode_ceiling``: a fresh model of the same shape with one LoRA adapter (r16), and one call of
