@@ -234,3 +234,6 @@ class Engine(ABC):
     def release(self, runtime: TrialRuntime) -> None:
         """Free the trial's state; safe to call on a half-built or already released trial."""
         self.trials.release(runtime)
+
+    def close(self) -> None:
+        """Drop what the engine holds of the device's model (the device is closing)."""

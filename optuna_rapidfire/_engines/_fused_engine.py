@@ -91,6 +91,9 @@ class FusedEngine(Engine):
         self.evaluation.release(runtime)
         super().release(runtime)
 
+    def close(self) -> None:
+        self.launched.close()
+
     def stats(self) -> EngineStats:
         return dataclasses.replace(
             self.trials.stats(),

@@ -281,6 +281,15 @@ class LaunchedPasses:
             self._active.loras = []
             self._active = None
 
+    def close(self) -> None:
+        """Drop every reference to the model and the slots. The compiler keeps its compiled code (and with it
+        this object, through the counting backend) for the life of the process: without this, a closed
+        executor's model would stay on the device."""
+        self.release()
+        self._layouts.clear()
+        self._members, self._named, self._decoder = {}, [], None
+        self.resident = None  # type: ignore[assignment]
+
     def storage_bytes(self) -> int:
         """Bytes of the active layout's slot storage."""
         slots = None if self._active is None else self._active.slots

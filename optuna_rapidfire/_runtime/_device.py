@@ -119,6 +119,8 @@ class DeviceRuntime:
         if self._worker is not None:
             self._worker.join()
         self._worker = None
+        if self.engine is not None:
+            self.engine.close()
         self.engine = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -338,3 +338,22 @@ def test_a_study_compiles_each_graph_at_most_twice_whatever_its_rows(make_execut
     stats = executor.stats()
     assert stats.launched_steps == stats.fused_steps > 0 and stats.compile_failures == 0
     assert 3 <= counts[0] <= 6 and counts[1] == counts[0]
+
+
+def test_a_closed_executor_that_compiled_lets_its_model_go(make_executor) -> None:
+    """The compiler keeps its compiled code for the life of the process; a closed executor's model must not stay
+    alive through it (on the H200 a closed 8B executor held 46 GB, and the next run ran out of memory)."""
+    import gc
+    import weakref
+
+    executor = make_executor(engine="fused", compile="aot_eager", num_chunks=2, max_concurrent_trials=2)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    executor.optimize(study, lambda t: (lora(r=4), sft_args(per_device_train_batch_size=2, seed=t.number)), n_trials=2)
+    assert executor.stats().compiles > 0
+    engine = executor._device.engine
+    assert engine is not None
+    model = weakref.ref(engine.trials.resident.base)
+    del engine
+    executor.close()
+    gc.collect()
+    assert model() is None
