@@ -87,6 +87,8 @@ class Recorder:
             return int(getattr(runtime.trainer, "_total_train_tokens", 0))
 
         def record(runtime: Any, before: int, result: Any) -> None:
+            if not isinstance(result, ChunkResult):  # that trial failed alone (its own out of memory...)
+                return
             recorder.tokens += tokens(runtime) - before
             recorder.eval_seconds += result.eval_seconds
             recorder.train_seconds += result.train_seconds

@@ -131,6 +131,9 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
             spec.trials,
             engine=spec.engine,
             data="preference" if spec.kind == "dpo" else "text",
+            # Every trial trains every chunk, as the processes it is compared with do: under "promote" trials
+            # wait at rungs and the gangs shrink, which would measure the schedule, not the shared pass.
+            schedule="lockstep",
         )
         study = optuna.create_study(pruner=optuna.pruners.NopPruner())
         for trial_params in params:
