@@ -235,5 +235,5 @@ class Engine(ABC):
         """Free the trial's state; safe to call on a half-built or already released trial."""
         self.trials.release(runtime)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a no-op for engines that hold nothing beyond the trials)
         """Drop what the engine holds of the device's model (the device is closing)."""
