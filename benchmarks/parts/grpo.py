@@ -48,7 +48,7 @@ from trl import GRPOConfig
 from benchmarks.harness.bench import Bench
 from benchmarks.harness.hooks import DecodeLog, DecodeRequest, decode
 from benchmarks.harness.measure import drop, peak_memory_gb, release, reset_peak, sync
-from benchmarks.harness.models import build_model, lora
+from benchmarks.harness.models import build_model, lora, quiet_training
 from optuna_rapidfire import RapidFireExecutor
 from optuna_rapidfire.demo import gsm8k_reward, load_gsm8k
 
@@ -80,7 +80,6 @@ def params(index: int) -> dict[str, Any]:
 
 
 def grpo_args(learning_rate: float, beta: float, seed: int, sizes: Sizes) -> GRPOConfig:
-    gpu = torch.cuda.is_available()
     return GRPOConfig(
         learning_rate=learning_rate,
         beta=beta,
@@ -89,14 +88,8 @@ def grpo_args(learning_rate: float, beta: float, seed: int, sizes: Sizes) -> GRP
         per_device_eval_batch_size=sizes.batch,
         max_completion_length=sizes.completion,
         num_train_epochs=1,
-        bf16=gpu,
-        use_cpu=not gpu,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
         seed=seed,
+        **quiet_training(),
     )
 
 

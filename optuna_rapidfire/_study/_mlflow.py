@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from optuna_rapidfire._logging import get_logger
 
@@ -80,26 +80,7 @@ class MlflowTracker:
             known = self._parents.get(study.study_name)
             if known is not None:
                 return known
-            name = self.experiment or study.study_name
-            experiment = self.client.get_experiment_by_name(name)
-            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
-            runs = self.client.search_runs(
-                [experiment_id],
-                filter_string=f"tags.`rapidfire.role` = 'study' and tags.`optuna.study_name` = '{study.study_name}'",
-                max_results=1,
-            )
-            if runs:
-                run_id = runs[0].info.run_id
-            else:
-                run_id = self.client.create_run(
-                    experiment_id,
-                    run_name=study.study_name,
-                    tags={
-                        "rapidfire.role": "study",
-                        "optuna.study_name": study.study_name,
-                        "optuna.direction": study.direction.name,
-                    },
-                ).info.run_id
+            experiment_id, run_id = study_run(self.client, study, self.experiment or study.study_name)
             self._parents[study.study_name] = (experiment_id, run_id)
             return experiment_id, run_id
 
@@ -196,3 +177,19 @@ def _check_reachable(uri: str) -> None:
 def _metric_name(name: str) -> str:
     allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-. /")
     return "".join(c if c in allowed else "_" for c in name)
+
+
+def study_run(client: Any, study: optuna.Study, experiment: str) -> tuple[str, str]:
+    """``(experiment id, run id)`` of the study's parent run in ``experiment`` (made when missing): the run
+    tagged ``rapidfire.role=study`` that the trials' runs nest under, found again by its tags."""
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`rapidfire.role` = 'study' and tags.`optuna.study_name` = '{study.study_name}'",
+        max_results=1,
+    )
+    if runs:
+        return experiment_id, runs[0].info.run_id
+    tags = {"rapidfire.role": "study", "optuna.study_name": study.study_name, "optuna.direction": study.direction.name}
+    return experiment_id, client.create_run(experiment_id, run_name=study.study_name, tags=tags).info.run_id

@@ -67,19 +67,10 @@ def log_to_mlflow(tracking_uri: str, study: optuna.Study, best_number: int, adap
     with the best trial, and return its id."""
     from mlflow.tracking import MlflowClient
 
+    from optuna_rapidfire._study._mlflow import study_run
+
     client = MlflowClient(tracking_uri=tracking_uri)
-    experiment = client.get_experiment_by_name(study.study_name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(study.study_name)
-    runs = client.search_runs(
-        [experiment_id],
-        filter_string=f"tags.`rapidfire.role` = 'study' and tags.`optuna.study_name` = '{study.study_name}'",
-        max_results=1,
-    )
-    if runs:
-        run_id = runs[0].info.run_id
-    else:  # no trial was logged (every one ran before MLflow was configured): the run the executor would make
-        tags = {"rapidfire.role": "study", "optuna.study_name": study.study_name}
-        run_id = client.create_run(experiment_id, run_name=study.study_name, tags=tags).info.run_id
+    _, run_id = study_run(client, study, study.study_name)
     client.log_artifacts(run_id, str(adapter), artifact_path=BEST_ADAPTER)
     client.set_tag(run_id, "rapidfire.best_trial", str(best_number))
     if study.best_value is not None:

@@ -7,23 +7,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import optuna
-import torch
 from peft import LoraConfig
 from trl import SFTConfig
 
+from benchmarks.harness.models import SHAPES, quiet_training
 from benchmarks.parts.search.space import BATCHES, TARGETS, suggest
 from optuna_rapidfire.demo import load_gsm8k
 
-BASE_MODEL: dict[str, Any] = {
-    "vocab_size": 8192,
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 1024,
-    "tie_word_embeddings": True,
-}
+BASE_MODEL: dict[str, Any] = {**SHAPES["search-82m"], "max_position_embeddings": 1024}
 """The base the search part pretrains: an 82M-parameter Llama."""
 
 
@@ -117,7 +108,6 @@ _WARMUP = "warmup_ratio" if "warmup_ratio" in {f.name for f in dataclasses.field
 
 def sft_config(params: dict[str, Any], settings: Settings, output_dir: str, **extra: Any) -> SFTConfig:
     """The trial's training args, the same for the executor and for plain TRL (``extra``: TRL-only fields)."""
-    gpu = torch.cuda.is_available()
     return SFTConfig(
         output_dir=output_dir,
         learning_rate=float(params["learning_rate"]),
@@ -126,14 +116,8 @@ def sft_config(params: dict[str, Any], settings: Settings, output_dir: str, **ex
         num_train_epochs=1,
         **{_WARMUP: float(params["warmup_ratio"])},
         max_length=settings.max_length,
-        bf16=gpu,
-        use_cpu=not gpu,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
         seed=0,
+        **quiet_training(),
         **extra,
     )
 
