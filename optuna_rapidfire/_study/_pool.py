@@ -24,7 +24,6 @@ from optuna.trial import TrialState
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._study import _attrs
 from optuna_rapidfire._study._storages import StorageUnavailableError, file_path, retrying
 
 if TYPE_CHECKING:
@@ -36,27 +35,13 @@ _logger = get_logger(__name__)
 _WAIT_SECONDS = 1.0  # how often a worker waiting for the study's end looks at the storage
 
 
-STALE_REASON = (
-    "HeartbeatStale: its worker sent no heartbeat for longer than the storage's grace period (it died, or lost "
-    "the storage); Optuna's heartbeat callback retries it as a new trial"
-)
-
-
 def fail_stale_trials(study: optuna.Study) -> None:
-    """``optuna.storages.fail_stale_trials``, each stale trial first marked as failed, with why: once Optuna has
-    failed it, a finished trial's attributes can no longer be written."""
-    storage = _compat.storage(study)
-    stale = _compat.stale_trial_ids(storage, _compat.study_id(study))
-    for trial_id in stale:
-        try:
-            storage.set_trial_user_attr(trial_id, _attrs.STATUS, "failed")
-            storage.set_trial_user_attr(trial_id, _attrs.FAIL_REASON, STALE_REASON)
-        except optuna.exceptions.UpdateFinishedTrialError:  # another worker failed it first
-            continue
-    if stale:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(study)
+    """``optuna.storages.fail_stale_trials`` through a storage that marks each stale trial as failed, with
+    why, before it is failed (see ``_storages``)."""
+    storage = retrying(_compat.storage(study), 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(_compat.with_storage(study, storage))
 
 
 def _storage_error_in(error: BaseException) -> StorageUnavailableError | None:

@@ -13,16 +13,22 @@ import os
 import time
 from typing import Any
 
-from optuna.exceptions import StorageInternalError
+from optuna.exceptions import StorageInternalError, UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._compat import BaseHeartbeat
 from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._study import _attrs
 
 _logger = get_logger(__name__)
 _FIRST_DELAY = 0.5
 _MAX_DELAY = 8.0
+
+STALE_REASON = (
+    "HeartbeatStale: its worker sent no heartbeat for longer than the storage's grace period (it died, or lost "
+    "the storage); Optuna's heartbeat callback retries it as a new trial"
+)
 
 
 class StorageUnavailableError(RuntimeError):
@@ -135,9 +141,25 @@ class RetryingStorage(_Retrying, BaseStorage):
 class RetryingHeartbeatStorage(_Retrying, BaseStorage, BaseHeartbeat):
     """The same for storages with heartbeats (RDB): Optuna still sees the heartbeat interface."""
 
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        """The stale trials, each marked as failed with why before it is returned: whoever asked (the pool,
+        or Optuna's own check when a trial starts) fails them next, and a finished trial's attributes can no
+        longer be written. Marking here, not before the caller's own look, leaves no trial that went stale
+        in between unmarked."""
+        stale = list(self._call("_get_stale_trial_ids", (study_id,), {}))
+        for trial_id in stale:
+            try:
+                self.set_trial_user_attr(trial_id, _attrs.STATUS, "failed")
+                self.set_trial_user_attr(trial_id, _attrs.FAIL_REASON, STALE_REASON)
+            except UpdateFinishedTrialError:  # another worker failed it first
+                continue
+        return stale
+
 
 for _cls, _bases in ((RetryingStorage, (BaseStorage,)), (RetryingHeartbeatStorage, (BaseStorage, BaseHeartbeat))):
     for _name in {n for base in _bases for n in dir(base) if not n.startswith("__") and n != "_abc_impl"}:
+        if _name in vars(_cls):  # its own (marking stale trials)
+            continue
         setattr(_cls, _name, _forwarder(_name))
     _cls.__abstractmethods__ = frozenset()
 

@@ -54,6 +54,18 @@ def _time(moment: datetime | None) -> str | None:
     return None if moment is None else moment.astimezone().isoformat()
 
 
+_ENDED = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
+
+
+def _status(trial: FrozenTrial) -> str | None:
+    """The trial's ``rapidfire:status``; for a finished trial that still says it runs (failed by Optuna's own
+    heartbeat check under a plain ``study.optimize``, whose storage does not mark stale trials), its end."""
+    status = trial.user_attrs.get(_attrs.STATUS)
+    if trial.state.is_finished() and status in ("running", "paused"):
+        return _ENDED.get(trial.state.name, status)
+    return status
+
+
 def trial_entry(trial: FrozenTrial, continued_by: int | None = None) -> dict[str, Any]:
     """One trial as the summary lists it (``continued_by``: the trial that carries it on, if any)."""
     attrs = trial.user_attrs
@@ -64,7 +76,7 @@ def trial_entry(trial: FrozenTrial, continued_by: int | None = None) -> dict[str
     return {
         "number": trial.number,
         "state": trial.state.name,
-        "status": attrs.get(_attrs.STATUS),
+        "status": _status(trial),
         "value": _number(trial.value) if trial.values else None,
         "params": dict(trial.params),
         "chunks_done": attrs.get(_attrs.CHUNKS_DONE, len(trial.intermediate_values)),
