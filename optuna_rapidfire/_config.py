@@ -9,11 +9,13 @@ same things once.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import optuna
 
@@ -90,9 +92,10 @@ class MemoryBudget:
 class ExecutorConfig:
     """Every setting of a :class:`~optuna_rapidfire.RapidFireExecutor`: the one list of its keywords.
 
-    Each field is one of the executor's keyword arguments, with the same name and default (see the
-    executor's docstring for what each means; ``tests/unit/test_config.py`` checks that the two agree). The
-    executor passes its keywords here unchanged; making the object validates every setting before any work,
+    Its fields *are* the executor's keyword arguments: the executor's ``__init__`` takes ``**options`` and
+    borrows this class's signature (:func:`takes_options_of`), so a setting is added here once, with its
+    type and default (and documented in the executor's docstring). The executor passes its keywords here
+    unchanged; making the object validates every setting before any work,
     names the bad value, and resolves a few in place: ``metric`` gets its ``eval_`` prefix, ``model_kwargs``
     becomes a dict, ``reward_funcs`` a tuple, ``output_dir`` a string. Derived: :attr:`policy` (the schedule
     object ``schedule`` names), :attr:`eval_rows` (``eval_samples`` resolved) and :attr:`memory_budget`
@@ -197,11 +200,46 @@ class ExecutorConfig:
         """The executor's keyword arguments (the fields a config is made from), in order."""
         return [f.name for f in dataclasses.fields(cls) if f.init]
 
+    @classmethod
+    def from_options(cls, caller: str, options: dict[str, Any]) -> ExecutorConfig:
+        """The config of ``caller``'s keyword ``options``; an unknown or missing keyword is a ``TypeError``
+        that names it (and the option it was probably meant to be)."""
+        known = cls.options()
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f". Its options: {', '.join(known)}."
+                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
+        required = [f.name for f in dataclasses.fields(cls) if f.init and f.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in options]
+        if missing:
+            raise TypeError(f"{caller}() is missing the keyword arguments {', '.join(map(repr, missing))}.")
+        return cls(**options)
+
     def replace(self, **changes: Any) -> ExecutorConfig:
         """A copy with ``changes`` (for a worker process: no progress bar of its own)."""
         settings = {name: getattr(self, name) for name in self.options()}
         settings["schedule"] = self.policy
         return ExecutorConfig(**{**settings, **changes})
+
+
+_P = ParamSpec("_P")
+_S = TypeVar("_S")
+
+
+def takes_options_of(
+    config: Callable[_P, Any],
+) -> Callable[[Callable[Concatenate[_S, ...], None]], Callable[Concatenate[_S, _P], None]]:
+    """Give ``def __init__(self, **options)`` the keyword signature of ``config``, so the options are written
+    once, as the config's fields: type checkers check each keyword's name and type (PEP 612), and
+    ``inspect.signature``/``help()`` list them with their defaults."""
+
+    def decorate(init: Callable[Concatenate[_S, ...], None]) -> Callable[Concatenate[_S, _P], None]:
+        self = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        init.__signature__ = inspect.Signature([self, *inspect.signature(config).parameters.values()])  # type: ignore[attr-defined]
+        return init
+
+    return decorate
 
 
 def metric_key(metric: str) -> str:

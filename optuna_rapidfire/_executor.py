@@ -8,13 +8,13 @@ worker thread, slots) and the study services, and hands them to the functions of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from optuna.trial import TrialState
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._config import Configure, ExecutorConfig
+from optuna_rapidfire._config import Configure, ExecutorConfig, takes_options_of
 from optuna_rapidfire._engines._base import EngineStats
 from optuna_rapidfire._logging import get_logger, quiet_library_noise
 from optuna_rapidfire._processes import run_workers
@@ -26,16 +26,9 @@ from optuna_rapidfire._study._progress import Progress
 from optuna_rapidfire._study._services import StudyServices
 
 if TYPE_CHECKING:
-    import os
-
     import optuna
     import torch
-    from datasets import Dataset
-    from transformers import PreTrainedTokenizerBase
 
-    from optuna_rapidfire._compat import ArtifactStore
-    from optuna_rapidfire._config import EngineName
-    from optuna_rapidfire._resident._model import ModelSource
     from optuna_rapidfire._runtime._schedule import BaseSchedule
 
 _logger = get_logger(__name__)
@@ -164,40 +157,11 @@ class RapidFireExecutor:
             pass; other models train in the model's own modules, uncompiled.
     """
 
-    def __init__(
-        self,
-        *,
-        model: ModelSource,
-        train_dataset: Dataset,
-        eval_dataset: Dataset,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-        model_kwargs: dict[str, Any] | None = None,
-        num_chunks: int = 8,
-        max_concurrent_trials: int = 8,
-        seed: int = 0,
-        metric: str | None = None,
-        eval_samples: int | Literal["auto"] | None = "auto",
-        compute_metrics: Callable[..., dict[str, float]] | None = None,
-        preprocess_logits_for_metrics: Callable[..., Any] | None = None,
-        formatting_func: Callable[[dict[str, Any]], str] | None = None,
-        reward_funcs: Sequence[Callable[..., list[float]] | str] | None = None,
-        mlflow_tracking_uri: str | None = None,
-        output_dir: str | os.PathLike[str] = "rapidfire-output",
-        devices: str | torch.device | list[str | torch.device] = "auto",
-        state_memory_budget: int | str | None = "auto",
-        show_progress_bar: bool = True,
-        dashboard_controls: bool = True,
-        poll_seconds: float = 1.0,
-        pause_grace_seconds: float = 120.0,
-        artifact_store: ArtifactStore | Literal["auto"] | None = "auto",
-        storage_retry_seconds: float = 60.0,
-        engine: EngineName = "auto",
-        schedule: str | BaseSchedule = "default",
-        compile: bool | str = "auto",
-    ) -> None:
+    @takes_options_of(ExecutorConfig)
+    def __init__(self, **options: Any) -> None:
         quiet_library_noise()
-        settings = locals()
-        self.config = ExecutorConfig(**{name: settings[name] for name in ExecutorConfig.options()})
+        self.config = ExecutorConfig.from_options(type(self).__name__, options)
+        devices = self.config.devices
         self._devices = resolve_devices(devices)
         self._several_explicit = len(self._devices) > 1 and not (isinstance(devices, str) and devices == "auto")
         self._services = StudyServices(self.config)

@@ -32,22 +32,23 @@ def test_defaults_are_resolved_and_the_config_is_frozen_and_picklable(data) -> N
     assert repr(copy.policy) == repr(config.policy) and copy.eval_rows == 32
 
 
-def test_the_executor_s_keywords_are_the_config_s_fields_with_the_same_defaults() -> None:
-    """One option list: a setting added to the config and not to the executor (or with another default)
-    fails here, and the executor passes every keyword through."""
+def test_the_executor_takes_the_config_s_fields_as_its_keywords_and_names_a_wrong_one() -> None:
+    """One option list: the executor's signature (as help() and IDEs show it) is the config's, every option
+    is documented, and a misspelt or missing keyword is refused before any work, named."""
     import inspect
 
     from optuna_rapidfire import RapidFireExecutor
 
-    def described(of: object) -> dict[str, tuple[object, object]]:
-        parameters = inspect.signature(of).parameters  # type: ignore[arg-type]
-        return {name: (p.default, p.annotation) for name, p in parameters.items() if name != "self"}
-
-    keywords, fields = described(RapidFireExecutor.__init__), described(ExecutorConfig)
-    assert list(keywords) == ExecutorConfig.options() == list(fields)
-    assert keywords == fields
-    for name in fields:  # each one documented in the executor's docstring
+    parameters = inspect.signature(RapidFireExecutor).parameters
+    assert list(parameters) == ExecutorConfig.options()
+    assert all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in parameters.values())
+    assert parameters["num_chunks"].default == 8 and parameters["model"].default is inspect.Parameter.empty
+    for name in parameters:  # each one documented in the executor's docstring
         assert f"        {name}: " in (RapidFireExecutor.__doc__ or ""), name
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_chunk'; did you mean 'num_chunks'"):
+        RapidFireExecutor(model="m", train_dataset=None, eval_dataset=None, num_chunk=3)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="missing the keyword arguments 'train_dataset', 'eval_dataset'"):
+        RapidFireExecutor(model="m")  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize(
