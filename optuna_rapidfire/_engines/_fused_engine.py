@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -112,8 +112,18 @@ class FusedEngine(Engine):
             its own chunk after a shared pass failed before any member stepped). An error after members
             stepped is raised: it fails the whole gang.
         """
-        if runtimes[0].spec.kind.fused_loss is None:  # the kind's gang strategy: generation turns
-            return self._generating_gang(runtimes)
+        strategy = runtimes[0].spec.kind.gang  # the one place a kind's gangs branch (checked exhaustive)
+        if strategy == "shared_passes":
+            return self._shared_passes(runtimes)
+        if strategy == "generation_turns":
+            return self._generation_turns(runtimes)
+        if strategy == "alone":
+            return self._alone.run(runtimes)
+        _unknown(strategy)
+
+    def _shared_passes(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
+        """A gang of kinds with a fused loss (SFT, DPO): every step in one forward/backward pass, then the
+        gang evaluates in shared forward passes; time-sliced when the gang cannot share them."""
         reason = train_refusal(self.trials.resident, self.trials.extras, runtimes)
         if reason is not None:
             if len(runtimes) > 1:
@@ -136,7 +146,7 @@ class FusedEngine(Engine):
                 results.append(error)
         return results
 
-    def _generating_gang(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
+    def _generation_turns(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
         """A gang of trials that sample completions (GRPO): each trains its chunk and evaluates as alone,
         in turns, and the members waiting to generate decode together, in one batch
         (:class:`~optuna_rapidfire._trainers.grpo._generation.Generation`)."""
@@ -185,3 +195,8 @@ class FusedEngine(Engine):
             except Exception as own:
                 results.append(own)
         return results
+
+
+def _unknown(strategy: NoReturn) -> NoReturn:
+    """Reached by no ``TrainerKind.gang`` value: the type checker proves the strategies above cover them all."""
+    raise AssertionError(f"unknown gang strategy {strategy!r}")

@@ -156,6 +156,7 @@ class DPOKind(CollatedKind):
 
     name = "dpo"
     default_metric = "eval_loss"
+    gang = "shared_passes"
     fused_loss = DPOFusedLoss()
 
     @classmethod

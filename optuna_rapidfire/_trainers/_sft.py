@@ -92,6 +92,7 @@ class SFTKind(CollatedKind):
 
     name = "sft"
     default_metric = "eval_loss"
+    gang = "shared_passes"
     fused_loss = SFTFusedLoss()
 
     @classmethod

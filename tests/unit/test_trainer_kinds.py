@@ -178,6 +178,21 @@ def test_base_dropout_is_off_only_for_args_that_disable_it() -> None:
     assert SFTKind().base_dropout_off(sft_args()) is False  # SFTConfig has no such field
 
 
+def test_each_kind_names_its_gang_strategy_and_a_shared_passes_kind_has_a_fused_loss() -> None:
+    import typing
+
+    from optuna_rapidfire._trainers._base import GangStrategy
+
+    assert {type(kind).__name__: kind.gang for kind in (SFTKind(), DPOKind(), GRPOKind())} == {
+        "SFTKind": "shared_passes",
+        "DPOKind": "shared_passes",
+        "GRPOKind": "generation_turns",
+    }
+    assert set(typing.get_args(GangStrategy)) == {"shared_passes", "generation_turns", "alone"}
+    assert SFTKind().fused_loss is not None and DPOKind().fused_loss is not None and GRPOKind().fused_loss is None
+    assert GRPOKind().samples_completions and not SFTKind().samples_completions
+
+
 def test_only_kinds_without_a_fused_loss_refuse_a_shared_pass_by_kind() -> None:
     assert GRPOKind().fused_refusal(None, _grpo_args()) == "is a GRPO trial (SFT and DPO trials are fused)"  # type: ignore[arg-type]
     assert SFTKind().fused_refusal(None, sft_args()) is None  # type: ignore[arg-type]

@@ -34,8 +34,7 @@ class GRPOKind(TrainerKind):
     # Generation dominates a GRPO step: the fused engine's GRPO gangs generate together, in one decode
     # batch, and share the forward and backward passes of their policy steps, each member computing TRL's
     # own loss (no fused loss of its own: see _trainers/grpo/_generation.py and _trainers/grpo/_policy_pass.py).
-    fused_loss = None
-    samples_completions = True
+    gang = "generation_turns"
 
     @classmethod
     def args_type(cls) -> type[TrainingArguments]:
