@@ -69,14 +69,20 @@ class Checkpoints:
             # Deleted while the study runs (a cleanup, a remount): make it again rather than stop checkpointing.
             os.makedirs(folder, exist_ok=True)
             _logger.warning("The artifact folder %s was gone; it is made again for the next checkpoints.", folder)
-        self.store.write(artifact_id, io.BytesIO(blob))
         link: dict[str, Any] = {
             "artifact_id": artifact_id,
             "step": snapshot.position.chunks_done,
             "sha256": hashlib.sha256(blob).hexdigest(),
             "bytes": len(blob),
         }
-        _compat.storage(study).set_trial_system_attr(trial_id, _attrs.CHECKPOINT, link)
+        try:
+            self.store.write(artifact_id, io.BytesIO(blob))
+            _compat.storage(study).set_trial_system_attr(trial_id, _attrs.CHECKPOINT, link)
+        except BaseException:
+            # Nothing half-written: a blob cut short (a full disk) or never linked (the trial was failed
+            # elsewhere meanwhile) is removed; the trial's link still names its previous, whole checkpoint.
+            self.remove(link)
+            raise
         if isinstance(previous, dict) and not _awaited_by_clone(study, snapshot.trial_number):
             self.remove(previous)
         return link

@@ -11,11 +11,14 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+from optuna.exceptions import UpdateFinishedTrialError
+
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._base import CloneOf
 from optuna_rapidfire._logging import explained, get_logger
 from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._study._checkpoints import CheckpointError
+from optuna_rapidfire._study._storages import StorageUnavailableError
 
 if TYPE_CHECKING:
     import optuna
@@ -143,6 +146,8 @@ class TrialRecord:
             return
         try:
             checkpoints.save(self.study, _compat.trial_id(self.trial), event.snapshot, previous)
+        except (UpdateFinishedTrialError, StorageUnavailableError):  # the trial's end, told by the caller
+            raise
         except Exception as error:  # the trial goes on; a retry would resume from an older checkpoint
             _logger.warning(
                 "Trial %d: the checkpoint after chunk %d could not be saved (%s: %s).",

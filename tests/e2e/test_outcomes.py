@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import optuna
 import pytest
@@ -135,3 +136,43 @@ def test_a_finished_study_leaves_no_trainer_folders_and_no_lock_file(make_execut
     assert sorted(os.listdir(tmp_path / "out")) == ["tidy"]  # no .trainer/trial_N folders
     assert sorted(os.listdir(tmp_path / "out" / "tidy")) == ["state", "trial-0", "trial-1", "trial-2"]
     assert [name for name in os.listdir(tmp_path) if "lock" in name] == []
+
+
+class _DiskFillsUp(optuna.artifacts.FileSystemArtifactStore):
+    """A folder whose disk fills up after ``room`` blobs: later blobs are cut short by the kernel's own ENOSPC
+    (the rest of each goes to ``/dev/full``), as a full disk leaves them."""
+
+    def __init__(self, base_path: str, room: int) -> None:
+        super().__init__(base_path)
+        self.folder, self.room = base_path, room
+
+    def write(self, artifact_id: str, content_body: Any) -> None:
+        if self.room > 0:
+            self.room -= 1
+            return super().write(artifact_id, content_body)
+        data = content_body.read()
+        with open(os.path.join(self.folder, artifact_id), "wb") as partial:
+            partial.write(data[: len(data) // 2])
+        with open("/dev/full", "wb") as full:
+            full.write(data[len(data) // 2 :])  # OSError: [Errno 28] No space left on device
+
+
+def test_a_full_disk_costs_the_checkpoints_it_cuts_short_and_nothing_else(make_executor, tmp_path, rapidfire_logs):
+    folder = tmp_path / "artifacts"
+    folder.mkdir()
+    store = _DiskFillsUp(str(folder), room=2)
+    executor = make_executor(num_chunks=4, max_concurrent_trials=1, artifact_store=store)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    executor.optimize(study, by_number([(lora(), sft_args())]), n_trials=1)
+
+    trial = study.trials[0]
+    assert trial.state == TrialState.COMPLETE and sorted(trial.intermediate_values) == [0, 1, 2, 3]
+    failed = [r.getMessage() for r in rapidfire_logs.records if "could not be saved" in r.getMessage()]
+    assert len(failed) == 2 and all("No space left on device" in line for line in failed), failed
+    assert "after chunk 3" in failed[0] and "after chunk 4" in failed[1]
+    # Nothing half-written: the cut blobs are gone, and the link names the last whole checkpoint (chunk 2).
+    link = trial.system_attrs[_attrs.CHECKPOINT]
+    assert link["step"] == 2 and [p.name for p in folder.iterdir()] == [link["artifact_id"]]
+    from optuna_rapidfire._study._checkpoints import Checkpoints
+
+    assert Checkpoints(store).load(study, link, {0}).position.chunks_done == 2

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import optuna
+import pytest
 import torch
 from optuna.artifacts import FileSystemArtifactStore
 
@@ -47,3 +48,22 @@ def test_an_artifact_folder_deleted_mid_study_is_made_again_and_checkpoints_go_o
     assert study.trials[0].system_attrs[_attrs.CHECKPOINT] == second
     assert checkpoints.load(study, second, {trial.number}).position.chunks_done == 2
     assert [p.name for p in folder.iterdir()] == [second["artifact_id"]]
+
+
+def test_a_checkpoint_whose_trial_was_failed_meanwhile_leaves_no_blob(tmp_path: Path) -> None:
+    # Another worker's heartbeat check failed the trial while this worker wrote its checkpoint: the link is
+    # refused, and the blob nobody links is removed at once (no orphan per lost trial).
+    from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.trial import TrialState
+
+    folder = tmp_path / "artifacts"
+    folder.mkdir()
+    checkpoints = Checkpoints(FileSystemArtifactStore(str(folder)))
+    study = optuna.create_study(study_name="s")
+    trial = study.ask()
+    first = checkpoints.save(study, trial._trial_id, _snapshot(trial.number, 1))
+    study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+    with pytest.raises(UpdateFinishedTrialError):
+        checkpoints.save(study, trial._trial_id, _snapshot(trial.number, 2), previous=first)
+    assert [p.name for p in folder.iterdir()] == [first["artifact_id"]]
+    assert study.trials[0].system_attrs[_attrs.CHECKPOINT] == first
