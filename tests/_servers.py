@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -93,6 +94,68 @@ def postgres_server() -> Iterator[str]:
     """Start a throw-away PostgreSQL server on a free loopback port; yield its SQLAlchemy URL."""
     with postgres() as server:
         yield server.url
+
+
+class TcpProxy:
+    """A loopback TCP relay to ``port``: one client's network path to a server, which a test can cut (every
+    connection dropped, new ones closed at once, as a lost route does) and restore, while the server stays up
+    for everyone else."""
+
+    def __init__(self, port: int) -> None:
+        self.port = free_port()
+        self._target = port
+        self._cut = threading.Event()
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            if self._cut.is_set():
+                client.close()
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self._target))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        self._cut.set()
+        with self._lock:
+            dropped, self._open = self._open, []
+        for connection in dropped:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+
+    def restore(self) -> None:
+        self._cut.clear()
+
+    def close(self) -> None:
+        self.cut()
+        self._listener.close()
 
 
 @contextlib.contextmanager

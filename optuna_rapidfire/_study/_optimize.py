@@ -15,7 +15,7 @@ from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._runtime._scheduler import Status
 from optuna_rapidfire._study._pool import TrialPool
 from optuna_rapidfire._study._progress import Progress
-from optuna_rapidfire._study._trial_driver import EndPaused, Interrupted, TrialDriver
+from optuna_rapidfire._study._trial_driver import EndPaused, Interrupted, StorageWasLost, TrialDriver
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -99,6 +99,14 @@ def interrupt(device: DeviceRuntime) -> None:
     end_paused(device)
 
 
+def look_for_lost_trials(device: DeviceRuntime) -> None:
+    """After a storage outage longer than the heartbeat grace period: each live trial looks (in its own
+    thread) whether another worker failed it meanwhile, and if so stops here at once (or after its chunk in
+    flight), rather than train for a trial its retry now continues."""
+    for entry in device.scheduler.entries():
+        entry.events.put(StorageWasLost())
+
+
 def make_objective(run: Run, configure: Configure) -> Callable[[optuna.Trial], float]:
     """The objective of one trial: its driver follows it on ``run``'s device."""
 
@@ -150,6 +158,7 @@ def optimize(
         take_ticket=take_ticket,
         target=target,
         retry_seconds=config.storage_retry_seconds,
+        after_long_outage=lambda seconds: look_for_lost_trials(device),
     )
     try:
         run.pool.run(on_interrupt=lambda: interrupt(device))

@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._study._storages import StorageUnavailableError, file_path, retrying
+from optuna_rapidfire._study._storages import StorageUnavailableError, file_path, on_long_outage, retrying
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -114,6 +114,8 @@ class TrialPool:
         externally_finished: Whether the trial ``number`` was finished from outside (dashboard "Fail
             Trial"): Optuna's tell then raises, and the pool goes on instead of failing.
         retry_seconds: How long the trials' storage calls retry while the storage is unreachable.
+        after_long_outage: Called with its length once the storage is back after an outage longer than its
+            heartbeat grace period (other workers may have failed this pool's trials meanwhile).
         target: ``(n, states)``: run until the study (all workers together) has ``n`` trials in ``states``
             (finished states, from a ``MaxTrialsCallback``),
             and nothing is left running elsewhere that could still come back as a retry.
@@ -139,6 +141,7 @@ class TrialPool:
         take_ticket: Callable[[], bool] | None = None,
         target: tuple[int, tuple[TrialState, ...]] | None = None,
         retry_seconds: float = 0.0,
+        after_long_outage: Callable[[float], None] | None = None,
     ) -> None:
         self.study = study
         self.objective = objective
@@ -158,6 +161,8 @@ class TrialPool:
         self._unasked = 0  # threads started that have not asked for their trial yet
         self._told_waiting = False
         self._storage = retrying(_compat.storage(study), retry_seconds)
+        if after_long_outage is not None:
+            on_long_outage(self._storage, after_long_outage)
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._stop = False
@@ -300,7 +305,7 @@ class TrialPool:
         except BaseException as error:
             number = self.local.trial_number
             if number is not None and self._externally_finished(number):
-                _logger.info("Trial %d was finished from outside the executor; the study goes on.", number)
+                _logger.debug("Trial %d was finished from outside the executor; the study goes on.", number)
             else:
                 with self._lock:
                     self._error = self._error or _storage_error_in(error) or error

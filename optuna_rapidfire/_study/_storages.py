@@ -10,8 +10,9 @@ then raises :class:`StorageUnavailableError`. Only connection-level errors are r
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optuna.exceptions import StorageInternalError, UpdateFinishedTrialError
 from optuna.storages import BaseStorage
@@ -20,6 +21,9 @@ from optuna_rapidfire import _compat
 from optuna_rapidfire._compat import BaseHeartbeat
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._study import _attrs
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 _logger = get_logger(__name__)
 _FIRST_DELAY = 0.5
@@ -84,11 +88,21 @@ def is_transient(error: BaseException) -> bool:
 
 
 class _Retrying:
-    """Forwards every storage call to ``inner``, retrying while the storage is unreachable."""
+    """Forwards every storage call to ``inner``, retrying while the storage is unreachable.
+
+    An outage is one for all the threads that call: the first call that fails says so, the first that
+    gets through again says how long it lasted (one pair of lines per outage, not one per thread), and,
+    when it lasted longer than the storage's heartbeat grace period, calls :attr:`after_long_outage`.
+    """
 
     def __init__(self, inner: BaseStorage, retry_seconds: float) -> None:
         self._inner = inner
         self._retry_seconds = retry_seconds
+        self._outage_lock = threading.Lock()
+        self._down_since: float | None = None
+        self.after_long_outage: Callable[[float], None] | None = None
+        """Called (on the thread that got through first) with the outage's length in seconds, once the
+        storage is back after an outage longer than its heartbeat grace period."""
 
     def __getattr__(self, name: str) -> Any:  # plain attributes (``_backend``, ``url``...)
         return getattr(self._inner, name)
@@ -105,11 +119,7 @@ class _Retrying:
                 now = time.monotonic()
                 if started is None:
                     started = now
-                    _logger.warning(
-                        "The study's storage is unreachable (%s); retrying for up to %.0f s.",
-                        type(error).__name__,
-                        self._retry_seconds,
-                    )
+                    self._went_down(now, error)
                 waited = now - started
                 if waited >= self._retry_seconds:
                     raise StorageUnavailableError(
@@ -121,9 +131,40 @@ class _Retrying:
                 time.sleep(min(delay, self._retry_seconds - waited))
                 delay = min(delay * 2, _MAX_DELAY)
                 continue
-            if started is not None:
-                _logger.warning("The study's storage is reachable again after %.1f s.", time.monotonic() - started)
+            if started is not None or self._down_since is not None:
+                self._came_back()
             return result
+
+    def _went_down(self, now: float, error: BaseException) -> None:
+        with self._outage_lock:
+            if self._down_since is not None:
+                return
+            self._down_since = now
+        _logger.warning(
+            "The study's storage is unreachable (%s); retrying for up to %.0f s.",
+            type(error).__name__,
+            self._retry_seconds,
+        )
+
+    def _came_back(self) -> None:
+        with self._outage_lock:
+            if self._down_since is None:
+                return
+            seconds = time.monotonic() - self._down_since
+            self._down_since = None
+        grace = _compat.heartbeat_grace_seconds(self._inner)
+        if grace is None or seconds <= grace:
+            _logger.warning("The study's storage is reachable again after %.1f s.", seconds)
+            return
+        _logger.warning(
+            "The study's storage is reachable again after %.1f s, longer than its heartbeat grace period (%.0f s): "
+            "another worker may have failed this worker's running trials and retried them from their checkpoints. "
+            "Each such trial stops here now; its retry redoes the chunk that was in flight.",
+            seconds,
+            grace,
+        )
+        if self.after_long_outage is not None:
+            self.after_long_outage(seconds)
 
 
 def _forwarder(name: str) -> Any:
@@ -139,14 +180,44 @@ class RetryingStorage(_Retrying, BaseStorage):
 
 
 class RetryingHeartbeatStorage(_Retrying, BaseStorage, BaseHeartbeat):
-    """The same for storages with heartbeats (RDB): Optuna still sees the heartbeat interface."""
+    """The same for storages with heartbeats (RDB): Optuna still sees the heartbeat interface.
+
+    It also knows which trials beat *here*: a trial whose heartbeat thread, in this process, is sending
+    (or retrying, while the storage is down) is alive, however old its last stored heartbeat, and this
+    process's own stale check never fails it; only other workers' checks can.
+    """
+
+    def __init__(self, inner: BaseStorage, retry_seconds: float) -> None:
+        super().__init__(inner, retry_seconds)
+        self._beats_lock = threading.Lock()
+        self._beating: dict[int, int] = {}  # trial id -> heartbeat calls in flight here
+        self._last_beat: dict[int, float] = {}  # trial id -> when its latest heartbeat call here ended
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        with self._beats_lock:
+            self._beating[trial_id] = self._beating.get(trial_id, 0) + 1
+        try:
+            self._call("record_heartbeat", (trial_id,), {})
+        finally:
+            with self._beats_lock:
+                self._beating[trial_id] -= 1
+                self._last_beat[trial_id] = time.monotonic()
+
+    def _alive_here(self, trial_id: int, grace: float) -> bool:
+        with self._beats_lock:
+            if self._beating.get(trial_id, 0) > 0:
+                return True
+            last = self._last_beat.get(trial_id)
+        return last is not None and time.monotonic() - last < grace
 
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
         """The stale trials, each marked as failed with why before it is returned: whoever asked (the pool,
         or Optuna's own check when a trial starts) fails them next, and a finished trial's attributes can no
         longer be written. Marking here, not before the caller's own look, leaves no trial that went stale
-        in between unmarked."""
-        stale = list(self._call("_get_stale_trial_ids", (study_id,), {}))
+        in between unmarked. Trials alive here are left out: after an outage their heartbeats are late only
+        because the storage was away."""
+        grace = _compat.heartbeat_grace_seconds(self._inner) or 0.0
+        stale = [t for t in self._call("_get_stale_trial_ids", (study_id,), {}) if not self._alive_here(t, grace)]
         for trial_id in stale:
             try:
                 self.set_trial_user_attr(trial_id, _attrs.STATUS, "failed")
@@ -158,10 +229,17 @@ class RetryingHeartbeatStorage(_Retrying, BaseStorage, BaseHeartbeat):
 
 for _cls, _bases in ((RetryingStorage, (BaseStorage,)), (RetryingHeartbeatStorage, (BaseStorage, BaseHeartbeat))):
     for _name in {n for base in _bases for n in dir(base) if not n.startswith("__") and n != "_abc_impl"}:
-        if _name in vars(_cls):  # its own (marking stale trials)
+        if _name in vars(_cls):  # its own (heartbeats, stale trials)
             continue
         setattr(_cls, _name, _forwarder(_name))
     _cls.__abstractmethods__ = frozenset()
+
+
+def on_long_outage(storage: BaseStorage, hook: Callable[[float], None]) -> None:
+    """Call ``hook`` with the outage's length once ``storage`` (made by :func:`retrying`) is back after an
+    outage longer than its heartbeat grace period."""
+    if isinstance(storage, _Retrying):
+        storage.after_long_outage = hook
 
 
 def retrying(storage: BaseStorage, retry_seconds: float) -> BaseStorage:

@@ -12,7 +12,7 @@ import math
 import os
 import queue
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
@@ -43,6 +43,11 @@ class Interrupted:
     """Event for a live trial: the study was interrupted (Ctrl-C); end after the chunk in flight, if any."""
 
 
+class StorageWasLost:
+    """Event for a live trial: the storage was unreachable for longer than the heartbeat grace period; look
+    whether another worker failed the trial meanwhile (its retry then continues it there)."""
+
+
 class FinishedElsewhere(Exception):
     """The trial was finished from outside the executor (optuna-dashboard's "Fail Trial" button)."""
 
@@ -68,12 +73,12 @@ class TrialDriver:
     # -- the trial from start to end -------------------------------------------------------------
 
     def run(self) -> float:
-        if self.device.fatal is not None:
-            raise self.device.fatal
-        self.services.check_study(self.study)
-        self._lease = self.shared.lease(self.trial.number)
         state, value = "FAIL", None
         try:
+            if self.device.fatal is not None:  # an earlier trial's error no trial survives
+                raise self.device.fatal
+            self.services.check_study(self.study)
+            self._lease = self.shared.lease(self.trial.number)
             spec = self._spec()
             self.services.register_form(self.study)
             self.trial.set_user_attr(_attrs.METRIC, self.services.metric)
@@ -99,6 +104,8 @@ class TrialDriver:
             raise
         except FinishedElsewhere:
             raise
+        except UpdateFinishedTrialError:  # failed elsewhere while it was being set up or recorded
+            self._finished_elsewhere()
         except BaseException as error:
             # Whatever ends the trial with an exception is its fail reason (a bad config, a missing metric...).
             self.record.end("failed", (_attrs.FAIL_REASON, f"{type(error).__name__}: {error}"[:2000]))
@@ -165,6 +172,10 @@ class TrialDriver:
                 self._interrupted = True
                 if entry.status is not Status.TRAINING:  # else it ends once its chunk in flight is reported
                     return self._end_interrupted(entry.chunks_done)
+            elif isinstance(event, StorageWasLost):
+                # Training: the chunk's result looks at the stored trial before anything is written.
+                if entry.status is not Status.TRAINING and self._finished_in_storage():
+                    return self._finished_elsewhere()
             elif isinstance(event, Failed):
                 return self._failed(event)
             elif isinstance(event, ChunkResult):
@@ -265,7 +276,10 @@ class TrialDriver:
         self._leave(Decision.STOP)
         return self.record.deleted(reason)
 
-    def _finished_elsewhere(self) -> float:
+    def _finished_in_storage(self) -> bool:
+        return _compat.storage(self.study).get_trial(_compat.trial_id(self.trial)).state.is_finished()
+
+    def _finished_elsewhere(self) -> NoReturn:
         if self.entry is not None and not self.entry.gone:
             self._leave(Decision.STOP)
         self.shared.externally_finished.add(self.trial.number)
@@ -289,8 +303,16 @@ class TrialDriver:
         trial, entry = self.trial, self.entry
         assert entry is not None
         self.device.scheduler.decide(entry, Decision.PAUSE)
-        while not isinstance(entry.events.get(), Paused):
-            pass
+        while True:  # the device moves the trial off, or fails it (then it is gone from the device)
+            event = entry.events.get()
+            if isinstance(event, Failed):
+                return self._failed(event)
+            if isinstance(event, Interrupted):
+                self._interrupted = True
+            if isinstance(event, Paused):
+                break
+        if self._interrupted:  # Ctrl-C while it moved off: it ends as an interrupted trial, not a paused one
+            return self._end_interrupted(step + 1)
         assert self._lease is not None
         self._lease.release()
         self._lease = None
@@ -326,9 +348,10 @@ class TrialDriver:
         """End the trial after an interrupt (Ctrl-C): its state is saved for clones, what it reported stays."""
         self._leave(Decision.STOP)
         self.trial.set_user_attr(_attrs.STATUS, "interrupted")
+        if not self._total_chunks:  # not built yet: nothing trained, nothing kept
+            raise optuna.TrialPruned("Interrupted (Ctrl-C) before it started training.")
         raise optuna.TrialPruned(
-            f"Interrupted (Ctrl-C) after chunk {chunks}/{self._total_chunks or '?'}; its state is kept: clone it to "
-            "continue."
+            f"Interrupted (Ctrl-C) after chunk {chunks}/{self._total_chunks}; its state is kept: clone it to continue."
         )
 
     def _end_paused(self, step: int) -> float:

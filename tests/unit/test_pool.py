@@ -95,33 +95,6 @@ def test_a_trial_that_fails_is_replaced_until_the_target_count_is_met() -> None:
     assert states.count(optuna.trial.TrialState.FAIL) == 1 and len(states) == 5
 
 
-def test_a_stale_trial_is_marked_failed_whoever_fails_it(tmp_path: Path) -> None:
-    # Optuna's own check when a trial starts (not only the pool's) finds trials through the pool's storage:
-    # a trial that went stale between the pool's look and Optuna's must still say why it failed.
-    import warnings
-
-    from optuna.trial import TrialState
-
-    from optuna_rapidfire import _compat
-    from optuna_rapidfire._study import _attrs
-    from optuna_rapidfire._study._storages import retrying
-
-    rdb = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'hb.db'}", heartbeat_interval=1, grace_period=1)
-    study = optuna.create_study(storage=rdb)
-    dead = [study.ask() for _ in range(2)]
-    for trial in dead:
-        rdb.record_heartbeat(_compat.trial_id(trial))
-    time.sleep(1.5)  # both heartbeats are now older than the grace period
-    pooled = _compat.with_storage(study, retrying(rdb, 0.0))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(pooled)  # what Optuna's study.optimize does before asking
-    for trial in study.get_trials():
-        assert trial.state == TrialState.FAIL
-        assert trial.user_attrs[_attrs.STATUS] == "failed"
-        assert trial.user_attrs[_attrs.FAIL_REASON].startswith("HeartbeatStale: ")
-
-
 def test_the_summary_tells_a_trial_optuna_failed_outside_the_executor_as_failed() -> None:
     # Under a plain study.optimize, Optuna's heartbeat check fails a dead worker's trial through the user's own
     # storage, which cannot mark it: the summary must not list a FAIL trial as running.

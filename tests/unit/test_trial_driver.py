@@ -38,7 +38,7 @@ from optuna_rapidfire._study import _attrs
 from optuna_rapidfire._study._optimize import Run, end_paused, interrupt
 from optuna_rapidfire._study._progress import Progress
 from optuna_rapidfire._study._services import StudyServices
-from optuna_rapidfire._study._trial_driver import FinishedElsewhere, TrialDriver
+from optuna_rapidfire._study._trial_driver import FinishedElsewhere, StorageWasLost, TrialDriver
 from optuna_rapidfire.schedules import LockstepSchedule, Status
 
 pytestmark = pytest.mark.timeout(60)  # a driver waiting for an event the script never sends would hang
@@ -57,6 +57,7 @@ class Script:
         fail_at: The chunk of that step fails with this error.
         build_error: The build fails with this error.
         save_error: Saving the final adapter fails with this error.
+        pause_error: Moving the trial off the device to pause it fails with this error.
         on_add: Run once the trial is registered, before it is built.
     """
 
@@ -66,6 +67,7 @@ class Script:
     fail_at: dict[int, BaseException] = field(default_factory=dict)
     build_error: BaseException | None = None
     save_error: BaseException | None = None
+    pause_error: BaseException | None = None
     on_add: Callable[[Entry], object] | None = None
 
 
@@ -106,6 +108,10 @@ class ScriptedScheduler(Scheduler):
             self._train(entry)
         elif decision is Decision.PAUSE:
             self._work(Task.PAUSE, entry)
+            error = self.scripts[entry.number].pause_error
+            if error is not None:
+                self._fail(entry, error)
+                return
             entry.events.put(Paused())
         elif decision is Decision.FINISH:
             self._work(Task.FINISH, entry)
@@ -351,6 +357,7 @@ def test_a_setup_error_on_the_device_stops_the_study_and_every_later_trial_raise
         TrialDriver(run, study.ask(), _configure).run()
     assert again.value is error
     assert device.scheduler.added == [0] and device.slots.free() == 1
+    assert _attrs_of(study.trials[1]) == {_attrs.STATUS: "failed", _attrs.FAIL_REASON: f"SetupError: {error}"}
 
 
 def test_a_delete_command_ends_the_trial_failed_at_its_next_chunk_boundary(services: StudyServices) -> None:
@@ -405,6 +412,22 @@ def test_a_stopped_trial_pauses_off_the_device_without_its_slot_and_resumes_wher
     assert len(device.paused) == 0 and device.slots.free() == 1
 
 
+def test_a_trial_the_device_fails_while_pausing_it_ends_failed_instead_of_waiting_for_ever(
+    services: StudyServices,
+) -> None:
+    values = [0.9, 0.7, 0.5]
+    study = _study()
+    during = {0: lambda entry: control.stop(study, entry.number)}
+    device = FakeDevice({0: Script(values, during=during, pause_error=RuntimeError("pinned memory exhausted"))})
+    study.optimize(_objective(_run(device, services)), n_trials=1)
+
+    [trial] = study.trials
+    assert trial.state == TrialState.FAIL and trial.intermediate_values == {0: 0.9}
+    assert trial.user_attrs[_attrs.FAIL_REASON] == "RuntimeError: pinned memory exhausted"
+    assert device.scheduler.decisions == [(0, Decision.PAUSE)]
+    assert len(device.paused) == 0 and device.slots.free() == 1
+
+
 def test_a_trial_still_paused_when_the_study_ends_is_pruned_as_paused_at_end(services: StudyServices) -> None:
     values = [0.9, 0.7, 0.5]
     study = _study()
@@ -455,7 +478,7 @@ def test_an_interrupt_before_the_trial_is_built_ends_it_at_once(services: StudyS
     assert trial.state == TrialState.PRUNED and trial.intermediate_values == {}
     assert _attrs_of(trial) == {
         _attrs.STATUS: "interrupted",
-        _attrs.PRUNED_REASON: "Interrupted (Ctrl-C) after chunk 0/?; its state is kept: clone it to continue.",
+        _attrs.PRUNED_REASON: "Interrupted (Ctrl-C) before it started training.",
     }
     assert device.scheduler.decisions == [(0, Decision.STOP)]
 
@@ -552,3 +575,31 @@ def test_a_retry_of_a_trial_that_died_after_its_last_chunk_completes_with_its_la
         _attrs.ADAPTER_PATH: trial.user_attrs[_attrs.ADAPTER_PATH],
     }
     assert device.scheduler.decisions == [(0, Decision.FINISH)]
+
+
+@pytest.mark.parametrize("failed_elsewhere", [False, True], ids=["still-running", "failed-elsewhere"])
+def test_after_a_long_storage_outage_a_trial_another_worker_failed_stops_at_once(
+    services: StudyServices, failed_elsewhere: bool
+) -> None:
+    study = _study()
+
+    def outage(entry: Entry) -> None:  # while its first chunk trains, the storage is away past the grace period
+        if failed_elsewhere:  # another worker's heartbeat check failed it and enqueued Optuna's retry
+            _compat.storage(study).set_trial_state_values(entry.trial_id, TrialState.FAIL)
+            optuna.storages.RetryFailedTrialCallback()(study, study.trials[entry.number])
+        entry.events.put(StorageWasLost())
+
+    values = [0.9, 0.7]
+    device = FakeDevice({0: Script(values, during={0: outage})})
+    run = _run(device, services)
+    driver = TrialDriver(run, study.ask(), _configure)
+    if not failed_elsewhere:  # nothing happened to it: it goes on
+        assert driver.run() == 0.7
+        assert device.scheduler.decisions == [(0, Decision.CONTINUE), (0, Decision.FINISH)]
+        return
+    with pytest.raises(FinishedElsewhere):
+        driver.run()
+    # It stopped on the news, before the result of the chunk it had in flight: nothing more is reported.
+    assert study.trials[0].intermediate_values == {}
+    assert device.scheduler.decisions == [(0, Decision.STOP)]
+    assert run.externally_finished == {0} and device.slots.free() == 1

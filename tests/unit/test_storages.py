@@ -1,0 +1,97 @@
+"""The study's storage as the executor sees it (``_study/_storages.py``): retries through an outage, one pair
+of lines per outage, stale trials marked before they are failed, and trials alive here never failed here."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+from sqlalchemy.exc import OperationalError
+
+from optuna_rapidfire import _compat
+from optuna_rapidfire._study import _attrs
+from optuna_rapidfire._study._pool import fail_stale_trials
+from optuna_rapidfire._study._storages import on_long_outage, retrying
+
+_STALE = 2.5  # seconds after which a heartbeat is stale under a 1 s grace period: SQLite keeps whole seconds
+
+
+class _Outage(optuna.storages.RDBStorage):
+    """An SQLite RDB storage whose every call fails as a lost connection does while ``down`` is set."""
+
+    down = False
+
+    def __getattribute__(self, name: str):  # type: ignore[no-untyped-def]
+        attribute = super().__getattribute__(name)
+        if callable(attribute) and not name.startswith("_") and super().__getattribute__("down"):
+
+            def unreachable(*args, **kwargs):  # type: ignore[no-untyped-def]
+                raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+
+            return unreachable
+        return attribute
+
+
+def _fail_stale_as_optuna_does(study: optuna.Study) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)  # what Optuna's study.optimize does before asking
+
+
+def test_a_stale_trial_is_marked_failed_whoever_fails_it(tmp_path: Path) -> None:
+    # Optuna's own check when a trial starts (not only the pool's) finds trials through the pool's storage:
+    # a trial that went stale between the pool's look and Optuna's must still say why it failed.
+    rdb = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'hb.db'}", heartbeat_interval=1, grace_period=1)
+    study = optuna.create_study(storage=rdb)
+    dead = [study.ask() for _ in range(2)]
+    for trial in dead:
+        rdb.record_heartbeat(_compat.trial_id(trial))
+    time.sleep(_STALE)  # both heartbeats are now older than the grace period
+    _fail_stale_as_optuna_does(_compat.with_storage(study, retrying(rdb, 0.0)))
+    for trial in study.get_trials():
+        assert trial.state == TrialState.FAIL
+        assert trial.user_attrs[_attrs.STATUS] == "failed"
+        assert trial.user_attrs[_attrs.FAIL_REASON].startswith("HeartbeatStale: ")
+
+
+def test_a_long_outage_is_said_once_and_this_worker_never_fails_a_trial_alive_here(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rdb = _Outage(f"sqlite:///{tmp_path / 'hb.db'}", heartbeat_interval=1, grace_period=1)
+    study = optuna.create_study(storage=rdb)
+    alive = study.ask()
+    rdb.record_heartbeat(_compat.trial_id(alive))
+    here = retrying(rdb, 60.0)
+    outages: list[float] = []
+    on_long_outage(here, outages.append)
+
+    rdb.down = True
+    # This worker's heartbeat thread and a trial's report, both retrying while the storage is away.
+    callers = [
+        threading.Thread(target=here.record_heartbeat, args=(_compat.trial_id(alive),)),
+        threading.Thread(target=here.get_trial, args=(_compat.trial_id(alive),)),
+    ]
+    with caplog.at_level(logging.WARNING, logger="optuna_rapidfire"):
+        for caller in callers:
+            caller.start()
+        time.sleep(_STALE)
+        rdb.down = False
+        # Stale in the storage (another worker would fail it), but its heartbeat is being sent here: this
+        # worker's own checks (the pool's, and Optuna's through the pool's storage) spare it.
+        assert _compat.stale_trial_ids(rdb, _compat.study_id(study)) == [_compat.trial_id(alive)]
+        fail_stale_trials(_compat.with_storage(study, here))
+        _fail_stale_as_optuna_does(_compat.with_storage(study, here))
+        assert study.trials[0].state == TrialState.RUNNING
+        for caller in callers:
+            caller.join()
+    assert len(outages) == 1 and outages[0] > 1.0
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("is unreachable" in line for line in lines) == 1, lines
+    assert sum("reachable again" in line for line in lines) == 1, lines
+    assert any("longer than its heartbeat grace period (1 s)" in line for line in lines), lines
