@@ -58,6 +58,7 @@ def token_stats(
     config: Any,
     outputs: Sequence[str] = (),
     temperature: float = 1.0,
+    chunked: bool = True,
 ) -> TokenStats:
     """Each target token's log-probability under ``head`` applied to ``hidden`` (float32, differentiable),
     and, when named in ``outputs``, the entropy of each prediction, whether the target is its first maximum
@@ -70,10 +71,12 @@ def token_stats(
         config: The model's config (soft-capping and logit scale, see :func:`head_settings`).
         outputs: Extra statistics to compute.
         temperature: What the logits are divided by (after soft-capping), as in TRL's fused LM head.
+        chunked: Through TRL's chunked kernel where the installed TRL has it (no ``[tokens, vocabulary]``
+            logits in memory); ``False``: from the full logits (the reference the kernel is tested against).
     """
     softcap, scale = head_settings(config)
     weight, bias = head.weight, getattr(head, "bias", None)
-    kernel = _kernel()
+    kernel = _kernel() if chunked else None
     if kernel is not None:
         log_probs, entropy, _, mean_logits, is_top1 = kernel.apply(
             hidden, weight, bias, targets, temperature, VOCAB_TILE, softcap, scale, ("log_probs", *outputs)

@@ -296,15 +296,18 @@ def test_greedy_requests_ignore_sampling_settings() -> None:
     ],
 )
 def test_bad_requests_raise_naming_the_value_before_any_work(
-    model: PeftModel, monkeypatch: pytest.MonkeyPatch, requests: list[DecodeRequest], message: str
+    model: PeftModel, requests: list[DecodeRequest], message: str
 ) -> None:
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("decode did work before validating")
 
-    monkeypatch.setattr(_fused_decode, "_Decode", forbidden)
+    hook = model.get_base_model().get_input_embeddings().register_forward_pre_hook(forbidden)
     model.train()
-    with pytest.raises(ValueError, match=re.escape(message)):
-        decode(model, requests, PAD)
+    try:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            decode(model, requests, PAD)
+    finally:
+        hook.remove()
     assert model.training
     model.eval()
 
