@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -34,13 +35,19 @@ def _snapshot(number: int, chunks: int) -> TrialSnapshot:
     return TrialSnapshot.capture(number, "sft", state, weights, [{"eval_loss": 1.0}] * chunks)
 
 
-def test_an_artifact_folder_deleted_mid_study_is_made_again_and_checkpoints_go_on(tmp_path: Path, caplog) -> None:
+def _one_saved(tmp_path: Path) -> tuple[Path, Checkpoints, optuna.Study, optuna.Trial, dict[str, Any]]:
+    """An artifact folder, its checkpoints, a study with one running trial, and that trial's first checkpoint."""
     folder = tmp_path / "artifacts"
     folder.mkdir()
     checkpoints = Checkpoints(FileSystemArtifactStore(str(folder)))
     study = optuna.create_study(study_name="s")
     trial = study.ask()
     first = checkpoints.save(study, trial._trial_id, _snapshot(trial.number, 1))
+    return folder, checkpoints, study, trial, first
+
+
+def test_an_artifact_folder_deleted_mid_study_is_made_again_and_checkpoints_go_on(tmp_path: Path, caplog) -> None:
+    folder, checkpoints, study, trial, first = _one_saved(tmp_path)
     shutil.rmtree(folder)  # a cleanup job, an unmounted share
     with caplog.at_level(logging.WARNING, logger="optuna_rapidfire"):
         second = checkpoints.save(study, trial._trial_id, _snapshot(trial.number, 2), previous=first)
@@ -56,12 +63,7 @@ def test_a_checkpoint_whose_trial_was_failed_meanwhile_leaves_no_blob(tmp_path: 
     from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
-    folder = tmp_path / "artifacts"
-    folder.mkdir()
-    checkpoints = Checkpoints(FileSystemArtifactStore(str(folder)))
-    study = optuna.create_study(study_name="s")
-    trial = study.ask()
-    first = checkpoints.save(study, trial._trial_id, _snapshot(trial.number, 1))
+    folder, checkpoints, study, trial, first = _one_saved(tmp_path)
     study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
     with pytest.raises(UpdateFinishedTrialError):
         checkpoints.save(study, trial._trial_id, _snapshot(trial.number, 2), previous=first)
