@@ -79,7 +79,7 @@ class TrialDriver:
                 raise self.device.fatal
             self.services.check_study(self.study)
             self._lease = self.shared.lease(self.trial.number)
-            spec = self._spec()
+            spec = trial_spec(self.shared, self.trial, self.configure, self.record)
             self.services.register_form(self.study)
             self.trial.set_user_attr(_attrs.METRIC, self.services.metric)
             self.trial.set_user_attr(_attrs.STATUS, "running")
@@ -122,31 +122,6 @@ class TrialDriver:
             self.shared.progress.trial_ended(self.trial.number, state, value)
             if self.services.tracker is not None:
                 self.services.tracker.trial_ended(self._run_id, state, value, self._adapter_path)
-
-    def _spec(self) -> TrialSpec:
-        try:
-            with ACCELERATE_STATE:  # making TrainingArguments must not clear a trainer being built
-                peft_config, args, kind = self.services.check_config(self.configure(self.trial), self.study)
-        except (TypeError, ValueError) as error:
-            # A config no trial can use: stop the study rather than fail trial after trial. The error is raised
-            # by optimize once; Optuna's own lines (and traceback) about each trial it failed would repeat it.
-            first = self.shared.error is None
-            self.shared.stop_study(self.study, error)
-            if first:
-                _logger.warning("Trial %d failed, and the study stops: %s", self.trial.number, error)
-            explained(self.trial.number)
-            raise
-        root = os.path.join(self.services.config.output_dir, self.study.study_name)
-        return TrialSpec(
-            number=self.trial.number,
-            peft_config=peft_config,
-            args=args,
-            kind=kind,
-            adapter_dir=os.path.join(root, f"trial-{self.trial.number}"),
-            state_dir=os.path.join(root, "state"),
-            clone_of=self.record.clone_request(),
-            checkpoint=self.services.checkpoints(self.study) is not None,
-        )
 
     def _follow(self) -> float:
         entry = self.entry
@@ -360,3 +335,32 @@ class TrialDriver:
         raise optuna.TrialPruned(
             f"Still paused after chunk {step + 1} when the study ended; its state is kept: clone it to continue."
         )
+
+
+def trial_spec(run: Run, trial: optuna.Trial, configure: Configure, record: TrialRecord) -> TrialSpec:
+    """What the device builds for ``trial``: ``configure(trial)``'s config, checked, with where the trial's
+    files go and what it starts from. A config no trial can use (a ``TypeError`` or ``ValueError``) stops the
+    study rather than fail trial after trial; it is raised by ``optimize`` once, and Optuna's own lines about
+    each trial it failed would repeat it."""
+    services, study = run.services, trial.study
+    try:
+        with ACCELERATE_STATE:  # making TrainingArguments must not clear a trainer being built
+            peft_config, args, kind = services.check_config(configure(trial), study)
+    except (TypeError, ValueError) as error:
+        first = run.error is None
+        run.stop_study(study, error)
+        if first:
+            _logger.warning("Trial %d failed, and the study stops: %s", trial.number, error)
+        explained(trial.number)
+        raise
+    root = os.path.join(services.config.output_dir, study.study_name)
+    return TrialSpec(
+        number=trial.number,
+        peft_config=peft_config,
+        args=args,
+        kind=kind,
+        adapter_dir=os.path.join(root, f"trial-{trial.number}"),
+        state_dir=os.path.join(root, "state"),
+        clone_of=record.clone_request(),
+        checkpoint=services.checkpoints(study) is not None,
+    )

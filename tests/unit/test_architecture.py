@@ -1,4 +1,5 @@
-"""The package's structure: modules import each other one way, and other libraries' privates live in _compat."""
+"""The package's structure: modules import each other one way, other libraries' privates live in _compat, and
+no class grows past 300 lines."""
 
 from __future__ import annotations
 
@@ -91,3 +92,18 @@ def test_each_floor_imports_only_the_floors_below_it() -> None:
             if theirs is None or (theirs > own and imported.split(".")[1] != name.split(".")[1]):
                 upward.append(f"{name} -> {imported}")
     assert upward == [], "\n".join(upward)
+
+
+MAX_CLASS_LINES = 300
+"""A class longer than this does more than one job: split it (issue 23's rule)."""
+
+
+def test_no_class_is_over_300_lines() -> None:
+    long: dict[str, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES:
+                    long[f"{path.relative_to(PACKAGE.parent)}:{node.name}"] = lines
+    assert long == {}
