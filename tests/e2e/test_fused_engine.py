@@ -221,9 +221,9 @@ def _configure_equal(trial: optuna.Trial):
     return lora(r=4, lora_dropout=0.0, target_modules=MODULES["qkvo"]), args
 
 
-def _engines_agree(make_executor, objective, params: list[dict], terms: int, **executor_kwargs) -> None:
+def _engines_agree(make_executor, objective, params: list[dict], terms: int, **executor_kwargs) -> int:
     """The same enqueued trials on both engines: every trial completes and reports the same values (up to
-    the rounding of ``terms`` products)."""
+    the rounding of ``terms`` products). Returns the fused run's shared steps."""
     values = {}
     for engine in ("time_sliced", "fused"):
         executor = make_executor(engine=engine, num_chunks=2, max_concurrent_trials=len(params), **executor_kwargs)
@@ -236,11 +236,20 @@ def _engines_agree(make_executor, objective, params: list[dict], terms: int, **e
     assert executor.stats().fused_steps > 0  # the gang really shared passes
     for a, b in zip(values["time_sliced"], values["fused"], strict=True):
         assert_within_rounding(b, a, terms=terms)
+    return executor.stats().fused_steps
 
 
 def test_equal_adapters_on_packed_rows_report_the_time_sliced_values(make_executor, tiny_model) -> None:
     params = [{"lr": lr} for lr in (1e-4, 1e-3, 3e-3)]
-    _engines_agree(make_executor, _configure_equal, params, _terms(tiny_model, rows=2, length=64))
+    # Lock-step: the three train every chunk as one gang (promote would split the last chunk's gangs).
+    terms = _terms(tiny_model, rows=2, length=64)
+    gang_steps = _engines_agree(make_executor, _configure_equal, params, terms, schedule="lockstep")
+    # Exactly one shared pass per step of the gang: as many as one of its trials takes alone.
+    lone = make_executor(engine="fused", num_chunks=2, max_concurrent_trials=1, schedule="lockstep")
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial(params[0])
+    lone.optimize(study, _configure_equal, n_trials=1)
+    assert gang_steps == lone.stats().fused_steps > 0
 
 
 def test_a_fused_dpo_study_reports_the_time_sliced_values(make_executor, tiny_model, caplog) -> None:
