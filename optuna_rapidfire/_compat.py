@@ -69,15 +69,16 @@ def stale_trial_ids(storage: Any, study_id: int) -> list[int]:
     return list(storage._get_stale_trial_ids(study_id))
 
 
-def heartbeat_grace_seconds(storage: Any) -> float | None:
-    """How long a trial's heartbeat may be missed before Optuna's stale check fails it (``None``: no
-    heartbeats): ``RDBStorage.grace_period`` (public; ``None`` means twice the interval), reached through
+def heartbeat_timing(storage: Any) -> tuple[float, float] | None:
+    """``(interval, grace)``: seconds between a trial's heartbeats, and how long one may be missed before
+    Optuna's stale check fails the trial (``None``: no heartbeats). ``get_heartbeat_interval`` is public;
+    ``RDBStorage.grace_period`` is a public attribute (``None`` means twice the interval) reached through
     Optuna's cache (``_CachedStorage._backend``, no public accessor) and through wrappers that forward it."""
     if not heartbeats_enabled(storage):
         return None
-    backend = getattr(storage, "_backend", storage)
-    grace = getattr(backend, "grace_period", None)
-    return float(grace if grace is not None else 2 * storage.get_heartbeat_interval())
+    interval = float(storage.get_heartbeat_interval())
+    grace = getattr(getattr(storage, "_backend", storage), "grace_period", None)
+    return interval, float(grace if grace is not None else 2 * interval)
 
 
 def stop_requested(study: optuna.Study) -> bool:

@@ -210,7 +210,11 @@ class ExecutorConfig:
                 close = difflib.get_close_matches(name, known, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else f". Its options: {', '.join(known)}."
                 raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
-        required = [f.name for f in dataclasses.fields(cls) if f.init and f.default is dataclasses.MISSING]
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         missing = [name for name in required if name not in options]
         if missing:
             raise TypeError(f"{caller}() is missing the keyword arguments {', '.join(map(repr, missing))}.")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.artifacts import FileSystemArtifactStore
+from optuna.exceptions import UpdateFinishedTrialError
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
@@ -75,12 +76,17 @@ class Checkpoints:
             "sha256": hashlib.sha256(blob).hexdigest(),
             "bytes": len(blob),
         }
+        # Nothing half-written: a blob cut short (a full disk) or refused its link (the trial was failed
+        # elsewhere meanwhile) is removed; the trial's link still names its previous, whole checkpoint. A link
+        # whose write may have reached the storage (it stayed unreachable) keeps its blob.
         try:
             self.store.write(artifact_id, io.BytesIO(blob))
-            _compat.storage(study).set_trial_system_attr(trial_id, _attrs.CHECKPOINT, link)
         except BaseException:
-            # Nothing half-written: a blob cut short (a full disk) or never linked (the trial was failed
-            # elsewhere meanwhile) is removed; the trial's link still names its previous, whole checkpoint.
+            self.remove(link)
+            raise
+        try:
+            _compat.storage(study).set_trial_system_attr(trial_id, _attrs.CHECKPOINT, link)
+        except UpdateFinishedTrialError:
             self.remove(link)
             raise
         if isinstance(previous, dict) and not _awaited_by_clone(study, snapshot.trial_number):

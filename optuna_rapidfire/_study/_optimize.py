@@ -94,7 +94,7 @@ def interrupt(device: DeviceRuntime) -> None:
         "kept for clones. Press Ctrl-C again to quit at once.",
         len(live),
     )
-    for entry in live:
+    for entry in entries:  # a paused one ends as at a study's end; one being paused, once it is
         entry.events.put(Interrupted())
     end_paused(device)
 

@@ -100,9 +100,10 @@ class _Retrying:
         self._retry_seconds = retry_seconds
         self._outage_lock = threading.Lock()
         self._down_since: float | None = None
+        self._quiet_until = 0.0  # no stale check before this: just back, others' heartbeats may be on their way
         self.after_long_outage: Callable[[float], None] | None = None
         """Called (on the thread that got through first) with the outage's length in seconds, once the
-        storage is back after an outage longer than its heartbeat grace period."""
+        storage is back after an outage long enough for other workers to have failed this one's trials."""
 
     def __getattr__(self, name: str) -> Any:  # plain attributes (``_backend``, ``url``...)
         return getattr(self._inner, name)
@@ -119,7 +120,7 @@ class _Retrying:
                 now = time.monotonic()
                 if started is None:
                     started = now
-                    self._went_down(now, error)
+                self._went_down(now, error)  # (again after another call got through for a moment)
                 waited = now - started
                 if waited >= self._retry_seconds:
                     raise StorageUnavailableError(
@@ -131,7 +132,7 @@ class _Retrying:
                 time.sleep(min(delay, self._retry_seconds - waited))
                 delay = min(delay * 2, _MAX_DELAY)
                 continue
-            if started is not None or self._down_since is not None:
+            if started is not None:  # only a call that failed and then got through says the storage is back
                 self._came_back()
             return result
 
@@ -147,24 +148,36 @@ class _Retrying:
         )
 
     def _came_back(self) -> None:
+        timing = _compat.heartbeat_timing(self._inner)
+        now = time.monotonic()
         with self._outage_lock:
             if self._down_since is None:
                 return
-            seconds = time.monotonic() - self._down_since
+            seconds = now - self._down_since
             self._down_since = None
-        grace = _compat.heartbeat_grace_seconds(self._inner)
-        if grace is None or seconds <= grace:
+            if timing is not None:
+                # Other workers' heartbeat threads may still sleep in their backoff: judge nobody stale yet.
+                self._quiet_until = now + timing[0] + _MAX_DELAY
+        # A trial's last heartbeat got through up to an interval before the outage began.
+        if timing is None or seconds <= timing[1] - timing[0]:
             _logger.warning("The study's storage is reachable again after %.1f s.", seconds)
             return
         _logger.warning(
-            "The study's storage is reachable again after %.1f s, longer than its heartbeat grace period (%.0f s): "
-            "another worker may have failed this worker's running trials and retried them from their checkpoints. "
-            "Each such trial stops here now; its retry redoes the chunk that was in flight.",
+            "The study's storage is reachable again after %.1f s, with a heartbeat grace period of %.0f s: another "
+            "worker may have failed this worker's running trials and retried them from their checkpoints. Each "
+            "such trial stops here now; its retry redoes the chunk that was in flight.",
             seconds,
-            grace,
+            timing[1],
         )
         if self.after_long_outage is not None:
-            self.after_long_outage(seconds)
+            try:
+                self.after_long_outage(seconds)
+            except Exception:  # the storage call that got through must not fail for it
+                _logger.warning("Looking for trials failed elsewhere failed.", exc_info=True)
+
+    def quiet(self) -> bool:
+        """Whether the storage is down, or just back: no trial is judged stale then."""
+        return self._down_since is not None or time.monotonic() < self._quiet_until
 
 
 def _forwarder(name: str) -> Any:
@@ -198,6 +211,8 @@ class RetryingHeartbeatStorage(_Retrying, BaseStorage, BaseHeartbeat):
             self._beating[trial_id] = self._beating.get(trial_id, 0) + 1
         try:
             self._call("record_heartbeat", (trial_id,), {})
+        except StorageUnavailableError:  # Optuna's heartbeat thread would die of it: beat again next time
+            _logger.debug("Trial id %d: a heartbeat could not be recorded.", trial_id, exc_info=True)
         finally:
             with self._beats_lock:
                 self._beating[trial_id] -= 1
@@ -214,10 +229,12 @@ class RetryingHeartbeatStorage(_Retrying, BaseStorage, BaseHeartbeat):
         """The stale trials, each marked as failed with why before it is returned: whoever asked (the pool,
         or Optuna's own check when a trial starts) fails them next, and a finished trial's attributes can no
         longer be written. Marking here, not before the caller's own look, leaves no trial that went stale
-        in between unmarked. Trials alive here are left out: after an outage their heartbeats are late only
-        because the storage was away."""
-        grace = _compat.heartbeat_grace_seconds(self._inner) or 0.0
-        stale = [t for t in self._call("_get_stale_trial_ids", (study_id,), {}) if not self._alive_here(t, grace)]
+        in between unmarked. Left out: trials alive here (their heartbeats are only late), and every trial
+        while the storage is down or just back (the other workers' heartbeats may still be on their way)."""
+        timing = _compat.heartbeat_timing(self._inner)
+        if timing is None or self.quiet():
+            return []
+        stale = [t for t in self._call("_get_stale_trial_ids", (study_id,), {}) if not self._alive_here(t, timing[1])]
         for trial_id in stale:
             try:
                 self.set_trial_user_attr(trial_id, _attrs.STATUS, "failed")

@@ -64,7 +64,7 @@ class TrialDriver:
         self.configure = configure
         self.entry: Entry | None = None
         self._lease: Lease | None = None
-        self._run_id = 0  # the trial's MLflow run handle, when tracking is on
+        self._run_id: int | None = None  # the trial's MLflow run handle, once tracking started it
         self._adapter_path: str | None = None
         self._total_chunks = 0
         self._interrupted = False
@@ -120,7 +120,7 @@ class TrialDriver:
             elif state == "FAIL" and value is not None:  # returned NaN: failed on the device, or deleted
                 self.record.end("failed")
             self.shared.progress.trial_ended(self.trial.number, state, value)
-            if self.services.tracker is not None:
+            if self.services.tracker is not None and self._run_id is not None:
                 self.services.tracker.trial_ended(self._run_id, state, value, self._adapter_path)
 
     def _follow(self) -> float:
@@ -165,7 +165,7 @@ class TrialDriver:
         resolve_auto_resources(self.study.pruner, event.total_chunks)
         if event.branch is not None:
             self.record.branch(event.branch)
-            if self.services.tracker is not None:
+            if self.services.tracker is not None and self._run_id is not None:
                 self.services.tracker.branch(self._run_id, event.branch, self.services.metric)
         self.shared.progress.trial_started(
             trial.number, event.total_chunks, done=event.branch.step if event.branch else 0
@@ -194,7 +194,7 @@ class TrialDriver:
         self.shared.progress.chunk_done(
             trial.number, self.services.metric, value, event.train_seconds + event.eval_seconds
         )
-        if self.services.tracker is not None:
+        if self.services.tracker is not None and self._run_id is not None:
             self.services.tracker.chunk(self._run_id, event)
         if self._interrupted:
             return self._end_interrupted(step + 1)
@@ -301,7 +301,7 @@ class TrialDriver:
                     event = entry.events.get(timeout=self.services.config.poll_seconds)
                 except queue.Empty:
                     event = None
-                if isinstance(event, EndPaused):
+                if isinstance(event, (EndPaused, Interrupted)):  # the study is over, or interrupted
                     return self._end_paused(step)
                 frozen = _compat.storage(self.study).get_trial(_compat.trial_id(trial))
                 if frozen.state.is_finished():

@@ -29,7 +29,8 @@ class _Outage(optuna.storages.RDBStorage):
 
     def __getattribute__(self, name: str):  # type: ignore[no-untyped-def]
         attribute = super().__getattribute__(name)
-        if callable(attribute) and not name.startswith("_") and super().__getattribute__("down"):
+        settings = name == "get_heartbeat_interval"  # read from the object, not the database: it gets through
+        if callable(attribute) and not name.startswith("_") and not settings and super().__getattribute__("down"):
 
             def unreachable(*args, **kwargs):  # type: ignore[no-untyped-def]
                 raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
@@ -60,7 +61,7 @@ def test_a_stale_trial_is_marked_failed_whoever_fails_it(tmp_path: Path) -> None
         assert trial.user_attrs[_attrs.FAIL_REASON].startswith("HeartbeatStale: ")
 
 
-def test_a_long_outage_is_said_once_and_this_worker_never_fails_a_trial_alive_here(
+def test_a_long_outage_is_said_once_and_this_worker_judges_nobody_stale_just_after_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     rdb = _Outage(f"sqlite:///{tmp_path / 'hb.db'}", heartbeat_interval=1, grace_period=1)
@@ -80,18 +81,53 @@ def test_a_long_outage_is_said_once_and_this_worker_never_fails_a_trial_alive_he
     with caplog.at_level(logging.WARNING, logger="optuna_rapidfire"):
         for caller in callers:
             caller.start()
-        time.sleep(_STALE)
+        time.sleep(1.0)
+        here.get_heartbeat_interval()  # a call that needs no database gets through: the outage goes on
+        time.sleep(_STALE - 1.0)
         rdb.down = False
-        # Stale in the storage (another worker would fail it), but its heartbeat is being sent here: this
-        # worker's own checks (the pool's, and Optuna's through the pool's storage) spare it.
+        # Stale in the storage (another worker would fail it), but this worker is just back: its own checks
+        # (the pool's, and Optuna's through the pool's storage) judge nobody stale yet.
         assert _compat.stale_trial_ids(rdb, _compat.study_id(study)) == [_compat.trial_id(alive)]
         fail_stale_trials(_compat.with_storage(study, here))
         _fail_stale_as_optuna_does(_compat.with_storage(study, here))
         assert study.trials[0].state == TrialState.RUNNING
         for caller in callers:
             caller.join()
-    assert len(outages) == 1 and outages[0] > 1.0
+    assert len(outages) == 1 and outages[0] > _STALE
     lines = [r.getMessage() for r in caplog.records]
     assert sum("is unreachable" in line for line in lines) == 1, lines
     assert sum("reachable again" in line for line in lines) == 1, lines
-    assert any("longer than its heartbeat grace period (1 s)" in line for line in lines), lines
+    assert any("with a heartbeat grace period of 1 s" in line for line in lines), lines
+
+
+class _SlowHeartbeats(optuna.storages.RDBStorage):
+    """An SQLite RDB storage whose heartbeats hang (a slow database) until ``released`` is set."""
+
+    def __init__(self, url: str, **settings: int) -> None:
+        super().__init__(url, **settings)
+        self.released = threading.Event()
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        self.released.wait()
+        super().record_heartbeat(trial_id)
+
+
+def test_this_worker_never_fails_a_trial_whose_heartbeat_it_is_still_sending(tmp_path: Path) -> None:
+    rdb = _SlowHeartbeats(f"sqlite:///{tmp_path / 'hb.db'}", heartbeat_interval=1, grace_period=1)
+    study = optuna.create_study(storage=rdb)
+    alive = study.ask()
+    optuna.storages.RDBStorage.record_heartbeat(rdb, _compat.trial_id(alive))
+    here = retrying(rdb, 60.0)
+    beating = threading.Thread(target=here.record_heartbeat, args=(_compat.trial_id(alive),))
+    beating.start()
+    try:
+        time.sleep(_STALE)  # no outage: only this heartbeat is slow, and the stored one goes stale
+        assert _compat.stale_trial_ids(rdb, _compat.study_id(study)) == [_compat.trial_id(alive)]
+        fail_stale_trials(_compat.with_storage(study, here))
+        _fail_stale_as_optuna_does(_compat.with_storage(study, here))
+        assert study.trials[0].state == TrialState.RUNNING
+        fail_stale_trials(study)  # another worker knows nothing of it: it fails it
+        assert study.trials[0].state == TrialState.FAIL
+    finally:
+        rdb.released.set()
+        beating.join()

@@ -58,6 +58,7 @@ class Script:
         build_error: The build fails with this error.
         save_error: Saving the final adapter fails with this error.
         pause_error: Moving the trial off the device to pause it fails with this error.
+        on_pause: Run once the device has taken the trial's pause task, before the trial is off the device.
         on_add: Run once the trial is registered, before it is built.
     """
 
@@ -68,6 +69,7 @@ class Script:
     build_error: BaseException | None = None
     save_error: BaseException | None = None
     pause_error: BaseException | None = None
+    on_pause: Callable[[Entry], object] | None = None
     on_add: Callable[[Entry], object] | None = None
 
 
@@ -108,6 +110,8 @@ class ScriptedScheduler(Scheduler):
             self._train(entry)
         elif decision is Decision.PAUSE:
             self._work(Task.PAUSE, entry)
+            if self.scripts[entry.number].on_pause is not None:
+                self.scripts[entry.number].on_pause(entry)
             error = self.scripts[entry.number].pause_error
             if error is not None:
                 self._fail(entry, error)
@@ -428,12 +432,14 @@ def test_a_trial_the_device_fails_while_pausing_it_ends_failed_instead_of_waitin
     assert len(device.paused) == 0 and device.slots.free() == 1
 
 
-def test_a_trial_still_paused_when_the_study_ends_is_pruned_as_paused_at_end(services: StudyServices) -> None:
+@pytest.mark.parametrize("end", ["study end", "Ctrl-C"])
+def test_a_trial_still_paused_when_the_study_ends_is_pruned_as_paused_at_end(services: StudyServices, end: str) -> None:
     values = [0.9, 0.7, 0.5]
     study = _study()
     during = {0: lambda entry: control.stop(study, entry.number)}
     device = FakeDevice({0: Script(values, during=during)})
-    device.paused.on_add = lambda entry: end_paused(cast(DeviceRuntime, device))
+    ending = end_paused if end == "study end" else interrupt
+    device.paused.on_add = lambda entry: ending(cast(DeviceRuntime, device))
     study.optimize(_objective(_run(device, services)), n_trials=1)
 
     [trial] = study.trials
@@ -603,3 +609,19 @@ def test_after_a_long_storage_outage_a_trial_another_worker_failed_stops_at_once
     assert study.trials[0].intermediate_values == {}
     assert device.scheduler.decisions == [(0, Decision.STOP)]
     assert run.externally_finished == {0} and device.slots.free() == 1
+
+
+def test_ctrl_c_while_a_trial_is_being_paused_ends_it_as_interrupted(services: StudyServices) -> None:
+    # Its status is already PAUSED, but it is not yet among the device's paused trials: it must still hear it.
+    values = [0.9, 0.7, 0.5]
+    study = _study()
+    script = Script(values, during={0: lambda entry: control.stop(study, entry.number)})
+    device = FakeDevice({0: script})
+    script.on_pause = lambda entry: interrupt(cast(DeviceRuntime, device))
+    study.optimize(_objective(_run(device, services)), n_trials=1)
+
+    [trial] = study.trials
+    assert trial.state == TrialState.PRUNED and trial.intermediate_values == {0: 0.9}
+    assert trial.user_attrs[_attrs.STATUS] == "interrupted"
+    assert device.scheduler.decisions == [(0, Decision.PAUSE), (0, Decision.STOP)]
+    assert len(device.paused) == 0 and device.slots.free() == 1
