@@ -12,8 +12,27 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def worker_main(main: Callable[[str], None], usage: str) -> None:
+    """A worker module's ``__main__``: ``python -m MODULE --worker SPEC`` runs ``main(SPEC)`` with Optuna's and
+    datasets' chatter off; anything else exits with ``usage``."""
+    if len(sys.argv) != 3 or sys.argv[1] != "--worker":
+        raise SystemExit(usage)
+    import datasets
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    datasets.disable_progress_bars()
+    main(sys.argv[2])
+
+
+def write_result(sync: Path, index: int, result: dict[str, Any]) -> None:
+    """A worker's last act: its result, where :func:`spawn_workers` collects it."""
+    (sync / f"result-{index}.json").write_text(json.dumps(result))
 
 
 def wait_for_go(sync: Path, index: int) -> float:

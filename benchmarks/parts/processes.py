@@ -22,7 +22,6 @@ come on top of that sum; so do they for the executor, whose one context is not i
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from trl import SFTTrainer
 
 from benchmarks.harness.measure import sync
 from benchmarks.harness.models import build_model, sft_args, trial_lora
-from benchmarks.harness.workers import spawn_workers, wait_for_go
+from benchmarks.harness.workers import spawn_workers, wait_for_go, worker_main, write_result
 from optuna_rapidfire.demo import load_gsm8k
 
 
@@ -161,16 +160,8 @@ def _worker_main(spec_path: str) -> None:
             "peak_memory_gb": _memory_gb(torch.cuda.max_memory_allocated),
             "reserved_memory_gb": _memory_gb(torch.cuda.max_memory_reserved),
         }
-    (folder / f"result-{index}.json").write_text(json.dumps(result))
+    write_result(folder, index, result)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        import datasets
-        import optuna
-
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        datasets.disable_progress_bars()
-        _worker_main(sys.argv[2])
-    else:
-        raise SystemExit("run the process baseline with: python -m benchmarks.run --parts fused --out DIR")
+    worker_main(_worker_main, "run the process baseline with: python -m benchmarks.run --parts fused --out DIR")

@@ -5,15 +5,13 @@ run of (c)."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import datasets
 import optuna
 
-from benchmarks.harness.workers import wait_for_go
+from benchmarks.harness.workers import wait_for_go, worker_main, write_result
 from benchmarks.parts.search.settings import Settings
 from benchmarks.parts.search.space import make_pruner, suggest
 from benchmarks.parts.search.trl_runs import trl_trial, warm_up
@@ -59,13 +57,8 @@ def main(spec_path: str) -> None:
         if run:
             run["start"] -= go
             run["end"] -= go
-    (folder / f"result-{index}.json").write_text(json.dumps(result))
+    write_result(folder, index, result)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        datasets.disable_progress_bars()
-        main(sys.argv[2])
-    else:
-        raise SystemExit("run the search part with: python -m benchmarks.run --parts search --out DIR")
+    worker_main(main, "run the search part with: python -m benchmarks.run --parts search --out DIR")
