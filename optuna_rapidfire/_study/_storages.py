@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from optuna.exceptions import StorageInternalError, UpdateFinishedTrialError
 from optuna.storages import BaseStorage
+from optuna.trial import TrialState
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._compat import BaseHeartbeat
@@ -23,7 +24,9 @@ from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._study import _attrs
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
+
+    from optuna.trial import FrozenTrial
 
 _logger = get_logger(__name__)
 _FIRST_DELAY = 0.5
@@ -217,6 +220,21 @@ class RetryingHeartbeatStorage(_Retrying, BaseStorage, BaseHeartbeat):
             with self._beats_lock:
                 self._beating[trial_id] -= 1
                 self._last_beat[trial_id] = time.monotonic()
+
+    # A trial that turns RUNNING through this storage gets its first heartbeat at once: Optuna's heartbeat
+    # thread starts only after ``ask`` (the sampler's work) returns, and a worker killed in between would leave
+    # a RUNNING trial without heartbeats, which no stale check ever fails (a study waiting for it never ends).
+    def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
+        trial_id: int = self._call("create_new_trial", (study_id, template_trial), {})
+        if template_trial is None or template_trial.state == TrialState.RUNNING:
+            self.record_heartbeat(trial_id)
+        return trial_id
+
+    def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
+        changed: bool = self._call("set_trial_state_values", (trial_id, state, values), {})
+        if changed and state == TrialState.RUNNING:  # a waiting (enqueued, retried) trial taken by this worker
+            self.record_heartbeat(trial_id)
+        return changed
 
     def _alive_here(self, trial_id: int, grace: float) -> bool:
         with self._beats_lock:

@@ -50,6 +50,17 @@ def _worker(url: str, env: dict[str, str], log: Path, *extra: str, grace: int = 
         return subprocess.Popen([*command, *extra], env=env, cwd=TESTS, stdout=out, stderr=subprocess.STDOUT)
 
 
+def _exit_code(worker: subprocess.Popen[bytes], log: Path, study: optuna.Study, timeout: float) -> int:
+    """The worker's exit code; if it does not exit in time, fail with its log and the trials' states."""
+    try:
+        return worker.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        states = [(t.number, t.state.name, sorted(t.intermediate_values), t.user_attrs) for t in study.get_trials()]
+        raise AssertionError(f"the worker did not exit in {timeout} s\n{states}\n{log.read_text()[-8000:]}") from None
+
+
 def _reference_values(tiny_model: str, tmp_path: Path, learning_rate: float) -> dict[int, float]:
     """What the config reports when it trains alone, start to end, in this process."""
     os.environ.update({k: v for k, v in _env(tiny_model, tmp_path).items() if k.startswith("RF_TEST_")})
@@ -110,7 +121,7 @@ def test_a_killed_worker_s_trials_resume_on_another_worker_from_their_checkpoint
         )
         sockets = psutil.Process(survivor.pid).net_connections(kind="inet")
         assert [c for c in sockets if c.status == psutil.CONN_LISTEN] == []
-        assert survivor.wait(timeout=400) == 0, (tmp_path / "b.log").read_text()
+        assert _exit_code(survivor, tmp_path / "b.log", study, timeout=400) == 0, (tmp_path / "b.log").read_text()
         log = (tmp_path / "b.log").read_text() + (tmp_path / "a.log").read_text()
 
         trials = study.get_trials()
@@ -247,8 +258,8 @@ def test_a_worker_cut_off_longer_than_the_grace_period_stops_its_trials_cleanly_
             )
         finally:
             proxy.restore()
-        assert a.wait(timeout=400) == 0, (tmp_path / "a.log").read_text()
-        assert b.wait(timeout=400) == 0, (tmp_path / "b.log").read_text()
+        assert _exit_code(a, tmp_path / "a.log", study, timeout=400) == 0, (tmp_path / "a.log").read_text()
+        assert _exit_code(b, tmp_path / "b.log", study, timeout=400) == 0, (tmp_path / "b.log").read_text()
         proxy.close()
         a_log = (tmp_path / "a.log").read_text()
 

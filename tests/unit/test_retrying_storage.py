@@ -131,3 +131,25 @@ def test_this_worker_never_fails_a_trial_whose_heartbeat_it_is_still_sending(tmp
     finally:
         rdb.released.set()
         beating.join()
+
+
+@pytest.mark.parametrize("enqueued", [False, True], ids=["new", "enqueued"])
+def test_a_trial_is_never_running_without_a_heartbeat_when_its_worker_dies_right_after_asking(
+    tmp_path: Path, enqueued: bool
+) -> None:
+    # A worker killed after Optuna's ask made the trial RUNNING, before the heartbeat thread started: another
+    # worker must still find the trial stale (Optuna's check skips a trial that never had a heartbeat).
+    url = f"sqlite:///{tmp_path / 'hb.db'}"
+    rdb = optuna.storages.RDBStorage(url, heartbeat_interval=1, grace_period=1)
+    study = optuna.create_study(storage=rdb, study_name="s")
+    if enqueued:
+        study.enqueue_trial({"x": 1.0})
+    dying = optuna.load_study(study_name="s", storage=retrying(rdb, 0.0))
+    asked = dying.ask()  # and the worker dies here: no heartbeat thread ever runs
+    assert dying.trials[0].state == TrialState.RUNNING
+    time.sleep(_STALE)
+    other = optuna.storages.RDBStorage(url, heartbeat_interval=1, grace_period=1)
+    _fail_stale_as_optuna_does(optuna.load_study(study_name="s", storage=other))
+    trial = other.get_trial(_compat.trial_id(asked))
+    assert trial.state == TrialState.FAIL
+    assert trial.system_attrs.get("fixed_params") == ({"x": 1.0} if enqueued else None)
