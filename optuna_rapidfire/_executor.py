@@ -277,6 +277,8 @@ class RapidFireExecutor:
         end_paused(self._device)
         self._device.paused.wait_until_empty()
         self._device.close()
+        if self._services.tracker is not None:
+            self._services.tracker.close()
 
     def __enter__(self) -> RapidFireExecutor:
         return self

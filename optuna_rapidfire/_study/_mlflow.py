@@ -51,6 +51,7 @@ class MlflowTracker:
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._runs: dict[int, str] = {}  # handle -> MLflow run id, filled in by the background thread
         self._handles = itertools.count()
+        self._closed = False
         self._thread = threading.Thread(target=self._drain, name="rapidfire-mlflow", daemon=True)
         self._thread.start()
 
@@ -73,6 +74,25 @@ class MlflowTracker:
         self._submit(done.set)
         if not done.wait(timeout):
             _logger.warning("MLflow: tracking calls still pending after %.0f s; not waiting longer.", timeout)
+
+    def close(self, timeout: float = 120.0) -> None:
+        """Wait (up to ``timeout`` seconds) for the calls so far, drop any left (the server is gone or too
+        slow: this is logged) and stop the tracker's thread once its call in flight returns."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush(timeout)
+        dropped = 0
+        while True:
+            try:
+                task = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._queue.task_done()
+            dropped += task is not None
+        if dropped:
+            _logger.warning("MLflow: %d tracking call(s) dropped when the executor closed.", dropped)
+        self._queue.put(None)
 
     def _parent(self, study: optuna.Study) -> tuple[str, str]:
         """``(experiment id, parent run id)`` of ``study`` (created once, found again by tag)."""
