@@ -226,13 +226,15 @@ class RetryingHeartbeatStorage(_Retrying, BaseStorage, BaseHeartbeat):
     # a RUNNING trial without heartbeats, which no stale check ever fails (a study waiting for it never ends).
     def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
         trial_id: int = self._call("create_new_trial", (study_id, template_trial), {})
-        if template_trial is None or template_trial.state == TrialState.RUNNING:
+        running = template_trial is None or template_trial.state == TrialState.RUNNING
+        if running and _compat.heartbeats_enabled(self._inner):
             self.record_heartbeat(trial_id)
         return trial_id
 
     def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
         changed: bool = self._call("set_trial_state_values", (trial_id, state, values), {})
-        if changed and state == TrialState.RUNNING:  # a waiting (enqueued, retried) trial taken by this worker
+        # A waiting (enqueued, retried) trial that this worker took.
+        if changed and state == TrialState.RUNNING and _compat.heartbeats_enabled(self._inner):
             self.record_heartbeat(trial_id)
         return changed
 
