@@ -5,7 +5,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" dev
 ruff check .
 ruff format --check .
 mypy
-HF_HUB_OFFLINE=1 python -m pytest -q "$@"
+HF_HUB_OFFLINE=1 python -m pytest -q --durations=15 "$@"
 # The tests marked numerics compare floats computed along different paths: run them again on this CPU's
 # other kernel sets (ATen's, chosen by ATEN_CPU_CAPABILITY), so that another kernel's rounding fails here
 # before it fails on someone else's machine. A set the CPU lacks (AVX2 needs avx2 and fma) is skipped,

@@ -153,8 +153,16 @@ class TcpProxy:
     def restore(self) -> None:
         self._cut.clear()
 
+    def __enter__(self) -> TcpProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         self.cut()
+        with contextlib.suppress(OSError):  # wakes the thread blocked in accept (close alone does not)
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
 
 

@@ -227,9 +227,8 @@ def test_a_worker_cut_off_longer_than_the_grace_period_stops_its_trials_cleanly_
     """Worker A loses its route to the storage for longer than the heartbeat grace period while worker B runs:
     B fails A's trials and resumes them from their checkpoints; A, once back, stops them at once, one line says
     what happened, nothing is half-written, and every config completes once, exactly as an uninterrupted run."""
-    with postgres() as server:
+    with postgres() as server, TcpProxy(server.port) as proxy:
         url = server.url.replace("rapidfire@", f"rapidfire:{PASSWORD}@")
-        proxy = TcpProxy(server.port)
         cut_off_url = url.replace(f":{server.port}/", f":{proxy.port}/")
         study = optuna.create_study(storage=url, study_name="multi", pruner=optuna.pruners.NopPruner())
         for lr in (1e-3, 1e-2):
@@ -260,7 +259,6 @@ def test_a_worker_cut_off_longer_than_the_grace_period_stops_its_trials_cleanly_
             proxy.restore()
         assert _exit_code(a, tmp_path / "a.log", study, timeout=400) == 0, (tmp_path / "a.log").read_text()
         assert _exit_code(b, tmp_path / "b.log", study, timeout=400) == 0, (tmp_path / "b.log").read_text()
-        proxy.close()
         a_log = (tmp_path / "a.log").read_text()
 
         trials = study.get_trials()
