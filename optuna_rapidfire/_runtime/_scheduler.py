@@ -47,7 +47,7 @@ from optuna_rapidfire._runtime._promote import PromoteSchedule
 from optuna_rapidfire._runtime._schedule import BaseSchedule, Reports, Status, TrialView
 
 if TYPE_CHECKING:
-    from collections.abc import Collection
+    from collections.abc import Callable, Collection
 
 
 class Decision(enum.Enum):
@@ -169,6 +169,7 @@ class Scheduler:
         self._last_change = self._last_arrival
         self._closed = False
         self._draining = False  # an interrupted study: nothing new starts, chunks in flight finish
+        self._on_late: Callable[[Entry], None] | None = None  # told of each trial registered while draining
         self._values: dict[int, dict[int, float]] = {}  # step -> trial number -> reported value
         self.maximize = False  # the study's direction (see :meth:`study`)
         self._study: Any = None
@@ -206,6 +207,9 @@ class Scheduler:
             self._entries[entry.number] = entry
             self._last_arrival = self._last_change = time.monotonic()
             self._cond.notify_all()
+            late = self._on_late if self._draining else None
+        if late is not None:  # asked before the interrupt, registered after it: it must end too
+            late(entry)
 
     def mark(
         self, entry: Entry, *, reported: int | None = None, screened: int | None = None, value: float | None = None
@@ -372,11 +376,13 @@ class Scheduler:
                 self._gathering = True
             self._cond.notify_all()
 
-    def drain(self, draining: bool = True) -> list[Entry]:
+    def drain(self, draining: bool = True, on_late: Callable[[Entry], None] | None = None) -> list[Entry]:
         """Start nothing new (no build, no chunk) while ``draining``; housekeeping goes on, and chunks in flight
-        finish. Returns the trials registered now."""
+        finish. Returns the trials registered now; ``on_late`` is called with each trial registered later
+        while draining (one whose thread was between Optuna's ask and registering)."""
         with self._cond:
             self._draining = draining
+            self._on_late = on_late if draining else None
             self._cond.notify_all()
             return sorted(self._entries.values(), key=lambda e: e.number)
 

@@ -87,7 +87,7 @@ def end_paused(device: DeviceRuntime) -> None:
 def interrupt(device: DeviceRuntime) -> None:
     """Ctrl-C: the device starts nothing new, live trials end after their chunk in flight (as PRUNED, their
     state kept for clones, what they reported kept), paused ones end as at a study's end."""
-    entries = device.scheduler.drain()
+    entries = device.scheduler.drain(on_late=lambda entry: entry.events.put(Interrupted()))
     live = [entry for entry in entries if entry.status is not Status.PAUSED]
     _logger.warning(
         "Interrupted: no new trial or chunk starts; %d live trial(s) end after their chunk in flight, their state "

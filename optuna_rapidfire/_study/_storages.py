@@ -221,21 +221,22 @@ class RetryingHeartbeatStorage(_Retrying, BaseStorage, BaseHeartbeat):
                 self._beating[trial_id] -= 1
                 self._last_beat[trial_id] = time.monotonic()
 
-    # A trial that turns RUNNING through this storage gets its first heartbeat at once: Optuna's heartbeat
-    # thread starts only after ``ask`` (the sampler's work) returns, and a worker killed in between would leave
-    # a RUNNING trial without heartbeats, which no stale check ever fails (a study waiting for it never ends).
+    # A trial that turns RUNNING through this storage has a heartbeat from then on: Optuna's heartbeat thread
+    # starts only after ``ask`` (the sampler's work) returns, and a worker killed in between would leave a
+    # RUNNING trial without heartbeats, which no stale check ever fails (a study waiting for it never ends).
     def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
         trial_id: int = self._call("create_new_trial", (study_id, template_trial), {})
         running = template_trial is None or template_trial.state == TrialState.RUNNING
-        if running and _compat.heartbeats_enabled(self._inner):
+        if running and _compat.heartbeats_enabled(self._inner):  # the next statement: only a commit in between
             self.record_heartbeat(trial_id)
         return trial_id
 
     def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
-        changed: bool = self._call("set_trial_state_values", (trial_id, state, values), {})
-        # A waiting (enqueued, retried) trial that this worker took.
-        if changed and state == TrialState.RUNNING and _compat.heartbeats_enabled(self._inner):
+        if state == TrialState.RUNNING and _compat.heartbeats_enabled(self._inner):
+            # A waiting (enqueued, retried) trial this worker takes beats first: killed in between, the worker
+            # leaves a waiting trial (a heartbeat does not make it run), never a running one without heartbeat.
             self.record_heartbeat(trial_id)
+        changed: bool = self._call("set_trial_state_values", (trial_id, state, values), {})
         return changed
 
     def _alive_here(self, trial_id: int, grace: float) -> bool:

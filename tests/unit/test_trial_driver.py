@@ -130,9 +130,9 @@ class ScriptedScheduler(Scheduler):
             self.remove(entry)
             entry.events.put(Released())
 
-    def drain(self, draining: bool = True) -> list[Entry]:
+    def drain(self, draining: bool = True, on_late: Callable[[Entry], None] | None = None) -> list[Entry]:
         self.draining = draining
-        return super().drain(draining)
+        return super().drain(draining, on_late)
 
     def _work(self, expected: Task, entry: Entry) -> None:
         """Take the scheduler's next task, as the worker would: it must be ``expected``, for ``entry`` alone."""
@@ -477,6 +477,23 @@ def test_an_interrupt_before_the_trial_is_built_ends_it_at_once(services: StudyS
     script = Script([0.9, 0.7])
     device = FakeDevice({0: script})
     script.on_add = lambda entry: interrupt(cast(DeviceRuntime, device))
+    study = _study()
+    study.optimize(_objective(_run(device, services)), n_trials=1)
+
+    [trial] = study.trials
+    assert trial.state == TrialState.PRUNED and trial.intermediate_values == {}
+    assert _attrs_of(trial) == {
+        _attrs.STATUS: "interrupted",
+        _attrs.PRUNED_REASON: "Interrupted (Ctrl-C) before it started training.",
+    }
+    assert device.scheduler.decisions == [(0, Decision.STOP)]
+
+
+def test_a_trial_registered_just_after_an_interrupt_ends_at_once(services: StudyServices) -> None:
+    # Its thread was between Optuna's ask and registering when Ctrl-C came: the interrupt did not see it, and
+    # nothing is built while draining, so without being told it would wait for ever.
+    device = FakeDevice({0: Script([0.9, 0.7])})
+    interrupt(cast(DeviceRuntime, device))
     study = _study()
     study.optimize(_objective(_run(device, services)), n_trials=1)
 
