@@ -98,10 +98,12 @@ def chunk_log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 
 
 @pytest.fixture
-def slow_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
-    """Make every chunk take at least ``seconds`` (so a test can act while trials run)."""
+def slow_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """Make every chunk take at least ``seconds`` (so a test can act while trials run); with ``hold``, a
+    chunk also waits (up to 120 s) while ``hold()`` is true, so that a test acting from outside (a browser)
+    is never overtaken by the trials, however slow the machine."""
 
-    def apply(seconds: float) -> None:
+    def apply(seconds: float, hold: Callable[[], bool] | None = None) -> None:
         import time
 
         from optuna_rapidfire._engines._fused_engine import FusedEngine
@@ -109,12 +111,18 @@ def slow_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
 
         original, original_gang = TimeSlicedEngine.run_chunk, FusedEngine.run
 
-        def slow(self: TimeSlicedEngine, runtime: Any) -> Any:
+        def wait() -> None:
             time.sleep(seconds)
+            deadline = time.monotonic() + 120
+            while hold is not None and hold() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        def slow(self: TimeSlicedEngine, runtime: Any) -> Any:
+            wait()
             return original(self, runtime)
 
         def slow_gang(self: FusedEngine, runtimes: Any) -> Any:
-            time.sleep(seconds)
+            wait()
             return original_gang(self, runtimes)
 
         monkeypatch.setattr(TimeSlicedEngine, "run_chunk", slow)

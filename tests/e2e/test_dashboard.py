@@ -4,7 +4,7 @@ trials asked for on a running trial's form) and the "Fail Trial" button."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import optuna
@@ -46,6 +46,24 @@ def _open_trial(page: Page, dashboard: str, study: optuna.Study, number: int) ->
     page.get_by_text(f"Trial {number} (trial_id=").wait_for()
 
 
+_RELEASED = 10**9  # a limit no trial reaches
+
+
+def _held_at(study: optuna.Study, number: int, chunks: list[int]) -> Callable[[], bool]:
+    """For ``slow_chunks(hold=...)``: no chunk starts while trial ``number`` has trained ``chunks[0]`` chunks or
+    more (the test moves the limit on once the browser has done its part)."""
+
+    def held() -> bool:
+        trials = study.get_trials(deepcopy=False)
+        return len(trials) > number and trials[number].user_attrs.get(_attrs.CHUNKS_DONE, 0) >= chunks[0]
+
+    return held
+
+
+def _form_action(study: optuna.Study, number: int) -> object:
+    return study.trials[number].user_attrs.get(_attrs.ACTION)
+
+
 def _submit(page: Page, action: str, text: str = "") -> None:
     if text:
         page.get_by_role("textbox").fill(text)
@@ -57,15 +75,18 @@ def _submit(page: Page, action: str, text: str = "") -> None:
 def test_stop_from_the_dashboard_form_pauses_while_the_others_continue(
     make_executor, slow_chunks, browser_page: Page, tmp_path: Path
 ) -> None:
-    slow_chunks(0.1)
     url = f"sqlite:///{tmp_path / 'rf.db'}"
     executor = make_executor(num_chunks=10, max_concurrent_trials=3)
     study = optuna.create_study(storage=url, study_name="ui", pruner=optuna.pruners.NopPruner())
+    limit = [2]  # nothing trains once trial 1 has 2 chunks, until the browser's stop has reached the storage
+    slow_chunks(0.1, hold=_held_at(study, 1, limit))
     with dashboard_server(url) as dashboard:
         run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=3))
         wait_until(lambda: 0 in study.trials[1].intermediate_values, what="trial 1's first report")
         _open_trial(browser_page, dashboard, study, 1)
         _submit(browser_page, "stop (pause)")
+        wait_until(lambda: _form_action(study, 1) not in (None, 0), what="the stop to reach the storage")
+        limit[0] = _RELEASED
 
         wait_until(lambda: study.trials[1].user_attrs.get(_attrs.STATUS) == "paused", what="trial 1 to pause")
         paused_at = study.trials[1].user_attrs[_attrs.CHUNKS_DONE]
@@ -92,17 +113,18 @@ def test_stop_from_the_dashboard_form_pauses_while_the_others_continue(
 def test_fail_trial_button_ends_the_trial_cleanly_and_the_study_goes_on(
     make_executor, slow_chunks, browser_page: Page, tmp_path: Path
 ) -> None:
-    # Under the default schedule ("promote") trial 2 trains its later chunks after the leaders complete:
-    # chunks slow enough that it is still running when the browser has opened its page (seconds on CI).
-    slow_chunks(0.8)
     url = f"sqlite:///{tmp_path / 'rf.db'}"
     executor = make_executor(num_chunks=10, max_concurrent_trials=3)
     study = optuna.create_study(storage=url, study_name="ui", pruner=optuna.pruners.NopPruner())
+    limit = [2]  # nothing trains once trial 2 has 2 chunks, until the browser has failed it
+    slow_chunks(0.1, hold=_held_at(study, 2, limit))
     with dashboard_server(url) as dashboard:
         run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=3))
         wait_until(lambda: 0 in study.trials[2].intermediate_values, what="trial 2's first report")
         _open_trial(browser_page, dashboard, study, 2)
         browser_page.get_by_role("button", name="Fail Trial").click()
+        wait_until(lambda: study.trials[2].state == TrialState.FAIL, what="the browser to fail trial 2")
+        limit[0] = _RELEASED
         run.join()
     assert study.trials[2].state == TrialState.FAIL
     assert [study.trials[n].state for n in (0, 1)] == [TrialState.COMPLETE] * 2
@@ -124,7 +146,8 @@ def test_a_bare_submit_does_nothing_and_a_running_trials_form_clones_a_finished_
     study.enqueue_trial({"learning_rate": 1e-2})
     study.enqueue_trial({"learning_rate": 2e-2})
     executor.optimize(study, _by_learning_rate, n_trials=1)
-    slow_chunks(0.8)  # trial 1 runs long enough to be driven from the browser
+    limit = [3]  # trial 1 waits after 3 chunks until the browser has done each part
+    slow_chunks(0.2, hold=_held_at(study, 1, limit))
     with dashboard_server(url) as dashboard:
         # The dashboard itself greys out the form of a finished trial: no Submit there.
         _open_trial(page, dashboard, study, 0)
@@ -139,12 +162,15 @@ def test_a_bare_submit_does_nothing_and_a_running_trials_form_clones_a_finished_
         page.get_by_role("button", name="Submit").click()
         wait_until(lambda: study.trials[1].user_attrs.get(_attrs.ACTION) == 0, what="the bare submit")
         submitted_at = study.trials[1].user_attrs[_attrs.CHUNKS_DONE]
+        limit[0] = submitted_at + 2
         wait_until(lambda: study.trials[1].user_attrs[_attrs.CHUNKS_DONE] > submitted_at + 1, what="two more chunks")
         assert study.trials[1].user_attrs[_attrs.STATUS] == "running"
         assert _attrs.ACTION_DONE not in study.trials[1].user_attrs and len(study.trials) == 2
 
         _open_trial(page, dashboard, study, 1)
         _submit(page, "clone", "trial=0, learning_rate=5e-3, cold")
+        wait_until(lambda: _form_action(study, 1) not in (None, 0), what="the clone to reach the storage")
+        limit[0] = _RELEASED
         done = wait_until(lambda: study.trials[1].user_attrs.get(_attrs.ACTION_DONE), what="the clone")
         assert done.startswith("clone: enqueued as trial 2"), done
         assert study.trials[1].user_attrs[_attrs.CHUNKS_DONE] < 10  # applied while trial 1 ran
