@@ -40,6 +40,8 @@ def executor(devices: str = "cpu", **overrides: Any) -> RapidFireExecutor:
         "dashboard_controls": False,
         "devices": devices,
     }
+    if "RF_TEST_STORAGE_RETRY" in os.environ:  # how long a worker cut off from the storage keeps retrying
+        settings["storage_retry_seconds"] = float(os.environ["RF_TEST_STORAGE_RETRY"])
     settings.update(overrides)
     return RapidFireExecutor(**settings)
 

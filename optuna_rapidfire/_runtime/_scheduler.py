@@ -154,7 +154,9 @@ class Scheduler:
     """Thread-safe table of the trials of one device.
 
     Args:
-        gather_seconds: How long the device waits for the first wave of a study to register.
+        gather_seconds: How long the device waits for the first wave of a study to register: the first
+            chunk starts once every trial expected has registered, or nothing has registered or been built
+            for this long.
         schedule: Which ready trials train next (:class:`PromoteSchedule` by default, as the executor's).
     """
 
@@ -348,6 +350,8 @@ class Scheduler:
             if entry.status is Status.BUILDING:
                 entry.status = Status.AWAITING if finished else Status.READY
                 entry.awaiting_since = time.monotonic()
+            if self._gathering:  # a build slows the threads still configuring their trials: wait as long again
+                self._last_arrival = time.monotonic()
             self._cond.notify_all()
 
     def chunk_done(self, entry: Entry) -> None:

@@ -234,7 +234,10 @@ def test_a_worker_cut_off_longer_than_the_grace_period_stops_its_trials_cleanly_
         for lr in (1e-3, 1e-2):
             study.enqueue_trial({"learning_rate": lr})
         env = _env(tiny_model, tmp_path)
-        a = _worker(cut_off_url, env, tmp_path / "a.log", "--study-trials", "2", grace=5)
+        # A retries for as long as a slow machine may take to start B and let B fail A's trials.
+        a = _worker(
+            cut_off_url, {**env, "RF_TEST_STORAGE_RETRY": "300"}, tmp_path / "a.log", "--study-trials", "2", grace=5
+        )
 
         def running() -> list[optuna.trial.FrozenTrial]:
             return study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))

@@ -138,6 +138,27 @@ def test_the_first_wave_is_gathered_before_training_starts() -> None:
     assert task_of == [(Task.BUILD, [second])]
 
 
+def test_the_gathering_window_starts_again_after_each_build() -> None:
+    # A build slows the threads still configuring their trials: the window counts from its end, not from
+    # the last arrival (it used to end while the device was building, and the first wave started short).
+    scheduler = Scheduler(gather_seconds=1.0)
+    scheduler.expect(2)
+    first = Entry(number=0, trial_id=100, spec=None)
+    scheduler.add(first)
+    scheduler.next_task()
+    time.sleep(1.2)  # the build took longer than the window
+    scheduler.built(first, runtime=object())
+    task_of: list[object] = []
+    taker = threading.Thread(target=lambda: task_of.append(scheduler.next_task()))
+    taker.start()
+    taker.join(0.3)
+    assert taker.is_alive()  # still gathering: the window started again when the build ended
+    second = Entry(number=1, trial_id=101, spec=None)
+    scheduler.add(second)
+    taker.join(5)
+    assert task_of == [(Task.BUILD, [second])]
+
+
 def test_a_trial_handed_out_twice_is_refused_and_close_ends_the_worker() -> None:
     scheduler, _ = _scheduler(0)
     with pytest.raises(RuntimeError, match="handed it out twice"):
