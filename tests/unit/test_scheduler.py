@@ -120,39 +120,22 @@ def test_a_round_barrier_waits_for_every_live_peer() -> None:
     assert result == [{second.trial_id}]
 
 
-def test_the_first_wave_is_gathered_before_training_starts() -> None:
-    scheduler = Scheduler(gather_seconds=30.0)
+@pytest.mark.parametrize("build_seconds", [0.0, 2.4], ids=["quick build", "build longer than the window"])
+def test_the_first_wave_is_gathered_before_training_starts(build_seconds: float) -> None:
+    # A build slows the threads still configuring their trials: the window (2 s here) starts again when a build
+    # ends, not at the last arrival (it used to end while the device was building: the first wave started short).
+    scheduler = Scheduler(gather_seconds=2.0)
     scheduler.expect(2)
     first = Entry(number=0, trial_id=100, spec=None)
     scheduler.add(first)
     scheduler.next_task()
-    scheduler.built(first, runtime=object())
-    task_of: list[object] = []
-    taker = threading.Thread(target=lambda: task_of.append(scheduler.next_task()))
-    taker.start()
-    taker.join(0.2)
-    assert taker.is_alive()  # one of two expected trials: the device waits for the second
-    second = Entry(number=1, trial_id=101, spec=None)
-    scheduler.add(second)
-    taker.join(5)
-    assert task_of == [(Task.BUILD, [second])]
-
-
-def test_the_gathering_window_starts_again_after_each_build() -> None:
-    # A build slows the threads still configuring their trials: the window counts from its end, not from
-    # the last arrival (it used to end while the device was building, and the first wave started short).
-    scheduler = Scheduler(gather_seconds=1.0)
-    scheduler.expect(2)
-    first = Entry(number=0, trial_id=100, spec=None)
-    scheduler.add(first)
-    scheduler.next_task()
-    time.sleep(1.2)  # the build took longer than the window
+    time.sleep(build_seconds)
     scheduler.built(first, runtime=object())
     task_of: list[object] = []
     taker = threading.Thread(target=lambda: task_of.append(scheduler.next_task()))
     taker.start()
     taker.join(0.3)
-    assert taker.is_alive()  # still gathering: the window started again when the build ended
+    assert taker.is_alive()  # one of two expected trials: the device waits for the second
     second = Entry(number=1, trial_id=101, spec=None)
     scheduler.add(second)
     taker.join(5)

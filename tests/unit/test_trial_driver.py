@@ -473,27 +473,17 @@ def test_an_interrupt_during_a_chunk_ends_the_trial_pruned_after_that_chunk(serv
     assert device.scheduler.decisions == [(0, Decision.CONTINUE), (0, Decision.STOP)]
 
 
-def test_an_interrupt_before_the_trial_is_built_ends_it_at_once(services: StudyServices) -> None:
+# "registered": Ctrl-C comes once the trial is registered, before it is built. "asking": its thread was between
+# Optuna's ask and registering, so the interrupt did not see it, and nothing is built while draining: without
+# being told it would wait for ever.
+@pytest.mark.parametrize("when", ["registered", "asking"])
+def test_an_interrupt_before_the_trial_is_built_ends_it_at_once(services: StudyServices, when: str) -> None:
     script = Script([0.9, 0.7])
     device = FakeDevice({0: script})
-    script.on_add = lambda entry: interrupt(cast(DeviceRuntime, device))
-    study = _study()
-    study.optimize(_objective(_run(device, services)), n_trials=1)
-
-    [trial] = study.trials
-    assert trial.state == TrialState.PRUNED and trial.intermediate_values == {}
-    assert _attrs_of(trial) == {
-        _attrs.STATUS: "interrupted",
-        _attrs.PRUNED_REASON: "Interrupted (Ctrl-C) before it started training.",
-    }
-    assert device.scheduler.decisions == [(0, Decision.STOP)]
-
-
-def test_a_trial_registered_just_after_an_interrupt_ends_at_once(services: StudyServices) -> None:
-    # Its thread was between Optuna's ask and registering when Ctrl-C came: the interrupt did not see it, and
-    # nothing is built while draining, so without being told it would wait for ever.
-    device = FakeDevice({0: Script([0.9, 0.7])})
-    interrupt(cast(DeviceRuntime, device))
+    if when == "registered":
+        script.on_add = lambda entry: interrupt(cast(DeviceRuntime, device))
+    else:
+        interrupt(cast(DeviceRuntime, device))
     study = _study()
     study.optimize(_objective(_run(device, services)), n_trials=1)
 
