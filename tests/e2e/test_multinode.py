@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -287,7 +289,7 @@ def test_a_worker_cut_off_longer_than_the_grace_period_stops_its_trials_cleanly_
 
 
 def test_the_study_rides_out_a_storage_outage_and_stops_clearly_after_a_long_one(
-    tiny_model: str, tmp_path: Path
+    tiny_model: str, tmp_path: Path, slow_chunks: Callable[..., None]
 ) -> None:
     os.environ.update({k: v for k, v in _env(tiny_model, tmp_path).items() if k.startswith("RF_TEST_")})
     import _worker_app
@@ -297,12 +299,27 @@ def test_the_study_rides_out_a_storage_outage_and_stops_clearly_after_a_long_one
         study = optuna.create_study(storage=url, study_name="outage", pruner=optuna.pruners.NopPruner())
         for lr in (1e-3, 1e-2):
             study.enqueue_trial({"learning_rate": lr})
+        # Once trial `waiting[0]` has reported, no chunk starts until the server is down: the outage always
+        # comes while trials train, however fast they are.
+        down, waiting = threading.Event(), [0]
+
+        def before_the_outage() -> bool:
+            if down.is_set():
+                return False
+            try:
+                trials = study.get_trials(deepcopy=False)
+            except Exception:  # the server is going down
+                return False
+            return len(trials) > waiting[0] and bool(trials[waiting[0]].intermediate_values)
+
+        slow_chunks(0.0, hold=before_the_outage)
 
         # A 4 s outage while trials train: calls retry, nothing is lost, values are exact.
         with _worker_app.executor("cpu", storage_retry_seconds=60) as executor:
             run = Background(lambda: executor.optimize(study, _worker_app.configure, n_trials=2))
-            wait_until(lambda: any(study.trials[n].intermediate_values for n in (0, 1)), what="a first report")
+            wait_until(lambda: study.trials[0].intermediate_values, what="a first report")
             server.stop()
+            down.set()
             time.sleep(4)
             server.start()
             run.join()
@@ -313,11 +330,14 @@ def test_the_study_rides_out_a_storage_outage_and_stops_clearly_after_a_long_one
 
         # An outage longer than storage_retry_seconds: a clear error, and what was reported stays.
         study.enqueue_trial({"learning_rate": 3e-2})
+        down.clear()
+        waiting[0] = 2
         with _worker_app.executor("cpu", storage_retry_seconds=2) as executor:
             run = Background(lambda: executor.optimize(study, _worker_app.configure, n_trials=1))
             wait_until(lambda: len(study.trials) == 3 and study.trials[2].intermediate_values, what="a report")
             before = dict(study.trials[2].intermediate_values)
             server.stop()
+            down.set()
             with pytest.raises(StorageUnavailableError, match="stayed unreachable") as raised:
                 run.join()
             assert PASSWORD not in str(raised.value)
