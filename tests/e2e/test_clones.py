@@ -22,7 +22,7 @@ def configure(trial: optuna.Trial):
     return lora(r=rank, lora_dropout=0.2), sft_args(learning_rate=lr, weight_decay=decay, seed=3)
 
 
-def _study_with_parent(make_executor, clone_after_step: int, engine: str = "time_sliced", **clone_kwargs):
+def _study_with_parent(make_executor, slow_chunks, clone_after_step: int, engine: str = "time_sliced", **clone_kwargs):
     """Run a parent trial; once it has reported ``clone_after_step``, clone it and run the clone."""
     executor = make_executor(num_chunks=NUM_CHUNKS, max_concurrent_trials=2, engine=engine)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
@@ -30,18 +30,30 @@ def _study_with_parent(make_executor, clone_after_step: int, engine: str = "time
     objective = executor.objective(configure)
     import threading
 
+    asked: list[int] = []
+
+    def until_the_clone_is_taken() -> bool:
+        # Past the clone's step the parent trains on only once the clone is taken (it is then built before the
+        # parent's next chunk): however slow the machine, the clone branches before the parent ends.
+        trials = study.get_trials(deepcopy=False)
+        if not trials or clone_after_step not in trials[0].intermediate_values:
+            return False
+        return not asked or trials[asked[0]].state == TrialState.WAITING
+
+    slow_chunks(0.0, hold=until_the_clone_is_taken)
     parent = threading.Thread(target=study.optimize, args=(objective,), kwargs={"n_trials": 1})
     parent.start()
     wait_until(lambda: clone_after_step in study.trials[0].intermediate_values, what="the parent's report")
     child = control.clone(study, 0, **clone_kwargs)
+    asked.append(child)
     study.optimize(objective, n_trials=1)
     parent.join()
     return study, study.trials[0], study.trials[child]
 
 
 @pytest.mark.parametrize("engine", ["time_sliced", "fused"])
-def test_warm_clone_without_change_continues_exactly(make_executor, engine: str) -> None:
-    _study, parent, clone = _study_with_parent(make_executor, clone_after_step=1, engine=engine)
+def test_warm_clone_without_change_continues_exactly(make_executor, slow_chunks, engine: str) -> None:
+    _study, parent, clone = _study_with_parent(make_executor, slow_chunks, clone_after_step=1, engine=engine)
     assert parent.state == clone.state == TrialState.COMPLETE
     branch = clone.user_attrs[_attrs.BRANCH_STEP]
     assert 2 <= branch < NUM_CHUNKS
@@ -54,7 +66,7 @@ def test_warm_clone_without_change_continues_exactly(make_executor, engine: str)
     assert clone.value == parent.value
 
 
-def test_warm_clone_takes_its_new_learning_rate_and_weight_decay(make_executor, monkeypatch) -> None:
+def test_warm_clone_takes_its_new_learning_rate_and_weight_decay(make_executor, slow_chunks, monkeypatch) -> None:
     from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 
     groups: dict[int, list[dict]] = {}
@@ -68,7 +80,7 @@ def test_warm_clone_takes_its_new_learning_rate_and_weight_decay(make_executor, 
 
     monkeypatch.setattr(TimeSlicedEngine, "train_chunk", record)
     _study, parent, clone = _study_with_parent(
-        make_executor, clone_after_step=1, params={"learning_rate": 5e-3, "weight_decay": 0.3}
+        make_executor, slow_chunks, clone_after_step=1, params={"learning_rate": 5e-3, "weight_decay": 0.3}
     )
     assert clone.user_attrs[_attrs.CLONE] == "warm"
     assert clone.user_attrs[_attrs.LEARNING_RATE] == pytest.approx(5e-3)
@@ -125,8 +137,8 @@ def test_warm_clone_moves_its_own_schedule_to_the_parents_position(make_executor
     assert rates[clone][branch + 1] != pytest.approx(rates[0][branch + 1])
 
 
-def test_rank_change_makes_a_cold_clone(make_executor) -> None:
-    _study, parent, clone = _study_with_parent(make_executor, clone_after_step=1, params={"r": 4})
+def test_rank_change_makes_a_cold_clone(make_executor, slow_chunks) -> None:
+    _study, parent, clone = _study_with_parent(make_executor, slow_chunks, clone_after_step=1, params={"r": 4})
     assert clone.user_attrs[_attrs.CLONE] == "cold"
     assert "rank or target modules" in clone.user_attrs[_attrs.COLD_REASON]
     assert clone.user_attrs[_attrs.BRANCH_STEP] == 0
@@ -134,8 +146,8 @@ def test_rank_change_makes_a_cold_clone(make_executor) -> None:
     assert not math.isclose(clone.intermediate_values[0], parent.intermediate_values[0])
 
 
-def test_cold_clone_on_request(make_executor) -> None:
-    _study, parent, clone = _study_with_parent(make_executor, clone_after_step=0, warm_start=False)
+def test_cold_clone_on_request(make_executor, slow_chunks) -> None:
+    _study, parent, clone = _study_with_parent(make_executor, slow_chunks, clone_after_step=0, warm_start=False)
     assert clone.user_attrs[_attrs.CLONE] == "cold"
     assert clone.user_attrs[_attrs.COLD_REASON] == "a cold clone was asked for"
     assert clone.intermediate_values[0] == parent.intermediate_values[0]  # same params, same seed, from scratch
