@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 from peft import LoraConfig
 from trl import SFTConfig
 
@@ -101,3 +102,17 @@ def run_python(args: list[str], cwd: Path, timeout: float = 900) -> subprocess.C
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result
+
+
+def until_the_clone_is_taken(study: Any, step: int, clones: list[int]) -> Callable[[], bool]:
+    """For ``slow_chunks(hold=...)``: once trial 0 has reported ``step``, no chunk starts until every trial
+    number in ``clones`` (appended by the test when it clones) has been taken from the queue. A taken clone
+    is built before the parent's next chunk, so it branches before the parent ends, however slow the machine."""
+
+    def held() -> bool:
+        trials = study.get_trials(deepcopy=False)
+        if not trials or step not in trials[0].intermediate_values:
+            return False
+        return not clones or any(trials[n].state == TrialState.WAITING for n in clones)
+
+    return held

@@ -6,7 +6,7 @@ import math
 
 import optuna
 import pytest
-from helpers import lora, sft_args, wait_until
+from helpers import lora, sft_args, until_the_clone_is_taken, wait_until
 from optuna.trial import TrialState
 
 from optuna_rapidfire import control
@@ -31,16 +31,7 @@ def _study_with_parent(make_executor, slow_chunks, clone_after_step: int, engine
     import threading
 
     asked: list[int] = []
-
-    def until_the_clone_is_taken() -> bool:
-        # Past the clone's step the parent trains on only once the clone is taken (it is then built before the
-        # parent's next chunk): however slow the machine, the clone branches before the parent ends.
-        trials = study.get_trials(deepcopy=False)
-        if not trials or clone_after_step not in trials[0].intermediate_values:
-            return False
-        return not asked or trials[asked[0]].state == TrialState.WAITING
-
-    slow_chunks(0.0, hold=until_the_clone_is_taken)
+    slow_chunks(0.0, hold=until_the_clone_is_taken(study, clone_after_step, asked))
     parent = threading.Thread(target=study.optimize, args=(objective,), kwargs={"n_trials": 1})
     parent.start()
     wait_until(lambda: clone_after_step in study.trials[0].intermediate_values, what="the parent's report")

@@ -8,7 +8,7 @@ import threading
 import optuna
 import pytest
 import torch
-from helpers import by_number, lora, vowel_reward, wait_until
+from helpers import by_number, lora, until_the_clone_is_taken, vowel_reward, wait_until
 from optuna.trial import TrialState
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
@@ -132,7 +132,9 @@ def test_dpo_same_values_alone_and_among_others(make_executor, preference) -> No
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(alone, together, strict=True))
 
 
-def test_dpo_warm_clone_continues_exactly_and_dpo_is_pruned_in_the_first_wave(make_executor, preference) -> None:
+def test_dpo_warm_clone_continues_exactly_and_dpo_is_pruned_in_the_first_wave(
+    make_executor, slow_chunks, preference
+) -> None:
     train, evaluation = preference
     executor = make_executor(train_dataset=train, eval_dataset=evaluation, num_chunks=4, max_concurrent_trials=2)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
@@ -143,10 +145,13 @@ def test_dpo_warm_clone_continues_exactly_and_dpo_is_pruned_in_the_first_wave(ma
 
     study.enqueue_trial({"learning_rate": 2e-2})
     objective = executor.objective(configure)
+    clones: list[int] = []
+    slow_chunks(0.0, hold=until_the_clone_is_taken(study, 0, clones))
     parent = threading.Thread(target=study.optimize, args=(objective,), kwargs={"n_trials": 1})
     parent.start()
     wait_until(lambda: 0 in study.trials[0].intermediate_values, what="the parent's first report")
     child = control.clone(study, 0)
+    clones.append(child)
     study.optimize(objective, n_trials=1)
     parent.join()
     assert study.trials[child].user_attrs[_attrs.CLONE] == "warm"
