@@ -209,7 +209,7 @@ class Scheduler:
             self._entries[entry.number] = entry
             self._last_arrival = self._last_change = time.monotonic()
             self._cond.notify_all()
-            late = self._on_late if self._draining else None
+            late = self._on_late  # set only while draining
         if late is not None:  # asked before the interrupt, registered after it: it must end too
             late(entry)
 

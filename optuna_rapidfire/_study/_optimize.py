@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._runtime._scheduler import Status
+from optuna_rapidfire._runtime._scheduler import Entry, Status
 from optuna_rapidfire._study._pool import TrialPool
 from optuna_rapidfire._study._progress import Progress
 from optuna_rapidfire._study._trial_driver import EndPaused, Interrupted, StorageWasLost, TrialDriver
@@ -87,7 +87,11 @@ def end_paused(device: DeviceRuntime) -> None:
 def interrupt(device: DeviceRuntime) -> None:
     """Ctrl-C: the device starts nothing new, live trials end after their chunk in flight (as PRUNED, their
     state kept for clones, what they reported kept), paused ones end as at a study's end."""
-    entries = device.scheduler.drain(on_late=lambda entry: entry.events.put(Interrupted()))
+
+    def tell(entry: Entry) -> None:
+        entry.events.put(Interrupted())
+
+    entries = device.scheduler.drain(on_late=tell)  # and one registered from now on is told as it comes
     live = [entry for entry in entries if entry.status is not Status.PAUSED]
     _logger.warning(
         "Interrupted: no new trial or chunk starts; %d live trial(s) end after their chunk in flight, their state "
@@ -95,7 +99,7 @@ def interrupt(device: DeviceRuntime) -> None:
         len(live),
     )
     for entry in entries:  # a paused one ends as at a study's end; one being paused, once it is
-        entry.events.put(Interrupted())
+        tell(entry)
     end_paused(device)
 
 
