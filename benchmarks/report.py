@@ -118,7 +118,9 @@ def _fused_probe_markdown(data: dict[str, Any]) -> list[str]:
 def _plots(out: Path) -> None:
     search_path = out / "search.json"
     if search_path.exists():
-        search.plot(json.loads(search_path.read_text()), out / "search.png")
+        data = json.loads(search_path.read_text())
+        (out / "search.md").write_text("# Search benchmark\n" + "\n".join(search.markdown(data)) + "\n")
+        search.plot(data, out / "search.png")
     try:
         import matplotlib
     except ImportError:  # a bare GPU image: the JSONs and results.md are written, the plots are not

@@ -54,18 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group(
         "search part (benchmarks/parts/search/); unset sizes take the defaults or --smoke's"
     )
+    group.add_argument("--seeds", default=None, help="replicates: each seed's config list (default 0,1)")
     group.add_argument(
-        "--search-steps", default="all", help="pretrain, record, calibrate, validate, executor, replay, or all"
+        "--search-methods",
+        default=None,
+        help="methods, in this order: sequential, processes_N, processes_N_compiled, executor, executor_lockstep, "
+        "executor_time_sliced, executor_fused (default processes_8,executor,processes_4,sequential)",
     )
-    group.add_argument("--seeds", default=None, help="seeds of record and executor (default 0,1,2,3,4)")
-    group.add_argument("--search-methods", default="lockstep,promote,clone", help="executor runs (d), (e), (f)")
-    group.add_argument("--search-configs", type=int, default=None, help="configs per seed (default 32)")
-    group.add_argument("--trial-rows", type=int, default=None, help="GSM8K rows each trial trains on (default 4096)")
+    group.add_argument("--search-configs", type=int, default=None, help="configs per replicate (default 16)")
+    group.add_argument("--trial-rows", type=int, default=None, help="GSM8K rows each trial trains on (default 1024)")
     group.add_argument("--search-chunks", type=int, default=None, help="chunks per trial (default 8)")
-    group.add_argument("--record-concurrency", type=int, default=None, help="live trials when recording (16)")
-    group.add_argument("--search-concurrency", type=int, default=None, help="live trials of the executor runs (8)")
-    group.add_argument("--processes", type=int, default=None, help="TRL processes sharing the GPU in (c) (8)")
-    group.add_argument("--pretrain-seconds", type=float, default=None, help="pretraining time of the base (150)")
+    group.add_argument("--pretrain-steps", type=int, default=None, help="pretraining steps of the base (800)")
+    group.add_argument("--method-timeout", type=float, default=None, help="seconds one method may run (420)")
+    group.add_argument(
+        "--search-deadline",
+        type=float,
+        default=None,
+        help="seconds after the part starts by which its methods must end: a method not expected to fit is skipped",
+    )
     group.add_argument("--corpus", default=None, help="folder of the pretraining corpus (.bench/corpus)")
     group.add_argument("--search-base", default=None, help="where the base model is cached (.bench/search-base)")
     parser.add_argument(

@@ -18,7 +18,12 @@ Patched:
 - ``Generation.decode`` (:class:`DecodeLog`): every GRPO decode (a trial's alone or a gang's), timed and
   its generated tokens counted;
 - ``DeviceTrials.evaluate`` (:class:`DecodeLog`): whether a decode serves an evaluation or the metric-name
-  check of the first trial built.
+  check of the first trial built;
+- ``FusedEngine.run`` and ``TimeSlicedEngine.run`` (:class:`PassLog`): every chunk an engine trains for the
+  scheduler (a gang's on the fused engine, a trial's on the time-sliced one): its members and seconds.
+
+Listened to (the package's own log, no patch): :class:`PackageLog` keeps the package's log lines and reads the
+seconds of each compiled layout's first pass from the launched pass's "Compiled the launched pass" line.
 
 The patches read these attributes of the package's objects: a runtime's ``trainer._total_train_tokens`` (TRL's
 count), ``spec.number`` and ``state.adapter_name``; ``Placement.current``; a chunk result's ``step``,
@@ -34,6 +39,8 @@ Read as they are:
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +65,8 @@ __all__ = [
     "DecodeLog",
     "DecodeRequest",
     "GangTrainingWindows",
+    "PackageLog",
+    "PassLog",
     "Recorder",
     "attrs",
     "decode",
@@ -260,3 +269,70 @@ class DecodeLog:
 def _decode_settings(request: DecodeRequest) -> dict[str, Any]:
     keep = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
     return {name: getattr(request, name) for name in keep} | {"eos_token_ids": list(request.eos_token_ids)}
+
+
+class PassLog:
+    """Every chunk an engine trains for the scheduler, in :attr:`passes`: ``[start, seconds, engine, members,
+    steps]`` (``time.time()`` at its start; ``steps``: the members' chunk indices). A fused gang's chunk is one
+    entry (its members train in shared passes); a fused engine's gang that trains time-sliced is one entry too."""
+
+    def __init__(self) -> None:
+        self.passes: list[list[Any]] = []
+        self._originals: tuple[Any, Any] | None = None
+        self._depth = threading.local()  # the fused engine's gangs it cannot fuse go through the time-sliced one
+
+    def __enter__(self) -> PassLog:
+        log = self
+        fused, sliced = self._originals = (FusedEngine.run, TimeSlicedEngine.run)
+
+        def logged(original: Any) -> Any:
+            def run(engine: Any, runtimes: Any) -> Any:
+                depth = getattr(log._depth, "value", 0)
+                log._depth.value = depth + 1
+                start = time.time()
+                try:
+                    results = original(engine, runtimes)
+                finally:
+                    log._depth.value = depth
+                if depth == 0:
+                    steps = [r.step for r in results if isinstance(r, ChunkResult)]
+                    log.passes.append([start, time.time() - start, engine.name, len(runtimes), steps])
+                return results
+
+            return run
+
+        FusedEngine.run = logged(fused)  # type: ignore[method-assign]
+        TimeSlicedEngine.run = logged(sliced)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._originals is not None
+        FusedEngine.run, TimeSlicedEngine.run = self._originals  # type: ignore[method-assign]
+
+
+class PackageLog(logging.Handler):
+    """The package's log lines while in use (``[seconds since it began, level, message]`` in :attr:`lines`), and
+    in :attr:`compile_seconds` the first-pass seconds (compilation included) of every layout the launched pass
+    compiled."""
+
+    _COMPILED = "Compiled the launched pass"
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[list[Any]] = []
+        self.compile_seconds: list[float] = []
+        self._began = time.time()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.lines.append([round(record.created - self._began, 2), record.levelname, message])
+        if message.startswith(self._COMPILED) and isinstance(record.args, tuple) and len(record.args) > 1:
+            self.compile_seconds.append(float(record.args[1]))
+
+    def __enter__(self) -> PackageLog:
+        self._began = time.time()
+        logging.getLogger("optuna_rapidfire").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("optuna_rapidfire").removeHandler(self)

@@ -43,13 +43,13 @@ def wait_for_go(sync: Path, index: int) -> float:
     return float((sync / "go").read_text())
 
 
-def spawn_workers(specs: list[dict[str, Any]], stop_when_done: bool, module: str) -> list[dict[str, Any]]:
+def spawn_workers(specs: list[dict[str, Any]], module: str, timeout: float | None = None) -> list[dict[str, Any]]:
     """Start one worker process per spec, let them go together once all are warm, collect their results.
 
-    ``stop_when_done``: tell every worker to stop once all have trained their timed chunks, so each timed
-    chunk ran with every other process still training. ``module``: the workers' code, run as ``python -m
+    ``module``: the workers' code, run as ``python -m
     module --worker SPEC``; a worker reads its spec (with ``index`` and the folder ``dir``), calls
-    :func:`wait_for_go` once it is ready and writes ``result-<index>.json`` in ``dir`` last.
+    :func:`wait_for_go` once it is ready and writes ``result-<index>.json`` in ``dir`` last. ``timeout``: seconds
+    from their start within which every worker must have written its result; else all are killed (RuntimeError).
     """
     sync = Path(tempfile.mkdtemp(prefix="search-workers-"))
     procs = []
@@ -61,23 +61,28 @@ def spawn_workers(specs: list[dict[str, Any]], stop_when_done: bool, module: str
         with (sync / f"log-{index}.txt").open("w") as log:
             procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd()))
 
+    deadline = None if timeout is None else time.time() + timeout
+
+    def fail(index: int, why: str) -> None:
+        tail = (sync / f"log-{index}.txt").read_text()[-3000:]
+        for other in procs:
+            if other.poll() is None:
+                other.kill()
+        raise RuntimeError(f"worker {index} {why}:\n{tail}")
+
     def wait_for(name: str, what: str) -> None:
         while sum((sync / name.format(i)).exists() for i in range(len(specs))) < len(specs):
             for index, proc in enumerate(procs):
                 if proc.poll() is not None and not (sync / f"result-{index}.json").exists():
-                    tail = (sync / f"log-{index}.txt").read_text()[-3000:]
-                    for other in procs:
-                        if other.poll() is None:
-                            other.kill()
-                    raise RuntimeError(f"worker {index} exited with {proc.returncode} before {what}:\n{tail}")
+                    fail(index, f"exited with {proc.returncode} before {what}")
+            if deadline is not None and time.time() > deadline:
+                late = next(i for i in range(len(specs)) if not (sync / name.format(i)).exists())
+                fail(late, f"had not finished {timeout:.0f} s after its start (before {what})")
             time.sleep(0.05)
 
     wait_for("ready-{}", "it was ready")
     (sync / "go.tmp").write_text(repr(time.time()))
     (sync / "go.tmp").replace(sync / "go")  # whole, never half-written, when a worker sees it
-    if stop_when_done:
-        wait_for("done-{}", "its timed chunks")
-        (sync / "stop").touch()
     wait_for("result-{}.json", "it wrote its result")
     for proc in procs:
         proc.wait()

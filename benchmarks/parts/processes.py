@@ -54,7 +54,7 @@ def run_processes(
         }
         for p in params
     ]
-    results = sorted(spawn_workers(specs, stop_when_done=False, module="benchmarks.parts.processes"), key=_index)
+    results = sorted(spawn_workers(specs, module="benchmarks.parts.processes"), key=_index)
     tokens = sum(r["tokens"] for r in results)
     window = max(r["end"] for r in results)  # seconds since the go
     peaks = [r["peak_memory_gb"] for r in results]

@@ -1,36 +1,28 @@
-"""The search part: how soon a user reaches the best fine-tuning config, with the executor or without it.
+"""The search part: how soon a user reaches a good fine-tuning config, with the executor or what they run today,
+every method trained for real.
 
-    python -m benchmarks.run --parts search --out DIR                                  # every step
-    python -m benchmarks.run --parts search --search-steps record --seeds 0,1 --out DIR  # some steps, merged
-    python -m benchmarks.run --parts search --search-steps replay --out DIR            # CPU: replays only
+    python -m benchmarks.run --parts search --out DIR                                   # defaults
+    python -m benchmarks.run --parts search --seeds 1 --search-methods executor,processes_8 --out DIR
 
-Methods, on the same configs (per seed, a seeded random sample of the search space):
+Per replicate (``--seeds``: each seed's config list, from a seeded RandomSampler over the part's space), every
+method runs the same configs in the same order on the same pretrained base, with one pruner and one data budget:
 
-(a) ``exhaustive``: every config trained to the end with TRL, one after another;
-(b) ``sequential_optuna``: plain Optuna, one TRL ``SFTTrainer`` per trial reporting each chunk's eval loss
-    through a ``TrainerCallback`` (report, should_prune, stop): what a user writes today;
-(c) ``parallel_optuna_processes``: the same with ``--processes`` worker processes sharing the GPU;
-(d) ``executor_lockstep``, (e) ``executor_promote``: ``RapidFireExecutor(engine="fused")`` with each schedule;
-(f) ``executor_promote_clone``: (e) with ``CloneSampler`` over a sampler that replays the config list.
+- ``sequential`` (b): plain ``study.optimize``, one TRL ``SFTTrainer`` per trial with a ``TrainerCallback`` that
+  reports each chunk's eval loss and stops on ``trial.should_prune()``: what users write today;
+- ``processes_N`` (c), ``processes_N_compiled``: N such worker processes sharing one ``JournalStorage`` study on
+  the one GPU, taking the enqueued configs until none is left (``_compiled``: TRL's ``torch_compile=True``);
+- ``executor`` (e): ``RapidFireExecutor`` as a user gets it (defaults), and (d) the variants a default could be:
+  ``executor_lockstep``, ``executor_time_sliced``, ``executor_fused``.
 
-(d)-(f) are real runs. (a)-(c) are replayed (GPU time is scarce): every config's per-chunk eval values are
-recorded once (step ``record``: one executor study per seed, fused engine, no pruner; the fused engine's
-values equal a trial's alone-values within bf16 rounding); the time a plain TRL trainer takes per chunk,
-per evaluation and per build is measured alone and under ``--processes`` processes sharing the GPU (step
-``calibrate``); the replays then run real in-memory Optuna studies with the real pruner on those values
-and times, (c) as a discrete-event simulation in which every report is judged in global time order against
-one shared study. Step ``validate`` runs each baseline for real on a few configs and chunks, and the replay
-of the same is compared with it in ``replay_check``.
-
-Everything lands in ``DIR/search.json``; each call merges what it measured into it, so the part can be run
-in several short calls. See benchmarks/README.md (search) for what each number means.
+Each method's processes are fresh: import, one untimed warm-up, then one go; every clock starts before the
+method's first model load. Everything lands in ``DIR/search.json``, merged by replicate and saved as each method
+ends. See benchmarks/README.md (search) for what each number means.
 
 Modules, in the order of the data: :mod:`.space` (search space, configs, pruner, methods), :mod:`.settings`
-(sizes, the trials' configs and data), :mod:`.base` (step pretrain), :mod:`.trl_runs` (plain TRL: one trial as
-a user runs it), :mod:`.executor_runs` (steps record and executor), :mod:`.calibrate`, :mod:`.validate` and
-:mod:`.worker` (the plain-TRL worker processes), :mod:`.replay` (the replays and their check),
-:mod:`.aggregate` (per seed and over seeds), :mod:`.report` (results.md section, search.png) and :mod:`.part`
-(the steps).
+(sizes, the trials' configs and data), :mod:`.base` (the pretrained base), :mod:`.trl_runs` (one plain-TRL
+trial), :mod:`.runs` (a method's work in its process) and :mod:`.worker` (that process), :mod:`.methods` (one
+method of a replicate, from the parent), :mod:`.aggregate` (targets, times, comparisons), :mod:`.report`
+(results.md section, search.md, search.png) and :mod:`.part` (the entry).
 """
 
 from __future__ import annotations

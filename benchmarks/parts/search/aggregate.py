@@ -1,5 +1,12 @@
-"""Results of the search part: per seed and method the anytime curve and time to target, their aggregate over
-seeds, and the replays recomputed from whatever the results hold."""
+"""Results of the search part, recomputed from the runs after every save: per replicate the targets, each method's
+anytime curve and time to each target, the comparisons, and their medians over replicates.
+
+Targets, per replicate (every method of it ran the same configs on the same base): each config's value is the
+best COMPLETE value any method got for it; ``best`` is within 1% of the best config's, ``loose`` within 1% of
+the third best's (a method reaches it with any of the top three configs). A method that never holds a COMPLETE
+trial that good never reaches the target: its time is infinite (a ratio over it is infinite, or 0 when the
+executor is the one that never did).
+"""
 
 from __future__ import annotations
 
@@ -7,108 +14,132 @@ import math
 import statistics
 from typing import Any
 
-from benchmarks.parts.search.calibrate import slowdowns
-from benchmarks.parts.search.replay import TimeModel, replay_check, replays
-from benchmarks.parts.search.settings import Settings
-from benchmarks.parts.search.space import METHODS, TARGET_SLACK
+from benchmarks.parts.search.space import LOOSE_RANK, TARGET_SLACK, method
+
+TARGET_NAMES = ("best", "loose")
 
 
-def summarize(run: dict[str, Any], target: float, b_end: float | None) -> dict[str, Any]:
-    """A method's anytime curve (best COMPLETE value so far against seconds since it started) and its marks."""
+def targets(runs: dict[str, dict[str, Any]]) -> dict[str, float] | None:
+    """The replicate's targets from every method's COMPLETE trials (None before any trial completed)."""
+    per_config: dict[int, float] = {}
+    for run in runs.values():
+        for trial in run.get("trials", []):
+            if trial["state"] == "COMPLETE" and trial["value"] is not None:
+                number = trial["number"]
+                per_config[number] = min(per_config.get(number, math.inf), trial["value"])
+    if not per_config:
+        return None
+    ordered = sorted(per_config.values())
+    loose = ordered[min(LOOSE_RANK, len(ordered)) - 1]
+    return {"best": ordered[0] * (1 + TARGET_SLACK), "loose": loose * (1 + TARGET_SLACK), "configs": len(ordered)}
+
+
+def marks(run: dict[str, Any], goal: dict[str, float] | None) -> dict[str, Any]:
+    """A method's anytime curve (best COMPLETE value so far against its seconds) and its times to the targets."""
     curve: list[list[float]] = []
-    for seconds, _, state, value in sorted(run["completions"], key=lambda c: c[0]):
+    for seconds, _, state, value in run["ends"]:
         if state == "COMPLETE" and value is not None and (not curve or value < curve[-1][1]):
             curve.append([seconds, value])
-    reached = next((t for t, v in curve if v <= target), None)
-    held = [v for t, v in curve if b_end is not None and t <= b_end]
-    return {
-        "time_to_target": reached,
-        "wall": run["wall"],
+    reached = {name: next((t for t, v in curve if goal is not None and v <= goal[name]), None) for name in TARGET_NAMES}
+    out = {
+        "time_to_target": reached["best"],
+        "time_to_loose_target": reached["loose"],
         "best": curve[-1][1] if curve else None,
-        "best_at_b_end": held[-1] if held else None,
-        "chunks": run["chunks"],
-        "states": run["states"],
         "curve": curve,
     }
+    keep = ("label", "wall", "chunks", "states", "gpu_busy_share", "multi_member_pass_share", "workers")
+    out.update({key: run.get(key) for key in keep})
+    if "compile_seconds" in run:
+        out["compile_seconds"] = sum(run["compile_seconds"])
+        out["passes"] = len(run["passes"])
+    return out
 
 
-def quantile(values: list[float], q: float) -> float:
-    """The q-quantile with linear interpolation; infinite when it reaches an infinite value."""
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low, high = math.floor(position), math.ceil(position)
-    if math.isinf(ordered[high]):
-        return math.inf
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+def _seconds(value: float | None) -> float:
+    return math.inf if value is None else value
 
 
-def _finite(value: float) -> float | None:
-    return None if math.isinf(value) else value
+def _ratio(top: float, bottom: float) -> float:
+    """``top / bottom`` for times where either may be infinite (never reached)."""
+    if math.isinf(top) and math.isinf(bottom):
+        return math.nan
+    if math.isinf(bottom):
+        return 0.0
+    return math.inf if math.isinf(top) else top / bottom
 
 
-def aggregate(seeds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per method over seeds: time to target (median, IQR; a seed that never reached it counts as infinite),
-    how many seeds never reached it, wall time, and the regret held when (b) finished."""
-    methods: dict[str, Any] = {}
-    for method in METHODS:
-        entries = [(seed, seed["methods"][method]) for seed in seeds if method in seed["methods"]]
-        if not entries:
-            continue
-        reached = [e["time_to_target"] if e["time_to_target"] is not None else math.inf for _, e in entries]
-        regrets = [
-            (e["best_at_b_end"] - seed["best_exhaustive"]) / seed["best_exhaustive"]
-            for seed, e in entries
-            if e["best_at_b_end"] is not None
-        ]
-        methods[method] = {
-            "seeds": len(entries),
-            "never_reached": sum(math.isinf(t) for t in reached),
-            "time_to_target_median": _finite(quantile(reached, 0.5)),
-            "time_to_target_q25": _finite(quantile(reached, 0.25)),
-            "time_to_target_q75": _finite(quantile(reached, 0.75)),
-            "wall_median": statistics.median(e["wall"] for _, e in entries),
-            "regret_at_b_end_median": statistics.median(regrets) if regrets else None,
-            "no_complete_trial_at_b_end": len(entries) - len(regrets),
-            "chunks_median": statistics.median(e["chunks"] for _, e in entries),
-        }
-    ratios = {}
-    for key, (numerator, denominator) in {
-        "time_to_target_vs_sequential_optuna": ("sequential_optuna", "executor_promote"),
-        "time_to_target_vs_parallel_optuna_processes": ("parallel_optuna_processes", "executor_promote"),
-        "time_to_target_vs_exhaustive": ("exhaustive", "executor_promote"),
-        "time_to_target_lockstep_over_promote": ("executor_lockstep", "executor_promote"),
-        "time_to_target_clone_over_promote": ("executor_promote_clone", "executor_promote"),
-    }.items():
-        top = methods.get(numerator, {}).get("time_to_target_median")
-        bottom = methods.get(denominator, {}).get("time_to_target_median")
-        ratios[key] = top / bottom if top is not None and bottom else None
-    return {"methods": methods, "ratios": ratios}
-
-
-def finalize(data: dict[str, Any], settings: Settings) -> None:
-    """Replays, per-seed results, the aggregate and the replay check, from whatever ``data`` holds so far."""
-    calibration = data.get("calibration", {})
-    times = TimeModel(calibration) if "alone" in calibration else None
-    seeds = []
-    for key in sorted(data.get("records", {}), key=int):
-        record = data["records"][key]
-        best = min(trial["values"][-1] for trial in record["trials"])
-        target = best * (1 + TARGET_SLACK)
-        runs: dict[str, dict[str, Any]] = replays(record, times, settings, int(key)) if times else {}
-        runs.update(data.get("executor_runs", {}).get(key, {}))
-        b_end = runs["sequential_optuna"]["wall"] if "sequential_optuna" in runs else None
-        seeds.append(
-            {
-                "seed": int(key),
-                "configs": record["configs"],
-                "best_exhaustive": best,
-                "target": target,
-                "methods": {name: summarize(run, target, b_end) for name, run in sorted(runs.items())},
-            }
+def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One replicate's comparisons with the executor as a user gets it: > 1 means the executor is sooner. The
+    processes count with their best variant (the one sooner to the target; on a tie the shorter wall)."""
+    if "executor" not in results:
+        return {}
+    ours = results["executor"]
+    out: dict[str, Any] = {}
+    variants = [name for name in results if method(name).family == "processes"]
+    if variants:
+        best = min(variants, key=lambda n: (_seconds(results[n]["time_to_target"]), results[n]["wall"]))
+        theirs = results[best]
+        out["processes_variant"] = best
+        out["time_to_target_vs_processes"] = _ratio(
+            _seconds(theirs["time_to_target"]), _seconds(ours["time_to_target"])
         )
-    data["seeds"] = seeds
-    data["aggregate"] = aggregate(seeds)
-    if times is not None and data.get("validation"):
-        data["replay_check"] = replay_check(data, times, settings)
-    if "processes" in calibration:
-        calibration["slowdown"] = slowdowns(calibration)
+        out["time_to_loose_target_vs_processes"] = _ratio(
+            _seconds(theirs["time_to_loose_target"]), _seconds(ours["time_to_loose_target"])
+        )
+        out["wall_vs_processes"] = theirs["wall"] / ours["wall"]
+    if "sequential" in results:
+        theirs = results["sequential"]
+        out["time_to_target_vs_sequential"] = _ratio(
+            _seconds(theirs["time_to_target"]), _seconds(ours["time_to_target"])
+        )
+        out["wall_vs_sequential"] = theirs["wall"] / ours["wall"]
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    """The median, infinities included (None for none, or when it falls on an undefined ratio)."""
+    if not values:
+        return None
+    middle = statistics.median(sorted(values))
+    return None if math.isnan(middle) else middle
+
+
+def finite(value: Any) -> Any:
+    """JSON has no infinity: an infinite number is written as the string "inf", NaN as None."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def finalize(data: dict[str, Any]) -> None:
+    """Per replicate its targets, each method's marks and the comparisons; then the medians over replicates."""
+    comparisons = []
+    for replicate in data.get("replicates", {}).values():
+        runs = {name: run for name, run in replicate["methods"].items() if "error" not in run}
+        goal = targets(runs)
+        results = {name: marks(run, goal) for name, run in runs.items()}
+        compared = compare(results)
+        replicate["targets"] = goal
+        replicate["results"] = results
+        replicate["comparison"] = {key: finite(value) for key, value in compared.items()}
+        comparisons.append((compared, results.get("executor")))
+    medians: dict[str, Any] = {}
+    for key in (
+        "time_to_target_vs_processes",
+        "time_to_loose_target_vs_processes",
+        "time_to_target_vs_sequential",
+        "wall_vs_processes",
+        "wall_vs_sequential",
+    ):
+        values = [compared[key] for compared, _ in comparisons if key in compared]
+        medians[key] = finite(_median(values))
+        medians[f"{key}_replicates"] = len(values)
+    executors = [run for _, run in comparisons if run is not None]
+    shares = [run["multi_member_pass_share"] for run in executors if run.get("multi_member_pass_share") is not None]
+    medians["multi_member_pass_share"] = _median(shares)
+    compile_shares = [run["compile_seconds"] / run["wall"] for run in executors if "compile_seconds" in run]
+    medians["compile_share"] = _median(compile_shares)
+    medians["replicates"] = sum("time_to_target_vs_processes" in compared for compared, _ in comparisons)
+    data["aggregate"] = medians

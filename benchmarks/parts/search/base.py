@@ -6,6 +6,7 @@ import hashlib
 import json
 import lzma
 import math
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,11 +84,14 @@ def _token_rows(texts: list[str], tokenizer: PreTrainedTokenizerFast, length: in
 
 
 def pretrain(settings: Settings, corpus: Path, base: Path) -> dict[str, Any]:
-    """Train the tokenizer and the base model from scratch for ``settings.pretrain_seconds``; save to ``base``.
+    """Train the tokenizer and the base model from scratch for ``settings.pretrain_steps``; save to ``base``.
 
-    bf16 autocast over float32 weights, AdamW 1e-3, linear warmup over the first 5% of the time budget, then
-    cosine to a tenth; the schedule runs on elapsed time, so the run ends when the budget does.
+    bf16 autocast over float32 weights, AdamW 1e-3, linear warmup over the first 5% of the steps, then cosine to
+    a tenth. Fixed seeds, a fixed step count and deterministic kernels, so that the same recipe on the same
+    kind of GPU and library versions rebuilds the same weights: :func:`fingerprint` tells whether it did.
     """
+    # Deterministic cuBLAS needs this before its first call (this process trains nothing else on the GPU).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     start = time.perf_counter()
     texts = read_corpus(corpus, settings.smoke)
     if settings.tokenizer_chars:
@@ -105,6 +109,8 @@ def pretrain(settings: Settings, corpus: Path, base: Path) -> dict[str, Any]:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device)  # type: ignore[arg-type]
     model.train()
@@ -120,14 +126,15 @@ def pretrain(settings: Settings, corpus: Path, base: Path) -> dict[str, Any]:
     rows = rows.to(device)
     generator = torch.Generator(device=device).manual_seed(0)
     order = torch.randperm(len(rows), device=device, generator=generator)
-    position, step, tokens = 0, 0, 0
+    position, tokens = 0, 0
     curve: list[list[float]] = []
-    budget = settings.pretrain_seconds
+    steps = settings.pretrain_steps
+    warmup = max(1, steps // 20)
     sync()
     began = time.perf_counter()
-    while (elapsed := time.perf_counter() - began) < budget:
-        fraction = elapsed / budget
-        scale = fraction / 0.05 if fraction < 0.05 else 0.1 + 0.45 * (1 + math.cos(math.pi * (fraction - 0.05) / 0.95))
+    for step in range(1, steps + 1):
+        fraction = (step - warmup) / max(steps - warmup, 1)
+        scale = step / warmup if step <= warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * fraction))
         for group in optimizer.param_groups:
             group["lr"] = peak * scale
         if position + settings.pretrain_batch > len(order):
@@ -140,25 +147,25 @@ def pretrain(settings: Settings, corpus: Path, base: Path) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
         tokens += batch.numel()
-        if step % 10 == 1:
+        if step % 50 == 1 or step == steps:
             curve.append([step, round(time.perf_counter() - began, 3), tokens, loss.item()])
     sync()
     seconds = time.perf_counter() - began
-    curve.append([step, round(seconds, 3), tokens, loss.item()])
+    torch.use_deterministic_algorithms(deterministic)
     base.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16 if gpu else torch.float32).save_pretrained(base)
     tokenizer.save_pretrained(base)
     info = {
         "model": settings.model,
+        "recipe": settings.pretrain_recipe(),
         "parameters": sum(p.numel() for p in model.parameters()),
         "corpus": sorted(p.name for p in corpus.glob("*.txt.xz")) or ["bundled GSM8K train text"],
         "corpus_tokens": int(rows.numel()),
         "tokenizer_seconds": tokenizer_seconds,
         "prepare_seconds": prepare_seconds,
         "train_seconds": seconds,
-        "steps": step,
+        "steps": steps,
         "tokens": tokens,
         "tokens_per_second": tokens / seconds,
         "batch": [settings.pretrain_batch, settings.pretrain_length],
@@ -166,6 +173,7 @@ def pretrain(settings: Settings, corpus: Path, base: Path) -> dict[str, Any]:
         "loss_curve": curve,  # [step, seconds, tokens, loss]
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
         "saved_dtype": "bfloat16" if gpu else "float32",
+        "fingerprint": fingerprint(base),
     }
     (base / "pretrain.json").write_text(json.dumps(info, indent=1))
     del model, optimizer, rows
@@ -175,9 +183,9 @@ def pretrain(settings: Settings, corpus: Path, base: Path) -> dict[str, Any]:
 
 
 def fingerprint(base: Path) -> str:
-    """A hash of the base model's weights: results from two different bases are never merged."""
+    """A hash of the base model's weights and tokenizer: a replicate's methods all run on one base."""
     digest = hashlib.sha256()
-    for path in sorted(base.glob("*.safetensors")):
+    for path in [*sorted(base.glob("*.safetensors")), base / "tokenizer.json"]:
         with path.open("rb") as handle:
             for block in iter(lambda: handle.read(1 << 24), b""):
                 digest.update(block)

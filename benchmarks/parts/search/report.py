@@ -1,82 +1,89 @@
-"""The search part's section of results.md, its summary keys, and search.png."""
+"""The search part's section of results.md (also search.md), its summary keys, and search.png."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from benchmarks.parts.search.aggregate import quantile
 from benchmarks.parts.search.settings import say
-from benchmarks.parts.search.space import METHODS, TARGET_SLACK
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str | int):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def _reached(value: float | None) -> str:
+    return "never" if value is None else f"{value:.0f}"
 
 
 def markdown(data: dict[str, Any]) -> list[str]:
-    """The search section of results.md."""
+    """The search section: per replicate one row per method, then the medians over replicates."""
     settings = data.get("settings", {}).get("values", {})
-    seeds = data.get("seeds", [])
-    pretrain = data.get("pretrain", {})
+    machine = data.get("machine", {})
     lines = [
         "",
-        f"## Search: time to the best config ({len(seeds)} seeds x {settings.get('configs')} configs, "
-        f"{settings.get('trial_rows')} GSM8K rows per trial in {settings.get('num_chunks')} chunks)",
+        f"## Search: time to a good config, every method run for real ({settings.get('configs')} configs, "
+        f"{settings.get('trial_rows')} GSM8K rows per trial in {settings.get('num_chunks')} chunks, "
+        f"{settings.get('eval_rows')} eval rows after every chunk, MedianPruner(n_startup_trials=5, n_warmup_steps=1))",
         "",
-        "Target: within 1% of the best final eval loss of the seed's exhaustive sweep. (a)-(c) replayed from "
-        "recorded values and calibrated TRL times; (d)-(f) real. Regret = (best held - best) / best.",
-        "",
-        "| method | seeds | time to target s, median [IQR] | never reached | wall s, median "
-        "| regret when (b) ends, median | chunks trained, median |",
-        "|---|---|---|---|---|---|---|",
+        f"Machine: {', '.join(machine.get('gpus') or ['cpu'])}; torch {machine.get('torch')}, transformers "
+        f"{machine.get('transformers')}, TRL {machine.get('trl')}, PEFT {machine.get('peft')}, Optuna "
+        f"{machine.get('optuna')}.",
+        "Targets per replicate: within 1% of the best COMPLETE value any method reached (best), and within 1% of the "
+        "third-best config's (loose). Seconds from before each method's first model load (each process warmed up "
+        "once, untimed).",
     ]
-    for method, row in data.get("aggregate", {}).get("methods", {}).items():
-        regret = row["regret_at_b_end_median"]
-        held = "none complete" if regret is None else f"{100 * regret:.2f}%"
-        lines.append(
-            f"| {METHODS[method]} | {row['seeds']} | {_fmt(row['time_to_target_median'])} "
-            f"[{_fmt(row['time_to_target_q25'])}, {_fmt(row['time_to_target_q75'])}] | {row['never_reached']} | "
-            f"{_fmt(row['wall_median'])} | {held} | "
-            f"{_fmt(row['chunks_median'], 0)} |"
-        )
-    ratios = data.get("aggregate", {}).get("ratios", {})
-    said = [f"{key} {value:.2f}" for key, value in ratios.items() if value is not None]
-    if said:
-        lines += ["", "Median time to target, ratios: " + ", ".join(said) + "."]
-    check = data.get("replay_check", {})
-    for name, result in check.items():
-        if isinstance(result, str):
-            lines.append(f"Replay check {name}: {result}.")
-        elif name == "exhaustive":
+    for seed, replicate in sorted(data.get("replicates", {}).items(), key=lambda item: int(item[0])):
+        goal = replicate.get("targets") or {}
+        lines += [
+            "",
+            f"### Replicate {seed} (configs from RandomSampler(seed={seed}), base {replicate.get('base')}; target "
+            f"{_fmt(goal.get('best'), 4)}, loose {_fmt(goal.get('loose'), 4)})",
+            "",
+            "| method | time to target s | to loose target s | wall s | best | chunks | complete / pruned / fail "
+            "| GPU busy | passes with 2+ members | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in replicate.get("results", {}).values():
+            states = row["states"]
             lines.append(
-                f"Replay check (a), one config trained fully with TRL: value {result['value_real']:.4f} vs recorded "
-                f"{result['value_recorded']:.4f} ({100 * result['value_relative_difference']:.2f}%), time "
-                f"{100 * result['total_relative_difference']:.1f}% off the replay's."
+                f"| {row['label']} | {_reached(row['time_to_target'])} | {_reached(row['time_to_loose_target'])} | "
+                f"{row['wall']:.0f} | {_fmt(row['best'], 4)} | {row['chunks']} | "
+                f"{states['COMPLETE']} / {states['PRUNED']} / {states['FAIL']} | {_fmt(row['gpu_busy_share'], 2)} | "
+                f"{_fmt(row.get('multi_member_pass_share'), 2)} | {_fmt(row.get('compile_seconds'))} |"
             )
-        else:
-            lines.append(
-                f"Replay check {name} ({result['configs']} configs, {result['workers']} worker(s), "
-                f"{result['chunks']} chunks): decisions agree {result['decisions_agree']}, values within "
-                f"{100 * (result['values_max_relative_difference'] or 0):.2f}%, wall {result['wall_real']:.1f} s real "
-                f"vs {result['wall_replay']:.1f} s replayed."
-            )
-    if pretrain:
+        for name, run in replicate.get("methods", {}).items():
+            if "error" in run:
+                lines.append(f"| {name} | failed: {run['error'].splitlines()[0][:200]} | | | | | | | | |")
+        compared = replicate.get("comparison") or {}
+        if compared:
+            lines += ["", ", ".join(f"{key} {_fmt(value, 2)}" for key, value in compared.items()) + "."]
+    medians = data.get("aggregate", {})
+    if medians:
+        lines += [
+            "",
+            "Medians over replicates (method / executor: > 1 means the executor is sooner): "
+            + ", ".join(f"{key} {_fmt(value, 2)}" for key, value in medians.items())
+            + ".",
+        ]
+    for mark, base in data.get("bases", {}).items():
         lines.append(
-            f"Base: {pretrain['parameters'] / 1e6:.3g}M-parameter Llama pretrained "
-            f"{pretrain['train_seconds']:.0f} s on {pretrain['corpus_tokens'] / 1e6:.1f}M corpus tokens, "
-            f"{pretrain['tokens_per_second'] / 1e3:.0f}k tokens/s, final train loss {pretrain['final_train_loss']:.2f}."
+            f"Base {mark}: {base['parameters'] / 1e6:.3g}M-parameter Llama pretrained {base['steps']} steps "
+            f"({base['train_seconds']:.0f} s, {base['tokens_per_second'] / 1e3:.0f}k tokens/s on {base['device']}) "
+            f"on {base['corpus_tokens'] / 1e6:.1f}M corpus tokens, final train loss {base['final_train_loss']:.2f}."
         )
     return lines
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    """search.png: per method, the median regret of the best COMPLETE value against seconds, IQR band."""
-    seeds = data.get("seeds", [])
-    if not seeds:
+    """search.png: per replicate, every method's best COMPLETE value against its seconds, with the targets."""
+    replicates = sorted(data.get("replicates", {}).items(), key=lambda item: int(item[0]))
+    replicates = [(seed, r) for seed, r in replicates if r.get("results")]
+    if not replicates:
         return
     try:
         import matplotlib
@@ -86,43 +93,38 @@ def plot(data: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    floor = 1e-4
-    times = [t for seed in seeds for m in seed["methods"].values() for t, _ in m["curve"]]
-    if not times:
-        return
-    grid = np.logspace(math.log10(max(min(times), 1e-2)), math.log10(max(times)), 300)
-    figure, axis = plt.subplots(figsize=(9, 5))
-    for color, method in enumerate(METHODS):
-        rows = []
-        for seed in seeds:
-            if method not in seed["methods"]:
+    figure, axes = plt.subplots(1, len(replicates), figsize=(7 * len(replicates), 4.5), squeeze=False)
+    for axis, (seed, replicate) in zip(axes[0], replicates, strict=True):
+        for color, row in enumerate(replicate["results"].values()):
+            curve = row["curve"]
+            if not curve:
                 continue
-            curve = seed["methods"][method]["curve"]
-            best = seed["best_exhaustive"]
-            row = np.full(len(grid), np.inf)
-            for t, v in curve:
-                row[grid >= t] = max((v - best) / best, floor)
-            rows.append(row)
-        if not rows:
-            continue
-        table = np.array(rows)
-        middle, low, high = (np.array([quantile(list(col), q) for col in table.T]) for q in (0.5, 0.25, 0.75))
-        shown = np.isfinite(middle)
-        axis.plot(grid[shown], middle[shown], color=f"C{color}", label=f"{METHODS[method]} ({len(rows)} seeds)")
-        band = np.isfinite(high)
-        axis.fill_between(grid[band], low[band], high[band], color=f"C{color}", alpha=0.15)
-    axis.axhline(TARGET_SLACK, color="gray", linestyle="--", linewidth=1, label="target (1%)")
-    axis.set_xscale("log")
-    axis.set_yscale("log")
-    axis.set_xlabel("seconds since the method started")
-    axis.set_ylabel("regret of the best complete trial (median, IQR; floor 1e-4)")
-    axis.legend(fontsize=8)
-    axis.set_title("Time to the best fine-tuning config")
+            times = [t for t, _ in curve] + [row["wall"]]
+            values = [v for _, v in curve] + [curve[-1][1]]
+            axis.step(times, values, where="post", color=f"C{color}", label=row["label"])
+        goal = replicate.get("targets") or {}
+        for name, style in (("best", "--"), ("loose", ":")):
+            if name in goal:
+                axis.axhline(goal[name], color="gray", linestyle=style, linewidth=1, label=f"target ({name})")
+        axis.set_xlabel("seconds since the method started")
+        axis.set_ylabel("best COMPLETE eval loss so far")
+        axis.set_title(f"Replicate {seed}")
+        axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
 def summary(data: dict[str, Any]) -> dict[str, Any]:
-    """The part's keys of summary.json: the ratios of the medians of time to target."""
-    return dict(data.get("aggregate", {}).get("ratios", {}))
+    """The part's keys of summary.json (medians over replicates of method / executor: > 1, the executor sooner)."""
+    medians = data.get("aggregate", {})
+    keys = {
+        "search_time_to_target_vs_processes": "time_to_target_vs_processes",
+        "search_time_to_loose_target_vs_processes": "time_to_loose_target_vs_processes",
+        "search_time_to_target_vs_sequential": "time_to_target_vs_sequential",
+        "search_wall_vs_processes": "wall_vs_processes",
+        "search_multi_member_pass_share": "multi_member_pass_share",
+        "search_compile_share": "compile_share",
+        "search_replicates": "replicates",
+    }
+    return {key: medians.get(name) for key, name in keys.items()} if medians else {}

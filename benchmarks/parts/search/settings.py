@@ -23,22 +23,17 @@ class Settings:
     """Sizes of one search benchmark (``--smoke`` shrinks every one of them)."""
 
     smoke: bool
-    configs: int  # configs per seed
+    configs: int  # configs per replicate
     trial_rows: int  # GSM8K train rows per trial: its data budget (batch size changes steps, not data)
     num_chunks: int
     eval_rows: int  # GSM8K test rows every evaluation uses (the same for every method)
     eval_batch: int
     max_length: int
-    record_concurrency: int
-    concurrency: int  # live trials of the executor methods
-    processes: int  # worker processes of (c)
-    calibrate_chunks: int
-    validate_chunks: int
-    validate_sequential_configs: int
-    pretrain_seconds: float
+    pretrain_steps: int
     pretrain_batch: int
     pretrain_length: int
     tokenizer_chars: int | None  # corpus characters the tokenizer trains on (None: all)
+    method_timeout: float  # seconds one method may run before its processes are stopped (it then fails)
     model: dict[str, Any]  # LlamaConfig fields
 
     @staticmethod
@@ -55,22 +50,17 @@ class Settings:
             model.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         settings = Settings(
             smoke=smoke,
-            configs=pick("search_configs", 32, 6),
-            trial_rows=pick("trial_rows", 4096, 64),
+            configs=pick("search_configs", 16, 6),
+            trial_rows=pick("trial_rows", 1024, 64),
             num_chunks=pick("search_chunks", 8, 2),
             eval_rows=128 if not smoke else 8,
             eval_batch=32 if not smoke else 8,
             max_length=512 if not smoke else 256,
-            record_concurrency=pick("record_concurrency", 16, 6),
-            concurrency=pick("search_concurrency", 8, 3),
-            processes=pick("processes", 8, 2),
-            calibrate_chunks=2,
-            validate_chunks=min(3, pick("search_chunks", 8, 2)),
-            validate_sequential_configs=4,
-            pretrain_seconds=pick("pretrain_seconds", 150.0, 5.0),
+            pretrain_steps=pick("pretrain_steps", 800, 20),
             pretrain_batch=64 if not smoke else 8,
             pretrain_length=512 if not smoke else 128,
             tokenizer_chars=None if not smoke else 2_000_000,
+            method_timeout=pick("method_timeout", 420.0, 300.0),
             model=model,
         )
         step = settings.num_chunks * max(BATCHES)
@@ -82,8 +72,13 @@ class Settings:
         return settings
 
     def comparable(self) -> dict[str, Any]:
-        """What results merged from several calls must share (a record from other sizes is another benchmark)."""
+        """What results merged from several calls must share (results of other sizes are another benchmark)."""
         keep = ("smoke", "configs", "trial_rows", "num_chunks", "eval_rows", "eval_batch", "max_length", "model")
+        return {name: getattr(self, name) for name in keep} | {"pretrain": self.pretrain_recipe()}
+
+    def pretrain_recipe(self) -> dict[str, Any]:
+        """What the base depends on: the same recipe rebuilds the same weights (checked by their fingerprint)."""
+        keep = ("pretrain_steps", "pretrain_batch", "pretrain_length", "tokenizer_chars", "model")
         return {name: getattr(self, name) for name in keep}
 
     def rows_per_chunk(self) -> int:
@@ -122,10 +117,10 @@ def sft_config(params: dict[str, Any], settings: Settings, output_dir: str, **ex
     )
 
 
-def configure(trial: optuna.Trial, settings: Settings, output_dir: str) -> tuple[LoraConfig, SFTConfig]:
+def configure(trial: optuna.Trial, settings: Settings) -> tuple[LoraConfig, SFTConfig]:
     """The executor's trial: its params from the search space, then its LoRA and training args."""
     params = suggest(trial)
-    return lora_config(params), sft_config(params, settings, output_dir)
+    return lora_config(params), sft_config(params, settings, "")
 
 
 def train_rows(settings: Settings) -> Any:
