@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from benchmarks.harness.measure import sync
 from benchmarks.parts.search.settings import Settings, say
 from optuna_rapidfire.demo import load_gsm8k
+
+_DETERMINISTIC_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 def read_corpus(corpus: Path, smoke: bool) -> list[str]:
@@ -141,7 +144,8 @@ def pretrain(settings: Settings, corpus: Path, base: Path) -> dict[str, Any]:
             order, position = torch.randperm(len(rows), device=device, generator=generator), 0
         batch = rows[order[position : position + settings.pretrain_batch]]
         position += settings.pretrain_batch
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=gpu):
+        # cuDNN's and the memory-efficient attention backward are not deterministic; flash's (or math's) is.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=gpu), sdpa_kernel(_DETERMINISTIC_ATTENTION):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
