@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--search-methods",
         default=None,
         help="methods, in this order: sequential, processes_N, processes_N_compiled, executor, executor_lockstep, "
-        "executor_time_sliced, executor_fused (default processes_8,executor,processes_4,sequential)",
+        "executor_time_sliced, executor_fused, executor_promote_all "
+        "(default processes_8,executor,processes_4,sequential)",
     )
     group.add_argument("--search-configs", type=int, default=None, help="configs per replicate (default 16)")
     group.add_argument("--trial-rows", type=int, default=None, help="GSM8K rows each trial trains on (default 1024)")

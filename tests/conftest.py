@@ -45,7 +45,9 @@ def eval_ds() -> Dataset:
 def make_executor(
     tiny_model: str, train_ds: Dataset, eval_ds: Dataset, tmp_path: Path
 ) -> Iterator[Callable[..., RapidFireExecutor]]:
-    """Build executors over the tiny model (closed at the end of the test)."""
+    """Build executors over the tiny model (closed at the end of the test). Their studies train every trial to
+    the end (``schedule="promote_all"``) unless a test chooses a schedule: most tests compare complete trials,
+    and the default's ASHA stops are tested where they matter (test_schedules.py)."""
     made: list[RapidFireExecutor] = []
 
     def make(**kwargs: Any) -> RapidFireExecutor:
@@ -57,6 +59,7 @@ def make_executor(
             "max_concurrent_trials": 4,
             "output_dir": tmp_path / "out",
             "show_progress_bar": False,
+            "schedule": "promote_all",
             # The suite runs on the CPU (CI has no GPU); RAPIDFIRE_TEST_DEVICE=cuda runs it on a GPU.
             "devices": os.environ.get("RAPIDFIRE_TEST_DEVICE", "cpu"),
         }

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from optuna_rapidfire._runtime._schedule import BaseSchedule, Reports, Status
+from optuna_rapidfire._runtime._schedule import BaseSchedule, Reports, Status, Stop
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from optuna_rapidfire._runtime._schedule import TrialView
+
+
+_ON_ITS_WAY_SECONDS = 0.2
 
 
 class PromoteSchedule(BaseSchedule):
@@ -18,22 +21,31 @@ class PromoteSchedule(BaseSchedule):
 
     A *rung* is a chunk boundary: after chunks 1, eta, eta², ... (``rungs="geometric"``, the default) or after
     every chunk (``rungs="every"``). A trial that has just reported at a rung waits there, and is promoted
-    (trains its next chunk) only when it ranks in the top ``floor(n / eta)`` of the ``n`` trials that have
-    reported at that rung on this device (running, paused, pruned or complete ones alike), and at least
-    ``eta`` have. Whom the device trains, in this order:
+    (trains its next chunk) when at least ``eta`` trials have reported at that rung on this device (running,
+    paused, pruned or complete ones alike) and its value is as good as the ``floor(n / eta)``-th best of those
+    ``n`` (ties go on, as in Optuna's SuccessiveHalvingPruner). A trial waiting at a rung holds no slot: as many
+    new configs start beside it, so the device keeps ``max_concurrent_trials`` trials with work. Whom the
+    device trains, in this order, at most ``max_concurrent_trials`` together:
 
     1. promotable trials, the highest rung first, the best value first;
     2. trials that have not reported yet (new trials and fresh clones), oldest first;
     3. trials between rungs, the most chunks first;
-    4. when none of these is there and no live trial is being decided on or built: ask for the sampler's next
-       config (when every slot holds a waiting trial, the device lends one more slot beside them, up to four
-       times ``max_concurrent_trials``; waiting trials' states leave the device as the memory budget needs)
-       and wait ``new_trial_seconds`` for it; if none comes (the study's budget is spent), promote the best
-       waiting trial (the highest rung, the best value there).
+    4. when none of these is there and no live trial is being decided on or built:
+
+       - a new trial is on its way: wait for it;
+       - the study's budget is spent (no new trial will come): rungs are final, so the best of a rung holding
+         fewer than ``eta`` goes on (at least one of each rung, as Optuna's pruner keeps the first); when no
+         waiting trial can go on even so, every waiting trial ends as PRUNED, with its rung, its rank and how
+         many reported there (``when_exhausted="stop"``, the default: ASHA never promotes them), or the best
+         waiting trial goes on (``when_exhausted="promote"``, the behaviour before: every trial may end
+         COMPLETE, at the price of training the losers);
+       - nobody can tell (trials come from a plain ``study.optimize``, whose threads the waiting trials hold):
+         wait ``new_trial_seconds`` for a new trial, then promote the best waiting trial (the highest rung,
+         the best value there).
 
     On an engine that fuses, everything of 1-3 trains together as a gang, each member its own next chunk.
-    The study's pruner still makes every stop, judging a trial at step s against every trial that has
-    reported step s; the schedule only decides who trains next. Ties go to the older trial.
+    The study's pruner still makes every other stop, judging a trial at step s against every trial that has
+    reported step s; the schedule decides who trains next. Ties in the order go to the older trial.
 
     Worked example (eta = 2, rungs after every chunk, a minimizing study): trials 0-3 report 0.9, 0.5, 0.7,
     0.6 after chunk 1. Of the 4 at rung 1 the top 2 (1 and 3) are promoted and train chunk 2; 0 and 2 wait.
@@ -48,8 +60,10 @@ class PromoteSchedule(BaseSchedule):
             about their last chunk is in flight (reporting and pruning take milliseconds; a member that
             misses a pass trains alone, and the rest of the gang after it). Never waits for a trial
             that is paused or being built.
-        new_trial_seconds: How long a device with a free slot waits for a new trial before it promotes
-            the best waiting one instead (4 above).
+        new_trial_seconds: When nobody can tell whether a new trial comes, how long the device waits for one
+            before it promotes the best waiting trial instead.
+        when_exhausted: What happens to the waiting trials once no new trial will come and none of them can be
+            promoted: ``"stop"`` (end them as PRUNED) or ``"promote"`` (train the best on, one at a time).
     """
 
     name = "promote"
@@ -60,6 +74,7 @@ class PromoteSchedule(BaseSchedule):
         rungs: str = "geometric",
         gang_wait_seconds: float = 2.0,
         new_trial_seconds: float = 1.0,
+        when_exhausted: str = "stop",
     ) -> None:
         if not (isinstance(eta, int) and not isinstance(eta, bool) and eta >= 2):
             raise ValueError(f"eta must be an integer of at least 2, but got {eta=}.")
@@ -68,10 +83,13 @@ class PromoteSchedule(BaseSchedule):
         for name, value in (("gang_wait_seconds", gang_wait_seconds), ("new_trial_seconds", new_trial_seconds)):
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"{name} must be a number of at least 0, but got {name}={value!r}.")
+        if when_exhausted not in ("stop", "promote"):
+            raise ValueError(f"when_exhausted must be 'stop' or 'promote', but got {when_exhausted=}.")
         self.eta = eta
         self.rungs = rungs
         self.gang_wait_seconds = float(gang_wait_seconds)
         self.new_trial_seconds = float(new_trial_seconds)
+        self.when_exhausted = when_exhausted
 
     def is_rung(self, chunks: int) -> bool:
         """Whether a trial that has trained ``chunks`` chunks stands at a rung."""
@@ -83,19 +101,20 @@ class PromoteSchedule(BaseSchedule):
             chunks //= self.eta
         return chunks == 1
 
-    def promotable(self, entry: TrialView, reports: Reports) -> bool:
-        """Whether ``entry``, waiting at its rung, ranks in the top ``1/eta`` of the trials that reported there."""
+    def promotable(self, entry: TrialView, reports: Reports, *, final: bool = False) -> bool:
+        """Whether ``entry``, waiting at its rung, is as good as the ``floor(n / eta)``-th best of the ``n``
+        trials that reported there (ties go on), with at least ``eta`` there; ``final``: no trial will come to
+        the rung any more, so a rung of fewer than ``eta`` lets its best go on."""
         values = reports.values.get(entry.chunks_done - 1, {})
-        if entry.number not in values or len(values) < self.eta:
+        mine = values.get(entry.number)
+        if mine is None or mine != mine or (len(values) < self.eta and not final):  # not there, NaN, too few
             return False
-        top = len(values) // self.eta
-        return entry.number in [number for number, _ in _ranked(values, reports.maximize)[:top]]
+        top = max(1, len(values) // self.eta)
+        cutoff = _ranked(values, reports.maximize)[top - 1][1]
+        return mine >= cutoff if reports.maximize else mine <= cutoff
 
-    def choose(
-        self, live: Sequence[TrialView], *, fuse: bool, now: float, reports: Reports | None = None
-    ) -> list[TrialView] | float | None:
-        reports = reports or Reports(values={})
-        ready = [e for e in live if e.status is Status.READY]
+    def _classify(self, ready: Sequence[TrialView], reports: Reports) -> tuple[list[TrialView], ...]:
+        """The ready trials as promotable, fresh, between rungs and waiting at a rung (in the order of choice)."""
         promoted, fresh, between, waiting = [], [], [], []
         for e in ready:
             values = reports.values.get(e.chunks_done - 1, {})
@@ -110,15 +129,33 @@ class PromoteSchedule(BaseSchedule):
         promoted.sort(key=lambda e: (-e.chunks_done, _rank(e, reports)))
         fresh.sort(key=lambda e: e.number)
         between.sort(key=lambda e: (-e.chunks_done, e.number))
+        waiting.sort(key=lambda e: (-e.chunks_done, _rank(e, reports)))
+        return promoted, fresh, between, waiting
+
+    def waiting(self, live: Sequence[TrialView], reports: Reports) -> frozenset[int]:
+        ready = [e for e in live if e.status is Status.READY]
+        return frozenset(e.number for e in self._classify(ready, reports)[3])
+
+    def choose(
+        self, live: Sequence[TrialView], *, fuse: bool, now: float, reports: Reports | None = None
+    ) -> list[TrialView] | Stop | float | None:
+        reports = reports or Reports(values={})
+        promoted, fresh, between, waiting = self._classify([e for e in live if e.status is Status.READY], reports)
         chosen = promoted + fresh + between
         if not chosen:
             if not waiting or any(e.status in (Status.AWAITING, Status.BUILDING) for e in live):
                 return None  # a report or a build to come changes what may be promoted
-            if now - reports.last_change < self.new_trial_seconds and len(live) < reports.capacity:
-                return self.new_trial_seconds - (now - reports.last_change)  # the sampler's next config
-            if len(live) >= reports.capacity and reports.ask_for_trial is not None and reports.ask_for_trial():
-                return self.new_trial_seconds  # a slot beside the waiting trials, for the sampler's next config
-            return [min(waiting, key=lambda e: (-e.chunks_done, _rank(e, reports)))]
+            if reports.more_trials:
+                return _ON_ITS_WAY_SECONDS  # a new config is on its way (looked at again: it may fail to come)
+            if reports.more_trials is None:
+                if now - reports.last_change < self.new_trial_seconds:
+                    return self.new_trial_seconds - (now - reports.last_change)  # the sampler's next config
+                return waiting[:1]
+            chosen = [e for e in waiting if self.promotable(e, reports, final=True)]
+            if not chosen:
+                if self.when_exhausted == "promote":
+                    return waiting[:1]
+                return Stop({e.number: self._stop_reason(e, reports) for e in waiting})
         if not fuse:
             return chosen[:1]
         deciding = [now - e.awaiting_since for e in live if e.status is Status.AWAITING]
@@ -128,12 +165,22 @@ class PromoteSchedule(BaseSchedule):
             waited = min(deciding)
             if waited < self.gang_wait_seconds:
                 return self.gang_wait_seconds - waited
-        return chosen
+        return chosen[: max(reports.capacity, 1)]
+
+    def _stop_reason(self, entry: TrialView, reports: Reports) -> str:
+        values = reports.values.get(entry.chunks_done - 1, {})
+        top = max(1, len(values) // self.eta)
+        return (
+            f"Stopped by the promote schedule at its rung after chunk {entry.chunks_done}: rank "
+            f"{_rank(entry, reports) + 1} of the {len(values)} trials that reported there, below the top {top} "
+            f"that go on (eta={self.eta}), and the study's budget is spent, so no new trial can change that "
+            "(schedule='promote_all' trains it on instead)."
+        )
 
     def __repr__(self) -> str:
         return (
             f"PromoteSchedule(eta={self.eta}, rungs={self.rungs!r}, gang_wait_seconds={self.gang_wait_seconds}, "
-            f"new_trial_seconds={self.new_trial_seconds})"
+            f"new_trial_seconds={self.new_trial_seconds}, when_exhausted={self.when_exhausted!r})"
         )
 
 

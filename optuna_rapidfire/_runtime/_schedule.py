@@ -1,8 +1,9 @@
 """What a schedule is: the contract between the device's scheduler and a policy of who trains next.
 
 A schedule (Ray Tune's ``TrialScheduler`` is the model) gets a read-only :class:`TrialView` of each live
-trial and the :class:`Reports` of the device, and decides two things: which ready trials train now
-(:meth:`BaseSchedule.choose`) and whose reports a trial's pruning decision waits for
+trial and the :class:`Reports` of the device, and decides: which ready trials train now, or which to stop
+(:meth:`BaseSchedule.choose`, which may return a :class:`Stop`), which trials wait for a promotion and so
+hold no slot (:meth:`BaseSchedule.waiting`), and whose reports a trial's pruning decision waits for
 (:meth:`BaseSchedule.pruning_peers`). It changes nothing; the scheduler keeps the trials' states.
 The schedules themselves are one module each (:mod:`._lockstep`, :mod:`._promote`); users import them
 from :mod:`optuna_rapidfire.schedules`.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Mapping, Sequence
 
 
 class Status(enum.Enum):
@@ -54,17 +55,31 @@ class TrialView:
 
 @dataclass(frozen=True)
 class Reports:
-    """What a schedule may read besides the live trials: every value reported on this device, by step
-    (``values[step][trial number]``; finished and pruned trials' too), the study's direction, how many trials
-    the device holds at once, and when a trial last arrived or left (``time.monotonic()``)."""
+    """What a schedule may read besides the live trials.
+
+    Attributes:
+        values: Every value reported on this device, by step (``values[step][trial number]``; finished and
+            pruned trials' too).
+        maximize: The study's direction.
+        capacity: How many trials the device trains at once (``max_concurrent_trials``).
+        last_change: When a trial last arrived or left (``time.monotonic()``).
+        more_trials: Whether a new trial may still come: ``True`` (one is on its way), ``False`` (the study's
+            budget is spent: none will), ``None`` (nobody can tell, as under a plain ``study.optimize``).
+    """
 
     values: Mapping[int, Mapping[int, float]]
     maximize: bool = False
     capacity: int = 1
     last_change: float = 0.0
-    # Asks for one more slot beside the waiting trials, so that the sampler's next config can start (``False``:
-    # none can be had); ``None``: nothing to ask.
-    ask_for_trial: Callable[[], bool] | None = None
+    more_trials: bool | None = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A schedule's answer that stops trials now: each trial of ``reasons`` ends as PRUNED with its reason (as
+    ASHA stops a trial no promotion can reach any more). Only READY trials are stopped."""
+
+    reasons: Mapping[int, str]
 
 
 class BaseSchedule(ABC):
@@ -79,7 +94,7 @@ class BaseSchedule(ABC):
     @abstractmethod
     def choose(
         self, live: Sequence[TrialView], *, fuse: bool, now: float, reports: Reports | None = None
-    ) -> list[TrialView] | float | None:
+    ) -> list[TrialView] | Stop | float | None:
         """What the device does now.
 
         Args:
@@ -89,9 +104,14 @@ class BaseSchedule(ABC):
             reports: The values reported so far (``None``: none known).
 
         Returns:
-            The trials to train now (one unless ``fuse``); or a number of seconds after which to ask
-            again if nothing changes; or ``None``: wait for a change.
+            The trials to train now (one unless ``fuse``); a :class:`Stop` of trials to end now; a number of
+            seconds after which to ask again if nothing changes; or ``None``: wait for a change.
         """
+
+    def waiting(self, live: Sequence[TrialView], reports: Reports) -> frozenset[int]:
+        """The live trials that wait for a promotion: they hold no slot, so as many new trials may start
+        beside them (their states stay off the device as the memory budget needs). By default none."""
+        return frozenset()
 
     def pruning_peers(self, trial: TrialView) -> frozenset[int] | None:
         """Whose reports a trial's pruning decision at its latest step waits for.

@@ -23,9 +23,11 @@ Rules:
     decisions wait for round barriers: a trial's decision for step s waits until every other live
     trial has reported step s (:meth:`Scheduler.wait_for_round`);
   - :class:`PromoteSchedule`: ASHA's promotion rule, no barriers: a trial that reports at a rung waits
-    there until it ranks in the top 1/eta of the trials that reported at that rung; new trials train
-    their first chunk before anyone waiting; when nothing else may train, the best waiting trial goes
-    on. A device that fuses takes every trial the rule lets train, each its own next chunk. A trial's
+    there, holding no slot (the scheduler *parks* it in the device's slots, so a new trial starts beside
+    it), until it ranks in the top 1/eta of the trials that reported at that rung; new trials train
+    their first chunk before anyone waiting; once the budget is spent, the waiting trials no promotion
+    can reach are stopped (a :class:`Stop`: each driver hears it as a :class:`Stopped` event and ends
+    its trial as PRUNED). A device that fuses takes every trial the rule lets train, each its own next chunk. A trial's
     pruning decision at step s is taken at once, against every trial that has reported step s (running,
     paused or finished);
 
@@ -35,6 +37,7 @@ Rules:
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import queue
 import threading
@@ -44,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from optuna_rapidfire._runtime._lockstep import LockstepSchedule
 from optuna_rapidfire._runtime._promote import PromoteSchedule
-from optuna_rapidfire._runtime._schedule import BaseSchedule, Reports, Status, TrialView
+from optuna_rapidfire._runtime._schedule import BaseSchedule, Reports, Status, Stop, TrialView
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection
@@ -75,6 +78,13 @@ class Task(enum.Enum):
     PAUSE = "pause"
     FINISH = "finish"
     RELEASE = "release"
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """Event for a READY trial its schedule stopped (a :class:`Stop`): end it as PRUNED, for ``reason``."""
+
+    reason: str
 
 
 _REQUESTED = {Decision.PAUSE: Request.PAUSE, Decision.FINISH: Request.FINISH, Decision.STOP: Request.RELEASE}
@@ -128,8 +138,13 @@ class Entry:
         return TrialView(self.number, self.status, self.chunks_done, self.reported, self.awaiting_since, self.mates)
 
 
-SCHEDULES: dict[str, type[BaseSchedule]] = {"lockstep": LockstepSchedule, "promote": PromoteSchedule}
-"""The schedules ``RapidFireExecutor(schedule=...)`` knows by name."""
+SCHEDULES: dict[str, Callable[[], BaseSchedule]] = {
+    "lockstep": LockstepSchedule,
+    "promote": PromoteSchedule,
+    "promote_all": functools.partial(PromoteSchedule, when_exhausted="promote"),
+}
+"""The schedules ``RapidFireExecutor(schedule=...)`` knows by name (``"promote_all"``: promote, training the
+waiting trials on once the budget is spent, instead of ASHA's stop)."""
 
 
 def _takes_reports(schedule: BaseSchedule) -> bool:
@@ -176,7 +191,8 @@ class Scheduler:
         self.maximize = False  # the study's direction (see :meth:`study`)
         self._study: Any = None
         self.capacity = 1
-        # Gives a schedule one more slot for a new trial beside waiting ones (the device's slots); see Reports.
+        # The device's slots: the scheduler parks the trials its schedule keeps waiting there, and reads from
+        # them whether new trials may still come (Reports.more_trials).
         self.lender: Any = None
 
     # -- Optuna's threads ---------------------------------------------------------------------
@@ -303,13 +319,24 @@ class Scheduler:
             if len(live) < self._expected and quiet < self._gather_seconds:
                 return None, self._gather_seconds - quiet
             self._gathering = False
+        views = [e.view() for e in live]
         extra: dict[str, Any] = {}
         if _takes_reports(self.schedule):
-            capacity = self.capacity if self.lender is None else max(self.capacity, self.lender.size)
-            extra["reports"] = Reports(
-                self._values, self.maximize, capacity, self._last_change, None if self.lender is None else self._lend
+            lender = self.lender
+            reports = Reports(
+                self._values,
+                self.maximize,
+                max(self.capacity, len(live)) if lender is None else lender.base,
+                self._last_change,
+                None if lender is None else lender.more_trials(),
             )
-        choice = self.schedule.choose([e.view() for e in live], fuse=fuse, now=time.monotonic(), **extra)
+            extra["reports"] = reports
+            if lender is not None:
+                lender.park(len(self.schedule.waiting(views, reports)))
+        choice = self.schedule.choose(views, fuse=fuse, now=time.monotonic(), **extra)
+        if isinstance(choice, Stop):
+            self._stop(live, choice)
+            return None, None
         if not isinstance(choice, list):
             return None, choice
         by_number = {e.number: e for e in live}
@@ -322,12 +349,14 @@ class Scheduler:
             e.mates = frozenset(o.number for o in group if o is not e and o.chunks_done == e.chunks_done)
         return (Task.TRAIN, group), None
 
-    def _lend(self) -> bool:
-        """One more slot from the lender (at most four times the device's own), counted as a change."""
-        if not self.lender.lend(most=4 * self.lender.base):
-            return False
-        self._last_change = time.monotonic()
-        return True
+    def _stop(self, live: list[Entry], stop: Stop) -> None:
+        """End the READY trials a schedule stopped: each driver hears why and ends its trial as PRUNED."""
+        for e in live:
+            reason = stop.reasons.get(e.number)
+            if reason is not None and e.status is Status.READY:
+                e.status = Status.AWAITING  # its driver decides (STOP) next; nothing trains it meanwhile
+                e.awaiting_since = time.monotonic()
+                e.events.put(Stopped(reason))
 
     @staticmethod
     def _housekeeping(entry: Entry) -> tuple[Task, list[Entry]]:

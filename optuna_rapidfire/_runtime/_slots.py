@@ -1,8 +1,9 @@
 """The device's slots: how many trials it holds at once, leased one per trial.
 
-A counting semaphore with priorities (a resumed trial goes before a new one) and slots lent beside the
-device's own (a schedule that keeps waiting trials asks for one more so that a new config can start). The
-study's pool takes a lease per trial; the device's scheduler lends.
+A counting semaphore with priorities (a resumed trial goes before a new one). Trials that a schedule keeps
+waiting (at a rung, for a promotion) are *parked*: they keep their lease, but the device counts as many more
+slots, so that new configs train beside them. The study's pool takes a lease per trial and says whether it
+will start more; the device's scheduler parks.
 """
 
 from __future__ import annotations
@@ -12,11 +13,20 @@ from typing import Any
 
 
 class Lease:
-    """One slot held by one trial; :meth:`release` gives it back, once (later calls do nothing)."""
+    """One slot held by one trial; :meth:`release` gives it back, once (later calls do nothing).
 
-    def __init__(self, slots: Slots) -> None:
+    A lease the pool takes for a trial it is about to start is *starting* until :meth:`registered` (its trial
+    reached the device) or :meth:`release`: the device then knows a new trial is on its way.
+    """
+
+    def __init__(self, slots: Slots, *, starting: bool = False) -> None:
         self._slots = slots
         self.held = True
+        self.starting = starting
+
+    def registered(self) -> None:
+        """The trial of this lease is on the device (no longer on its way)."""
+        self._slots._arrived(self)
 
     def release(self) -> None:
         self._slots._give_back(self)
@@ -25,25 +35,47 @@ class Lease:
 class Slots:
     """A counting semaphore of leases, where resumed trials go before new ones."""
 
+    PARKED_MOST = 3
+    """Parked trials count as extra slots up to this many times the device's own (their states take memory)."""
+
     def __init__(self, size: int) -> None:
         self.size = size
         self.base = size
         self._used = 0
         self._resuming = 0
+        self._starting = 0
+        self.starts: bool | None = None  # whether the pool starts more trials; None: no pool (plain Optuna)
         self._cond = threading.Condition()
 
-    def lend(self, most: int) -> bool:
-        """One more slot, for a new trial beside trials that wait (a schedule's promotion rule) and keep theirs;
-        it goes away again with the next slot given back. ``False``: ``most`` slots are out already."""
+    def park(self, waiting: int) -> None:
+        """``waiting`` trials wait for a promotion: they hold no slot of the device's own (up to
+        :attr:`PARKED_MOST` times it), so as many new trials may start beside them."""
         with self._cond:
-            if self.size >= most:
-                return False
-            self.size += 1
-            self._cond.notify_all()
-            return True
+            size = self.base + min(max(waiting, 0), self.PARKED_MOST * self.base)
+            if size != self.size:
+                grew = size > self.size
+                self.size = size
+                if grew:
+                    self._cond.notify_all()
 
-    def acquire(self, *, resume: bool = False) -> Lease:
-        """Wait for a free slot and hold it (``resume``: before any new trial)."""
+    def more_trials(self) -> bool | None:
+        """Whether a new trial may still come: ``True`` while one is on its way, ``False`` once the pool starts
+        no more and none is, ``None`` when nobody can tell (the pool may start one, or trials come from a plain
+        ``study.optimize``)."""
+        with self._cond:
+            if self._starting:
+                return True
+            return False if self.starts is False else None
+
+    def set_starting(self, starts: bool | None) -> None:
+        """The pool says whether it starts more trials (``None``: no pool)."""
+        with self._cond:
+            self.starts = starts
+            self._cond.notify_all()
+
+    def acquire(self, *, resume: bool = False, starting: bool = False) -> Lease:
+        """Wait for a free slot and hold it (``resume``: before any new trial; ``starting``: for a trial the
+        pool is about to start, counted as on its way until it registers)."""
         with self._cond:
             if resume:
                 self._resuming += 1
@@ -54,15 +86,25 @@ class Slots:
                 if resume:
                     self._resuming -= 1
             self._used += 1
-            return Lease(self)
+            if starting:
+                self._starting += 1
+            return Lease(self, starting=starting)
+
+    def _arrived(self, lease: Lease) -> None:
+        with self._cond:
+            if lease.starting:
+                lease.starting = False
+                self._starting -= 1
+                self._cond.notify_all()
 
     def _give_back(self, lease: Lease) -> None:
         with self._cond:
+            if lease.starting:
+                lease.starting = False
+                self._starting -= 1
             if lease.held:
                 lease.held = False
                 self._used -= 1
-                if self.size > self.base:  # a lent slot goes back
-                    self.size -= 1
                 self._cond.notify_all()
 
     def free(self) -> int:

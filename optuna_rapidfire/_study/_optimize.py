@@ -167,6 +167,7 @@ def optimize(
     try:
         run.pool.run(on_interrupt=lambda: interrupt(device))
     finally:
+        device.slots.set_starting(None)  # a plain study.optimize may use the device next: nobody tells then
         device.scheduler.drain(False)
         if services.tracker is not None:
             services.tracker.flush()

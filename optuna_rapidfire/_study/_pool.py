@@ -189,6 +189,14 @@ class TrialPool:
 
     def _run(self) -> None:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        self.slots.set_starting(True)
+        try:
+            self._start_trials(deadline)
+        finally:
+            self.slots.set_starting(False)  # the device's schedule may now treat its rungs as final
+        self._wait_for_trials()
+
+    def _start_trials(self, deadline: float | None) -> None:
         started = 0
         while not self._should_stop_starting(started, deadline):
             if self.slots.free() <= 0:
@@ -206,7 +214,7 @@ class TrialPool:
                 if verdict == "wait":
                     self.slots.wait_for_change(_WAIT_SECONDS)
                     continue
-            lease = self.slots.acquire()
+            lease = self.slots.acquire(starting=True)
             fail_stale_trials(_compat.with_storage(self.study, self._storage))  # before Optuna's own call does
             if self._take_ticket is not None and not self._take_ticket():
                 lease.release()
@@ -219,7 +227,6 @@ class TrialPool:
                 self._unasked += 1
             thread.start()
             started += 1
-        self._wait_for_trials()
 
     def _wait_for_trials(self) -> None:
         only_paused_since: float | None = None

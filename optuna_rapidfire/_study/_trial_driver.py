@@ -20,7 +20,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._base import ChunkResult, TrialSpec
 from optuna_rapidfire._logging import explained, get_logger
-from optuna_rapidfire._runtime._scheduler import Decision, Entry, Status
+from optuna_rapidfire._runtime._scheduler import Decision, Entry, Status, Stopped
 from optuna_rapidfire._runtime._worker import Built, Failed, Paused, Released, Saved
 from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._study._pruning import resolve_auto_resources, should_prune
@@ -92,6 +92,7 @@ class TrialDriver:
                 (id(_compat.storage(self.study)), _compat.study_id(self.study)), maximize=maximize
             )
             self.device.scheduler.add(entry)
+            self._lease.registered()
             self.entry = entry
             if self.services.tracker is not None:
                 self._run_id = self.services.tracker.trial_started(self.trial, spec.kind.name, self.services.metric)
@@ -153,6 +154,9 @@ class TrialDriver:
                     return self._finished_elsewhere()
             elif isinstance(event, Failed):
                 return self._failed(event)
+            elif isinstance(event, Stopped):  # its schedule will never promote it (ASHA's stop)
+                self._leave(Decision.STOP)
+                raise optuna.TrialPruned(event.reason)
             elif isinstance(event, ChunkResult):
                 outcome = self._after_chunk(event)
                 if outcome is not None:

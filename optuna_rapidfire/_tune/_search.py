@@ -87,7 +87,7 @@ _EXECUTOR_ELSEWHERE = frozenset(
         "artifact_store",
     }
 )
-_SCHEDULES = ("default", "promote", "lockstep")
+_SCHEDULES = ("default", "promote", "promote_all", "lockstep")
 _RDB_BACKENDS = ("sqlite", "postgresql", "mysql", "oracle", "mssql")
 _SPACE_SECTIONS = ("training", "lora")
 _DISTRIBUTION_KEYS: dict[str, tuple[str, ...]] = {

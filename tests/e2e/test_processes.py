@@ -34,6 +34,7 @@ def test_trials_are_shared_by_two_worker_processes(tiny_model, train_ds, eval_ds
         "max_concurrent_trials": 2,
         "output_dir": tmp_path / "out",
         "show_progress_bar": False,
+        "schedule": "promote_all",  # every trial trains to the end
     }
     executor = RapidFireExecutor(**settings, devices=["cpu", "cpu"])
     executor.optimize(study, configure, n_trials=4)

@@ -11,6 +11,7 @@ from helpers import lora, sft_args
 from optuna.trial import TrialState
 from transformers import AutoConfig
 
+from optuna_rapidfire._study import _attrs
 from optuna_rapidfire.schedules import LockstepSchedule, PromoteSchedule
 
 # Mixed ranks, targets, batch sizes, accumulation and dropout (each trial draws its own masks).
@@ -36,8 +37,10 @@ def configure(trial: optuna.Trial):
 
 
 def _study_values(make_executor, engine: str, schedule: str) -> list[dict[int, float]]:
-    # Fewer slots than trials: trials 2 and 3 start when 0 and 1 leave, so progress is mixed.
-    executor = make_executor(engine=engine, schedule=schedule, num_chunks=3, max_concurrent_trials=2)
+    # Fewer slots than trials: trials 2 and 3 start beside 0 and 1 or after them, so progress is mixed. Under
+    # promote every trial trains to the end here (when_exhausted="promote"), so that all values can be compared.
+    chosen = PromoteSchedule(when_exhausted="promote") if schedule == "promote" else schedule
+    executor = make_executor(engine=engine, schedule=chosen, num_chunks=3, max_concurrent_trials=2)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     for i in range(len(CONFIGS)):
         study.enqueue_trial({"config": i})
@@ -106,7 +109,8 @@ def test_under_promote_a_decision_sees_every_trial_that_reported_its_step_and_on
 
 
 def test_under_promote_the_leaders_complete_before_the_laggards_last_chunk(make_executor, chunk_log) -> None:
-    executor = make_executor(engine="time_sliced", schedule="promote", num_chunks=4, max_concurrent_trials=3)
+    schedule = PromoteSchedule(when_exhausted="promote")  # every trial trains to the end
+    executor = make_executor(engine="time_sliced", schedule=schedule, num_chunks=4, max_concurrent_trials=3)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     for i in range(3):
         study.enqueue_trial({"config": i})
@@ -121,7 +125,9 @@ def test_under_promote_the_leaders_complete_before_the_laggards_last_chunk(make_
 
 
 def test_a_schedule_is_chosen_by_name_or_instance_and_a_bad_one_is_refused(make_executor) -> None:
-    assert isinstance(make_executor().schedule, PromoteSchedule)  # the default
+    default = make_executor(schedule="default").schedule
+    assert isinstance(default, PromoteSchedule) and default.when_exhausted == "stop"
+    assert make_executor(schedule="promote_all").schedule.when_exhausted == "promote"
     assert isinstance(make_executor(schedule="lockstep").schedule, LockstepSchedule)
     mine = PromoteSchedule(gang_wait_seconds=0.1)
     assert make_executor(schedule=mine).schedule is mine
@@ -138,12 +144,12 @@ def test_by_default_a_useless_trial_trains_nothing_past_its_first_chunk_while_a_
     make_executor, chunk_log
 ) -> None:
     """Eight trials, four with a learning rate that learns and four with one that cannot, all live at once,
-    the default schedule and pruner: ASHA's promotion sends the useful ones on from their first rung and
-    keeps the useless ones waiting there, so none of those trains a second chunk before every useful trial
-    is done, and every useful trial completes."""
+    the default pruner, ASHA's stops (``when_exhausted="stop"``): the promotion sends the useful ones on from
+    their first rung (ties at the cut go on together) and keeps the useless ones waiting there; once no config
+    is left they are stopped there, so none of them trains a second chunk, and every useful trial completes."""
     good, useless = 5e-3, 1e-9
     rates = [good, useless] * 4
-    executor = make_executor(num_chunks=4, max_concurrent_trials=8)
+    executor = make_executor(num_chunks=4, max_concurrent_trials=8, schedule=PromoteSchedule(when_exhausted="stop"))
     study = optuna.create_study()  # MedianPruner
     for rate in rates:
         study.enqueue_trial({"learning_rate": rate})
@@ -154,19 +160,44 @@ def test_by_default_a_useless_trial_trains_nothing_past_its_first_chunk_while_a_
     for i, (number, done) in enumerate(chunk_log):
         if number not in good_trials and done >= 1:
             assert i > last_good, (number, done, chunk_log)
+    for number in set(range(8)) - set(good_trials):
+        trial = study.trials[number]
+        assert trial.state == TrialState.PRUNED and max(trial.intermediate_values) == 0, trial
+        reason = trial.user_attrs[_attrs.PRUNED_REASON]
+        assert reason.startswith(("Stopped by the promote schedule", "MedianPruner stopped it")), reason
 
 
-def test_when_every_slot_holds_a_waiting_trial_the_next_config_starts_beside_them(make_executor, chunk_log) -> None:
+def test_trials_waiting_at_a_rung_hold_no_slot_so_new_configs_start_beside_them(make_executor, chunk_log) -> None:
     """Two slots, rungs needing three reports: after the first two trials' first chunks neither may go on, so
-    the schedule asks for the sampler's next config (a slot beside the waiting ones) before anyone's second
-    chunk, as ASHA starts a new trial when nothing can be promoted."""
+    both wait holding no slot and the next two configs start beside them: one before anyone's second chunk
+    (ASHA starts a new trial when nothing can be promoted), both before any trial is done (before, one slot
+    was lent at a time, and the fourth config waited for a trial to end)."""
     rates = [5e-3, 1e-9, 5e-3, 5e-3]
     executor = make_executor(num_chunks=3, max_concurrent_trials=2)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     for rate in rates:
         study.enqueue_trial({"learning_rate": rate})
     executor.optimize(study, _by_rate, n_trials=len(rates))
-    assert all(t.state == TrialState.COMPLETE for t in study.trials)
-    first_of_2 = chunk_log.index((2, 0))
+    assert all(t.state == TrialState.COMPLETE for t in study.trials)  # the default trains the waiting ones on
     second_chunks = [i for i, (_, done) in enumerate(chunk_log) if done == 1]
-    assert first_of_2 < min(second_chunks), chunk_log
+    assert chunk_log.index((2, 0)) < min(second_chunks), chunk_log
+    first_done = min(chunk_log.index((number, 2)) for number in range(4))
+    assert chunk_log.index((3, 0)) < first_done, chunk_log
+
+
+def test_once_no_config_is_left_asha_s_stop_ends_the_waiting_trials_no_promotion_can_reach(
+    make_executor, chunk_log
+) -> None:
+    """The same study with ``when_exhausted="stop"``: the three equal good trials go on together (ties at the
+    cut), and the useless one, below them at its only rung, ends PRUNED there with its rank, never trained on."""
+    rates = [5e-3, 1e-9, 5e-3, 5e-3]
+    schedule = PromoteSchedule(when_exhausted="stop")
+    executor = make_executor(num_chunks=3, max_concurrent_trials=2, schedule=schedule)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    for rate in rates:
+        study.enqueue_trial({"learning_rate": rate})
+    executor.optimize(study, _by_rate, n_trials=len(rates))
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.PRUNED, *[TrialState.COMPLETE] * 2]
+    reason = study.trials[1].user_attrs[_attrs.PRUNED_REASON]
+    assert reason.startswith("Stopped by the promote schedule at its rung after chunk 1: rank 4 of the 4 trials")
+    assert [done for number, done in chunk_log if number == 1] == [0]

@@ -60,6 +60,7 @@ def shrunk(name: str, tiny_model: str, output: Path, n_trials: int = 2) -> dict[
         assert "max_length" in training
         training.update(max_length=128, per_device_train_batch_size=4)
     search["output"] = str(output)
+    search["schedule"] = "promote_all"  # every trial trains to the end (the default stops what ASHA would not promote)
     return search
 
 

@@ -7,8 +7,17 @@ import time
 
 import pytest
 
-from optuna_rapidfire._runtime._scheduler import Decision, Entry, Scheduler, Task, schedule_from
-from optuna_rapidfire.schedules import BaseSchedule, LockstepSchedule, PromoteSchedule, Reports, Status, TrialView
+from optuna_rapidfire._runtime._scheduler import Decision, Entry, Scheduler, Stopped, Task, schedule_from
+from optuna_rapidfire._runtime._slots import Slots
+from optuna_rapidfire.schedules import (
+    BaseSchedule,
+    LockstepSchedule,
+    PromoteSchedule,
+    Reports,
+    Status,
+    Stop,
+    TrialView,
+)
 
 
 def _scheduler(*numbers: int, schedule: str = "lockstep") -> tuple[Scheduler, list[Entry]]:
@@ -417,23 +426,169 @@ def test_promote_reaches_the_best_config_no_later_than_lockstep_on_most_ordering
     assert wins >= 180, wins
 
 
-def test_with_every_slot_waiting_the_schedule_asks_for_a_new_trial_then_promotes() -> None:
+def test_when_nobody_can_tell_whether_a_trial_comes_the_best_waiting_trial_goes_on_after_a_wait() -> None:
     schedule = PromoteSchedule(eta=3, new_trial_seconds=1.0)
     trials = [_waiting(0, 1), _waiting(1, 1)]
     values: dict[int, dict[int, float]] = {0: {0: 0.5, 1: 0.9}}
-    asked: list[bool] = []
+    unknown = Reports(values, capacity=2, last_change=5.0, more_trials=None)  # a plain study.optimize
+    assert schedule.choose(trials, fuse=True, now=5.5, reports=unknown) == pytest.approx(0.5)
+    assert schedule.choose(trials, fuse=True, now=6.5, reports=unknown) == [trials[0]]
+    coming = Reports(values, capacity=2, last_change=0.0, more_trials=True)
+    waited = schedule.choose(trials, fuse=True, now=99.0, reports=coming)  # a new config is on its way
+    assert isinstance(waited, float) and 0 < waited < 1
 
-    def ask() -> bool:
-        asked.append(True)
-        return True
 
-    full = Reports(values, capacity=2, last_change=0.0, ask_for_trial=ask)
-    assert schedule.choose(trials, fuse=True, now=5.0, reports=full) == pytest.approx(1.0)  # asked, waits 1 s
-    assert asked == [True]
-    # The lent slot stayed empty (the study's budget is spent): the best waiting trial goes on.
-    lent = Reports(values, capacity=3, last_change=5.0, ask_for_trial=ask)
-    assert schedule.choose(trials, fuse=True, now=6.5, reports=lent) == [trials[0]]
-    assert asked == [True]
+def test_once_the_budget_is_spent_a_rung_is_final_and_the_rest_of_the_waiting_trials_are_stopped() -> None:
+    schedule = PromoteSchedule(eta=3, when_exhausted="stop")
+    trials = [_waiting(n, 1) for n in range(6)] + [_waiting(6, 3), _waiting(7, 3)]
+    # Rung 1 holds 8: trials 6 and 7 (the top 2) went on; rung 3 holds those 2 (< eta), so while new trials may
+    # still come nobody goes on from it.
+    values: dict[int, dict[int, float]] = {0: {n: 1.0 + n / 10 for n in range(6)} | {6: 0.6, 7: 0.7}}
+    values[2] = {6: 0.4, 7: 0.3}
+    open_ = Reports(values, capacity=8, more_trials=True)
+    assert schedule.waiting(trials, open_) == frozenset(range(8))
+    spent = Reports(values, capacity=8, more_trials=False)
+    # Rung 3 is final: its best (trial 7) goes on; nobody of rung 1 does.
+    assert schedule.choose(trials, fuse=True, now=0.0, reports=spent) == [trials[7]]
+    trials.pop()  # trial 7 completes
+    stop = schedule.choose(trials, fuse=True, now=0.0, reports=spent)
+    assert isinstance(stop, Stop) and set(stop.reasons) == set(range(7))
+    assert "after chunk 3: rank 2 of the 2 trials that reported there, below the top 1" in stop.reasons[6]
+    assert "after chunk 1: rank 3 of the 8 trials that reported there, below the top 2" in stop.reasons[0]
+    # The behaviour before, by name ("promote_all"): the best waiting trial goes on, the highest rung first.
+    before = schedule_from("promote_all")
+    assert isinstance(before, PromoteSchedule) and before.when_exhausted == "promote"
+    assert PromoteSchedule().when_exhausted == "stop"  # the default
+    assert before.choose(trials, fuse=True, now=0.0, reports=spent) == [trials[6]]
+    with pytest.raises(ValueError, match="when_exhausted must be 'stop' or 'promote'"):
+        PromoteSchedule(when_exhausted="never")
+
+
+def test_ties_at_the_cut_go_on_together() -> None:
+    schedule = PromoteSchedule(eta=3)
+    trials = [_waiting(n, 1) for n in range(6)]
+    values = {0: {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 9.0, 5: 9.0}}  # four equal good ones, two bad
+    chosen = schedule.choose(trials, fuse=True, now=0.0, reports=Reports(values, capacity=8))
+    assert chosen == trials[:4]  # the top floor(6/3) = 2, and every trial tied with the second
+
+
+def test_a_gang_holds_at_most_the_device_s_capacity_the_promoted_first() -> None:
+    schedule = PromoteSchedule(eta=2, rungs="every")
+    trials = [_waiting(n, 1) for n in range(4)] + [_waiting(n, 0) for n in range(4, 8)]
+    values = {0: {0: 0.1, 1: 0.2, 2: 0.8, 3: 0.9}}
+    chosen = schedule.choose(trials, fuse=True, now=0.0, reports=Reports(values, capacity=4))
+    assert chosen == [trials[0], trials[1], trials[4], trials[5]]
+
+
+def _next_task_in_a_thread(scheduler: Scheduler) -> tuple[threading.Thread, list]:
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(scheduler.next_task(fuse=True)), daemon=True)
+    thread.start()
+    return thread, got
+
+
+def _until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_waiting_trials_are_parked_so_new_trials_start_beside_them_and_are_stopped_once_none_can_come() -> None:
+    slots = Slots(2)
+    scheduler, entries = _scheduler(0, 1, schedule="promote")
+    scheduler.schedule = PromoteSchedule(when_exhausted="stop")
+    scheduler.lender = slots
+    for _ in entries:
+        slots.acquire(starting=True).registered()
+    slots.set_starting(True)
+    _build_all(scheduler, 2)
+    assert _train(scheduler, fuse=True) == [0, 1]
+    assert slots.free() == 0
+    for entry, value in zip(entries, (0.5, 0.9), strict=True):
+        scheduler.mark(entry, reported=0, value=value)
+        scheduler.decide(entry, Decision.CONTINUE)
+    # Both wait at rung 1 (2 < eta): they hold no slot, so two new trials may start beside them.
+    thread, got = _next_task_in_a_thread(scheduler)
+    _until(lambda: slots.free() == 2, "the waiting trials were not parked")
+    lease = slots.acquire(starting=True)
+    assert slots.more_trials() is True
+    newcomer = Entry(number=2, trial_id=102, spec=None)
+    scheduler.add(newcomer)
+    lease.registered()
+    thread.join(10)
+    assert got and got[0][0] is Task.BUILD and got[0][1] == [newcomer]
+    scheduler.built(newcomer, runtime=object())
+    assert _train(scheduler, fuse=True) == [2]
+    scheduler.mark(newcomer, reported=0, value=0.7)
+    scheduler.decide(newcomer, Decision.CONTINUE)
+    # Rung 1 holds 3 now: trial 0 (the best) goes on.
+    assert _train(scheduler, fuse=True) == [0]
+    scheduler.mark(entries[0], reported=1, value=0.4)
+    scheduler.decide(entries[0], Decision.FINISH)
+    task, (done,) = scheduler.next_task(fuse=True)
+    assert (task, done) == (Task.FINISH, entries[0])
+    scheduler.remove(done)
+    # The pool starts no more trials: rung 1 is final, and trials 1 and 2 (below its top 1) are stopped.
+    slots.set_starting(False)
+    thread, got = _next_task_in_a_thread(scheduler)
+    for entry in (entries[1], newcomer):
+        event = entry.events.get(timeout=10)
+        assert isinstance(event, Stopped) and "below the top 1" in event.reason
+        assert entry.status is Status.AWAITING
+        scheduler.decide(entry, Decision.STOP)
+    thread.join(10)
+    assert got and got[0][0] is Task.RELEASE
+
+
+def _gang_sizes(schedule: PromoteSchedule, curves: list[list[float]], capacity: int) -> list[tuple[int, bool]]:
+    """A fusing device fed the configs in order by a pool that starts a trial whenever one of its ``capacity``
+    slots is free (trials the schedule keeps waiting hold none): per pass, the gang's size and whether configs
+    were left to start."""
+    total = len(curves[0])
+    values: dict[int, dict[int, float]] = {}
+    pending, live, sizes = list(range(len(curves))), [], []
+    while True:
+        waiting = schedule.waiting(live, Reports(values, capacity=capacity))
+        while pending and len(live) - len(waiting) < capacity:
+            live.append(_waiting(pending.pop(0), 0))
+        reports = Reports(values, capacity=capacity, more_trials=bool(pending) or False)
+        choice = schedule.choose(live, fuse=True, now=0.0, reports=reports)
+        if isinstance(choice, Stop):
+            live = [e for e in live if e.number not in choice.reasons]
+            continue
+        if not isinstance(choice, list):
+            assert not live, (choice, live)
+            return sizes
+        sizes.append((len(choice), bool(pending)))
+        for entry in choice:
+            values.setdefault(entry.chunks_done, {})[entry.number] = curves[entry.number][entry.chunks_done]
+            entry.chunks_done += 1
+            if entry.chunks_done == total:
+                live.remove(entry)
+
+
+def test_the_gang_stays_full_while_configs_are_left() -> None:
+    """A simulation over learning curves (no training): 48 configs, 8 slots, 8 chunks. While configs are left
+    to start, every pass trains 8 trials (promoted, fresh and between rungs together); the gang only shrinks
+    once the budget is spent."""
+    import random
+
+    rng = random.Random(1)
+    curves = []
+    for _ in range(48):
+        final, start, speed = rng.uniform(1.0, 3.0), rng.uniform(3.5, 4.5), rng.uniform(0.2, 0.8)
+        curves.append([final + (start - final) * (1 - speed) ** k + rng.gauss(0, 0.02) for k in range(1, 9)])
+    for when_exhausted in ("promote", "stop"):
+        sizes = _gang_sizes(PromoteSchedule(when_exhausted=when_exhausted), curves, 8)
+        while_left = [size for size, left in sizes if left]
+        assert while_left and all(size == 8 for size in while_left), sizes
+        assert max(size for size, _ in sizes) == 8
+    # ASHA's stop: after the budget is spent, the passes train only trials a promotion can reach (here 105
+    # chunks, against all 384 when every waiting trial is trained on, most of them in passes of one trial).
+    stopped = _gang_sizes(PromoteSchedule(when_exhausted="stop"), curves, 8)
+    trained_on = _gang_sizes(PromoteSchedule(when_exhausted="promote"), curves, 8)
+    assert len(stopped) < len(trained_on)
 
 
 def test_a_schedule_sees_read_only_views_and_names_the_peers_of_a_pruning_decision() -> None:

@@ -12,7 +12,7 @@ method runs the same configs in the same order on the same pretrained base, with
 - ``processes_N`` (c), ``processes_N_compiled``: N such worker processes sharing one ``JournalStorage`` study on
   the one GPU, taking the enqueued configs until none is left (``_compiled``: TRL's ``torch_compile=True``);
 - ``executor`` (e): ``RapidFireExecutor`` as a user gets it (defaults), and (d) the variants a default could be:
-  ``executor_lockstep``, ``executor_time_sliced``, ``executor_fused``.
+  ``executor_lockstep``, ``executor_time_sliced``, ``executor_fused``, ``executor_promote_all``.
 
 Each method's processes are fresh: import, one untimed warm-up, then one go; every clock starts before the
 method's first model load. Everything lands in ``DIR/search.json``, merged by replicate and saved as each method

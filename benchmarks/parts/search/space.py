@@ -74,6 +74,7 @@ _EXECUTORS = {
     "executor_lockstep": ("(d) executor, fused, lockstep", {"engine": "fused", "schedule": "lockstep"}),
     "executor_time_sliced": ("(d) executor, time-sliced, promote", {"engine": "time_sliced", "schedule": "promote"}),
     "executor_fused": ("(d) executor, fused, promote", {"engine": "fused", "schedule": "promote"}),
+    "executor_promote_all": ("(d) executor, promote_all (waiting trials trained on)", {"schedule": "promote_all"}),
 }
 _PROCESSES = re.compile(r"processes_(\d+)(_compiled)?")
 
