@@ -58,8 +58,8 @@ class PromoteSchedule(BaseSchedule):
         rungs: ``"geometric"`` (after chunks 1, eta, eta², ...) or ``"every"`` chunk.
         gang_wait_seconds: On an engine that fuses, how long a gang waits for members whose decision
             about their last chunk is in flight (reporting and pruning take milliseconds; a member that
-            misses a pass trains alone, and the rest of the gang after it). Never waits for a trial
-            that is paused or being built.
+            misses a pass trains alone, and the rest of the gang after it), and, while it has room, for new
+            trials on their way (asked for and being configured). Never waits for a paused trial.
         new_trial_seconds: When nobody can tell whether a new trial comes, how long the device waits for one
             before it promotes the best waiting trial instead.
         when_exhausted: What happens to the waiting trials once no new trial will come and none of them can be
@@ -159,9 +159,11 @@ class PromoteSchedule(BaseSchedule):
         if not fuse:
             return chosen[:1]
         deciding = [now - e.awaiting_since for e in live if e.status is Status.AWAITING]
+        if len(chosen) < reports.capacity and reports.arriving_since is not None:
+            deciding.append(now - reports.arriving_since)  # a new config on its way joins this pass
         if deciding:
-            # Each member gets gang_wait_seconds from its own chunk's delivery; still bounded, since no
-            # trial becomes AWAITING while the device waits.
+            # Each member gets gang_wait_seconds from its own chunk's delivery (a new trial from when it was
+            # started); still bounded, since no trial becomes AWAITING while the device waits.
             waited = min(deciding)
             if waited < self.gang_wait_seconds:
                 return self.gang_wait_seconds - waited

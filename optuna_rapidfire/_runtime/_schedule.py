@@ -65,6 +65,8 @@ class Reports:
         last_change: When a trial last arrived or left (``time.monotonic()``).
         more_trials: Whether a new trial may still come: ``True`` (one is on its way), ``False`` (the study's
             budget is spent: none will), ``None`` (nobody can tell, as under a plain ``study.optimize``).
+        arriving_since: Since when the oldest new trial on its way has been coming (``time.monotonic()``;
+            ``None``: none is): it is being asked for and configured, and is built before the next pass.
     """
 
     values: Mapping[int, Mapping[int, float]]
@@ -72,6 +74,7 @@ class Reports:
     capacity: int = 1
     last_change: float = 0.0
     more_trials: bool | None = None
+    arriving_since: float | None = None
 
 
 @dataclass(frozen=True)

@@ -329,6 +329,7 @@ class Scheduler:
                 max(self.capacity, len(live)) if lender is None else lender.base,
                 self._last_change,
                 None if lender is None else lender.more_trials(),
+                None if lender is None else lender.arriving_since(),
             )
             extra["reports"] = reports
             if lender is not None:

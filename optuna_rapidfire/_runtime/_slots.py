@@ -9,6 +9,7 @@ will start more; the device's scheduler parks.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 
@@ -23,6 +24,7 @@ class Lease:
         self._slots = slots
         self.held = True
         self.starting = starting
+        self.since = time.monotonic()
 
     def registered(self) -> None:
         """The trial of this lease is on the device (no longer on its way)."""
@@ -43,7 +45,7 @@ class Slots:
         self.base = size
         self._used = 0
         self._resuming = 0
-        self._starting = 0
+        self._starting: list[Lease] = []  # leases of trials on their way to the device
         self.starts: bool | None = None  # whether the pool starts more trials; None: no pool (plain Optuna)
         self._cond = threading.Condition()
 
@@ -67,6 +69,11 @@ class Slots:
                 return True
             return False if self.starts is False else None
 
+    def arriving_since(self) -> float | None:
+        """Since when (``time.monotonic()``) the oldest trial on its way has been coming; ``None``: none is."""
+        with self._cond:
+            return min((lease.since for lease in self._starting), default=None)
+
     def set_starting(self, starts: bool | None) -> None:
         """The pool says whether it starts more trials (``None``: no pool)."""
         with self._cond:
@@ -86,22 +93,23 @@ class Slots:
                 if resume:
                     self._resuming -= 1
             self._used += 1
+            lease = Lease(self, starting=starting)
             if starting:
-                self._starting += 1
-            return Lease(self, starting=starting)
+                self._starting.append(lease)
+            return lease
 
     def _arrived(self, lease: Lease) -> None:
         with self._cond:
             if lease.starting:
                 lease.starting = False
-                self._starting -= 1
+                self._starting.remove(lease)
                 self._cond.notify_all()
 
     def _give_back(self, lease: Lease) -> None:
         with self._cond:
             if lease.starting:
                 lease.starting = False
-                self._starting -= 1
+                self._starting.remove(lease)
             if lease.held:
                 lease.held = False
                 self._used -= 1

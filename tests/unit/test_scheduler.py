@@ -480,6 +480,18 @@ def test_a_gang_holds_at_most_the_device_s_capacity_the_promoted_first() -> None
     assert chosen == [trials[0], trials[1], trials[4], trials[5]]
 
 
+def test_a_gang_with_room_waits_a_moment_for_new_trials_on_their_way() -> None:
+    schedule = PromoteSchedule(eta=2, rungs="every", gang_wait_seconds=2.0)
+    trials = [_waiting(0, 1), _waiting(1, 1)]
+    values = {0: {0: 0.1, 1: 0.2, 2: 0.8, 3: 0.9}}  # trials 0 and 1 are the top 2 of 4 at rung 1
+    coming = Reports(values, capacity=4, more_trials=True, arriving_since=10.0)
+    assert schedule.choose(trials, fuse=True, now=10.5, reports=coming) == pytest.approx(1.5)
+    assert schedule.choose(trials, fuse=True, now=12.5, reports=coming) == trials  # waited long enough
+    assert schedule.choose(trials, fuse=False, now=10.5, reports=coming) == trials[:1]  # one at a time: no gang
+    full = Reports(values, capacity=2, more_trials=True, arriving_since=10.0)
+    assert schedule.choose(trials, fuse=True, now=10.5, reports=full) == trials  # no room: no wait
+
+
 def _next_task_in_a_thread(scheduler: Scheduler) -> tuple[threading.Thread, list]:
     got: list = []
     thread = threading.Thread(target=lambda: got.append(scheduler.next_task(fuse=True)), daemon=True)
