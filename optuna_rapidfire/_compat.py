@@ -312,3 +312,13 @@ def seek_lr_scheduler(scheduler: Any, steps: int) -> None:
     for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
         group["lr"] = rate
     scheduler._last_lr = list(rates)
+
+
+def compile_backward_ahead() -> None:
+    """Have AOTAutograd compile a graph's backward together with its forward, instead of at the first backward
+    pass (``torch._functorch.config.force_non_lazy_backward_lowering``): a graph compiled in a background thread
+    is then whole before the device's thread first runs it, and no backward pass compiles. Public alternative:
+    none."""
+    import torch._functorch.config
+
+    torch._functorch.config.force_non_lazy_backward_lowering = True

@@ -49,6 +49,7 @@ from benchmarks.harness.measure import sync
 from optuna_rapidfire._engines._base import ChunkResult
 from optuna_rapidfire._engines._fused_engine import FusedEngine
 from optuna_rapidfire._engines._gang_passes import PASS_TOKENS
+from optuna_rapidfire._engines._gang_stream import GangStream
 from optuna_rapidfire._engines._gang_training import GangTraining
 from optuna_rapidfire._engines._placement import Placement
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
@@ -274,16 +275,28 @@ def _decode_settings(request: DecodeRequest) -> dict[str, Any]:
 class PassLog:
     """Every chunk an engine trains for the scheduler, in :attr:`passes`: ``[start, seconds, engine, members,
     steps]`` (``time.time()`` at its start; ``steps``: the members' chunk indices). A fused gang's chunk is one
-    entry (its members train in shared passes); a fused engine's gang that trains time-sliced is one entry too."""
+    entry (its members train in shared passes); a fused engine's gang that trains time-sliced is one entry too.
+    A streamed gang (members at any step, joining and leaving between passes) has one entry per shared pass,
+    engine ``"stream"``, its ``steps`` the chunk each member is in."""
 
     def __init__(self) -> None:
         self.passes: list[list[Any]] = []
-        self._originals: tuple[Any, Any] | None = None
+        self._originals: tuple[Any, Any, Any] | None = None
         self._depth = threading.local()  # the fused engine's gangs it cannot fuse go through the time-sliced one
 
     def __enter__(self) -> PassLog:
         log = self
-        fused, sliced = self._originals = (FusedEngine.run, TimeSlicedEngine.run)
+        fused, sliced, streamed = self._originals = (FusedEngine.run, TimeSlicedEngine.run, GangStream._pass)
+
+        def stream_pass(stream: Any, seated: Any, *args: Any) -> Any:
+            start = time.time()
+            try:
+                return streamed(stream, seated, *args)
+            finally:
+                steps = [seat.runtime.state.position.chunks_done for seat in seated]
+                log.passes.append([start, time.time() - start, "stream", len(seated), steps])
+
+        GangStream._pass = stream_pass  # type: ignore[method-assign]
 
         def logged(original: Any) -> Any:
             def run(engine: Any, runtimes: Any) -> Any:
@@ -307,20 +320,22 @@ class PassLog:
 
     def __exit__(self, *exc: object) -> None:
         assert self._originals is not None
-        FusedEngine.run, TimeSlicedEngine.run = self._originals  # type: ignore[method-assign]
+        FusedEngine.run, TimeSlicedEngine.run, GangStream._pass = self._originals  # type: ignore[method-assign]
 
 
 class PackageLog(logging.Handler):
     """The package's log lines while in use (``[seconds since it began, level, message]`` in :attr:`lines`), and
     in :attr:`compile_seconds` the first-pass seconds (compilation included) of every layout the launched pass
-    compiled."""
+    compiled in a pass, and in :attr:`background_seconds` those of its compilations in the background."""
 
     _COMPILED = "Compiled the launched pass"
+    _BACKGROUND = "Background compilation"
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.lines: list[list[Any]] = []
         self.compile_seconds: list[float] = []
+        self.background_seconds: list[float] = []  # compilations in the background (no pass waited for them)
         self._began = time.time()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -328,6 +343,8 @@ class PackageLog(logging.Handler):
         self.lines.append([round(record.created - self._began, 2), record.levelname, message])
         if message.startswith(self._COMPILED) and isinstance(record.args, tuple) and len(record.args) > 1:
             self.compile_seconds.append(float(record.args[1]))
+        if message.startswith(self._BACKGROUND) and isinstance(record.args, tuple) and len(record.args) > 1:
+            self.background_seconds.append(float(record.args[1]))
 
     def __enter__(self) -> PackageLog:
         self._began = time.time()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from peft import PeftConfig
     from transformers import TrainingArguments
 
+    from optuna_rapidfire._engines._gang_stream import Refill
     from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
     from optuna_rapidfire._resident._snapshot import TrialSnapshot
     from optuna_rapidfire._trainers._base import TrainerKind
@@ -133,6 +134,7 @@ class EngineStats:
         compiles: Graphs the launched pass compiled (per layout and shape; a trial joining a seen layout
             adds none).
         compile_failures: Layouts whose compilation failed (they run uncompiled).
+        gang_fill: How many passes of streamed gangs trained each number of members (index: members).
     """
 
     switches: int = 0
@@ -151,6 +153,7 @@ class EngineStats:
     launched_steps: int = 0
     compiles: int = 0
     compile_failures: int = 0
+    gang_fill: tuple[int, ...] = ()
 
 
 class Engine(ABC):
@@ -194,6 +197,16 @@ class Engine(ABC):
             Each trial's chunk result, in order, or the error that failed that trial alone. An error that
             fails them all is raised.
         """
+
+    def stream_refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:
+        """Why this gang cannot train as a stream (:meth:`stream`; ``None``: it can). By default no gang can."""
+        return "the engine trains each gang's chunks together"
+
+    def stream(self, runtimes: Sequence[TrialRuntime], refill: Refill) -> None:
+        """Train ``runtimes`` and whoever ``refill`` seats beside them, members at any step sharing every pass,
+        each delivered through ``refill`` at the pass where its chunk ends, until none is left (an engine whose
+        :meth:`stream_refusal` lets the gang through). An error that fails every seated member is raised."""
+        raise NotImplementedError(self.stream_refusal(runtimes))
 
     @abstractmethod
     def stats(self) -> EngineStats:

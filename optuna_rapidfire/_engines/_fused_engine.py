@@ -47,6 +47,7 @@ from optuna_rapidfire._engines._base import ChunkResult, Engine, EngineStats
 from optuna_rapidfire._engines._fusion import generation_refusal, policy_refusal, train_refusal
 from optuna_rapidfire._engines._gang_evaluation import GangEvaluation
 from optuna_rapidfire._engines._gang_passes import GangPasses
+from optuna_rapidfire._engines._gang_stream import GangStream
 from optuna_rapidfire._engines._gang_training import GangTraining
 from optuna_rapidfire._engines._launched import LaunchedPasses
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
@@ -55,6 +56,7 @@ from optuna_rapidfire._logging import get_logger
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from optuna_rapidfire._engines._gang_stream import Refill
     from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
 
 _logger = get_logger(__name__)
@@ -81,6 +83,7 @@ class FusedEngine(Engine):
         self.passes = GangPasses(trials, self.launched)
         self.training = GangTraining(self.passes, self._say)
         self.evaluation = GangEvaluation(self.passes, self._say)
+        self.streaming = GangStream(self.training, self.evaluation)
         self._generated_steps = 0  # GRPO policy passes shared by gangs
 
     @classmethod
@@ -102,7 +105,24 @@ class FusedEngine(Engine):
             launched_steps=self.training.launched_steps,
             compiles=self.launched.compiles,
             compile_failures=self.launched.compile_failures,
+            gang_fill=self.streaming.fill(),
         )
+
+    def stream_refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:
+        if runtimes[0].spec.kind.gang != "shared_passes":
+            return "its trials sample completions (they train in turns)"
+        return self.streaming.refusal(runtimes)
+
+    def stream(self, runtimes: Sequence[TrialRuntime], refill: Refill) -> None:
+        """The gang as a stream (:class:`~optuna_rapidfire._engines._gang_stream.GangStream`). A shared pass that
+        fails before any member stepped trains the members seated then one by one."""
+        try:
+            self.streaming.run(runtimes, refill)
+        except Exception as error:
+            if self.training.stepped:  # the members' states moved on together: the seated members fail as one
+                raise
+            seated = self.streaming.seated
+            refill.delivered(list(zip(seated, self._one_by_one(seated, error), strict=True)))
 
     def run(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
         """Train every trial's next chunk, in shared passes when they can share them; then evaluate each.

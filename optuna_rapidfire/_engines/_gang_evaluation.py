@@ -48,12 +48,13 @@ class GangEvaluation:
         self._plans.pop(runtime, None)
 
     def evaluate(
-        self, runtimes: Sequence[TrialRuntime], layout: Layout | None
+        self, runtimes: Sequence[TrialRuntime], layout: Layout | None, slots: Sequence[int] | None = None
     ) -> list[tuple[dict[str, float], float] | None]:
         """Each member's eval metrics and seconds, from shared forward passes over the members' eval
         micro-batches (each member's own batches, collated by its own trainer, with its own adapter); or
         ``None`` for the members that evaluate alone: every member when the kind's metrics need its trainer
-        (the log says why, once), or when a shared pass failed (each member then fails or not on its own)."""
+        (the log says why, once), or when a shared pass failed (each member then fails or not on its own).
+        ``slots``: each member's slot in ``layout`` (default: member k in slot k)."""
         loss = runtimes[0].spec.kind.fused_loss
         assert loss is not None  # train_refusal() lets only kinds with a fused loss through
         reason = loss.eval_refusal()
@@ -63,12 +64,12 @@ class GangEvaluation:
         start = time.perf_counter()
         try:
             try:
-                sums = self.passes_of(runtimes, loss, layout)
+                sums = self.passes_of(runtimes, loss, layout, slots)
             except Exception as error:
                 if layout is None or not layout.compiled or not _compat.is_compile_error(error):
                     raise
                 self.launched.fall_back(layout, error)
-                sums = self.passes_of(runtimes, loss, layout)
+                sums = self.passes_of(runtimes, loss, layout, slots)
         except Exception as error:
             if isinstance(error, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()
@@ -88,7 +89,11 @@ class GangEvaluation:
 
     @torch.no_grad()
     def passes_of(
-        self, runtimes: Sequence[TrialRuntime], loss: FusedLoss, layout: Layout | None
+        self,
+        runtimes: Sequence[TrialRuntime],
+        loss: FusedLoss,
+        layout: Layout | None,
+        slots: Sequence[int] | None = None,
     ) -> list[list[EvalRows]]:
         """For each member, each eval micro-batch's sums over each row's loss tokens (:class:`EvalRows`).
 
@@ -112,7 +117,16 @@ class GangEvaluation:
             for index in range(max(len(chunk.inputs) for chunk in chunks)):
                 for group in self.gang_passes.split(chunks, index):
                     shared = self.gang_passes.lay_out(
-                        runtimes, chunks, None, group, index, layouts, None, layout, width
+                        runtimes,
+                        chunks,
+                        None,
+                        group,
+                        index,
+                        layouts,
+                        None,
+                        layout,
+                        width,
+                        slots=None if slots is None else [slots[k] for k in group],
                     )
                     autocast = first.spec.kind.autocast(first.args, self.device)
                     with self.gang_passes.context(shared), autocast:

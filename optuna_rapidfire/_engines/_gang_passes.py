@@ -83,6 +83,10 @@ class GangPasses:
         loss: FusedLoss | None,
         layout: Layout | None = None,
         width: int | None = None,
+        *,
+        at: Sequence[int] | None = None,
+        slots: Sequence[int] | None = None,
+        shape: tuple[int, int] | None = None,
     ) -> Pass:
         """The ``group``'s ``index``-th micro-batches as one pass: inputs, loss token positions, gang.
 
@@ -90,8 +94,13 @@ class GangPasses:
         evaluation). ``loss``: the kind's loss, which says how the loss tokens are summed; ``None``
         (evaluation): one sum per row. ``layout``: the launched pass's layout (member k in slot k), or
         ``None`` for a pass through the model's own modules; ``width``: the tokens its rows are padded to.
+        A gang whose members are at different steps (:mod:`~optuna_rapidfire._engines._gang_stream`) gives
+        each member's own micro-batch (``at``, one index per member of ``group``) and slot (``slots``), and the
+        launched pass's ``shape``: ``(unit, rows)``, the rows of a unit and the rows the pass is padded to
+        (rows of padding carry no loss), so that its compiled shapes stay the same as members come and go.
         """
-        batches = [plans[k].inputs[index] for k in group]
+        at = [index] * len(group) if at is None else list(at)
+        batches = [plans[k].inputs[i] for k, i in zip(group, at, strict=True)]
         length = max(b["input_ids"].shape[1] for b in batches)
         if layout is not None and width is not None:
             length = width
@@ -105,7 +114,7 @@ class GangPasses:
         input_ids = torch.cat(ids)
         attention = None  # no mask at all when nothing is masked: the model then needs no check of it
         padded = any(b["input_ids"].shape[1] < length for b in batches)
-        if layout is None and (padded or not all(plans[k].unmasked[index] for k in group)):
+        if layout is None and (padded or not all(plans[k].unmasked[i] for k, i in zip(group, at, strict=True))):
             attention = torch.cat(
                 [pad_right(b.get("attention_mask", torch.ones_like(b["input_ids"])), length, 0) for b in batches]
             )
@@ -117,8 +126,8 @@ class GangPasses:
         if layout is None and key not in layouts:
             layouts[key] = layer_plans(self.resident.module, gang)
         flat, token_rows, target, offset = [], [], [], 0
-        for j, k in enumerate(group):
-            row, column, labels = plans[k].targets[index]
+        for j, (k, i) in enumerate(zip(group, at, strict=True)):
+            row, column, labels = plans[k].targets[i]
             flat.append((row + offset) * length + column)
             token_rows.append(row)
             target.append(labels)
@@ -129,25 +138,44 @@ class GangPasses:
         else:
             segment, extras = loss.lay_out(rows, token_rows, [runtimes[k].args for k in group])
         where = to_device_async(torch.stack([torch.cat(flat), segment, torch.cat(target)]), self.device)
-        scales = torch.stack([plans[k].scales[index] for k in group]) if loss is not None else None
+        scales = torch.stack([plans[k].scales[i] for k, i in zip(group, at, strict=True)]) if loss is not None else None
         on_device = tuple(to_device_async(extra, self.device) for extra in extras)
-        unit_rows = None if layout is None else self.rows(layout, group, rows, keys, length, streams is not None)
+        unit_rows = None
+        if layout is not None:
+            owners = list(group) if slots is None else list(slots)
+            unit, total = shape if shape is not None else (gcd_units(rows), sum(rows))
+            if total > sum(rows):
+                pad = pads[0]
+                input_ids = torch.cat([input_ids, input_ids.new_full((total - sum(rows), length), pad)])
+            unit_rows = self.rows(layout, owners, rows, keys, length, streams is not None, unit, total)
         return Pass(
             group, gang, layouts.get(key, []), input_ids, attention, where, scales, loss, on_device, layout, unit_rows
         )
 
     def rows(
-        self, layout: Layout, group: list[int], rows: list[int], keys: list[int], length: int, training: bool
+        self,
+        layout: Layout,
+        slots: list[int],
+        rows: list[int],
+        keys: list[int],
+        length: int,
+        training: bool,
+        unit: int,
+        total: int,
     ) -> Rows:
-        """The launched pass's row layout: units of equal rows (member k's in slot k) and, when a member
-        drops, each row's dropout key and probability."""
-        unit = gcd_units(rows)
-        units = [k for k, count in zip(group, rows, strict=True) for _ in range(count // unit)]
+        """The launched pass's row layout: units of ``unit`` rows (each member's in its slot; the rows of
+        padding up to ``total`` in the first member's, where they carry no loss) and, when a member drops, each
+        row's dropout key and probability."""
+        padding = total - sum(rows)
+        owners, counts = [*slots, slots[0]], [*rows, padding]
+        units = [k for k, count in zip(owners, counts, strict=True) for _ in range(count // unit)]
         on = lambda values: to_device_async(values, self.device)  # noqa: E731
         if not (training and layout.key.dropout):
             return Rows(on(torch.tensor(units)), None, None)
         assert layout.slots is not None
-        slot_of_row = [k for k, count in zip(group, rows, strict=True) for _ in range(count)]
+        slot_of_row = [k for k, count in zip(owners, counts, strict=True) for _ in range(count)]
+        keys = [*keys, 0]
+        rows = counts
         drops = layout.slots.drop.index_select(0, on(torch.tensor(slot_of_row)))
         widths = self.launched.decoder.feature_widths()
         features = tuple(feature_keys(width, self.device) for width in widths)

@@ -13,14 +13,24 @@ first time a layout and shape is met, and reused afterwards: a trial joining a g
 changes the values in the slots, so it triggers no compilation. Shapes (rows, tokens) that change make the
 compiler generalise them once (``torch.compile``'s automatic dynamic shapes).
 
-Compilation is counted (:attr:`LaunchedPasses.compiles`), and the first pass of each layout is timed and
-logged once. A layout whose compilation fails runs the same functions uncompiled, with the reason logged:
-results are the same (up to the rounding of fused kernels). ``compile=False`` runs every layout uncompiled.
+Compilation is counted (:attr:`LaunchedPasses.compiles`). On a GPU it never stalls training: the pass of a
+layout and shape that is not compiled yet runs eagerly (the same functions, uncompiled) while a background
+thread compiles it on inputs of the same shapes (:class:`_Background`); the passes after that take the compiled
+code. The device's thread only ever *runs* compiled code (``torch._dynamo.run``): a shape no compiled graph
+covers runs eagerly and is compiled in the background in turn, so compilation never happens inside a pass.
+Compiled graphs are kept in Inductor's caches on disk (``TORCHINDUCTOR_CACHE_DIR``, ``/tmp/torchinductor_<user>``
+by default), so a later study of the same layout on the machine compiles from them in seconds. Synchronous
+compilation (``background=False``, the default on the CPU) compiles inside the first pass of each layout and
+shape, and times and logs that pass. A layout whose compilation fails runs the same functions uncompiled, with
+the reason logged: results are the same (up to the rounding of fused kernels). ``compile=False`` runs every
+layout uncompiled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 import types
 import warnings
@@ -96,6 +106,10 @@ class Layout:
     salts: torch.Tensor | None = None
     compiles: int = 0
     first_pass_seconds: float | None = None
+    background_seconds: float = 0.0
+    unit: int = 0  # a stream's rows per unit (streams of one unit share the padded sizes below)
+    rows: int = 0  # the rows a stream's passes are padded to: only ever grows
+    width: int = 0  # the tokens a stream's rows are padded to: only ever grows
 
 
 @dataclass
@@ -113,9 +127,12 @@ class LaunchedPasses:
         resident: The base model with the trials' adapters.
         compile: ``False`` (run uncompiled), or the ``torch.compile`` backend (``"inductor"``...).
         capacity: Slots per layout: the most trials a gang holds.
+        background: Compile in a background thread while the passes run eagerly (``None``: on a GPU only).
     """
 
-    def __init__(self, resident: ResidentModel, compile: str | bool, capacity: int) -> None:
+    def __init__(
+        self, resident: ResidentModel, compile: str | bool, capacity: int, background: bool | None = None
+    ) -> None:
         self.resident = resident
         self.backend = compile if isinstance(compile, str) else ("inductor" if compile else None)
         self.capacity = capacity
@@ -123,7 +140,6 @@ class LaunchedPasses:
         self.compile_failures = 0
         self._layouts: dict[LayoutKey, Layout] = {}
         self._active: Layout | None = None
-        self._current: Layout | None = None
         self._decoder: Decoder | None = None
         self._refusal = Decoder.refusal(resident.base)
         # What each trial is in slot terms, for the model's adapters as they are (see :meth:`member`).
@@ -132,10 +148,19 @@ class LaunchedPasses:
         self._named: list[tuple[str, Any]] = []
         self._layer_fn: Callable[..., torch.Tensor] = decoder_layer
         self._step_fn: Callable[..., None] = adamw_step
+        self._local = threading.local()  # the layout whose compilations are counted, per thread
+        self.background: _Background | None = None
         if self.backend is not None and self._refusal is None:
             # Functions of their own (fresh code objects): the compiler's cache lives and dies with this engine.
-            self._layer_fn = torch.compile(_fresh(decoder_layer), fullgraph=True, backend=self._count)
-            self._step_fn = torch.compile(_fresh(adamw_step), fullgraph=True, backend=self._count)
+            layer, step = _fresh(decoder_layer), _fresh(adamw_step)
+            self._compile_layer = torch.compile(layer, fullgraph=True, backend=self._count)
+            self._compile_step = torch.compile(step, fullgraph=True, backend=self._count)
+            if background if background is not None else resident.device.type == "cuda":
+                # The device's thread runs only what is compiled (never compiles); the thread compiles.
+                self.background = _Background(self)
+                self._layer_fn, self._step_fn = torch._dynamo.run(layer), torch._dynamo.run(step)
+            else:
+                self._layer_fn, self._step_fn = self._compile_layer, self._compile_step
 
     # -- which gangs it runs ---------------------------------------------------------------------
 
@@ -273,6 +298,8 @@ class LaunchedPasses:
         table = salts_of(len(self.decoder.layers), [w for w, _ in places], [s for _, s in places])
         layout.salts = torch.tensor(table, dtype=torch.int64, device=device)
         self._active = layout
+        if self.background is not None and layout.compiled:
+            self.background.step(layout, layout.optimizer)
 
     def release(self) -> None:
         """Free the active layout's storage (the compiled code stays)."""
@@ -285,6 +312,8 @@ class LaunchedPasses:
         """Drop every reference to the model and the slots. The compiler keeps its compiled code (and with it
         this object, through the counting backend) for the life of the process: without this, a closed
         executor's model would stay on the device."""
+        if self.background is not None:
+            self.background.close()
         self.release()
         self._layouts.clear()
         self._members, self._named, self._decoder = {}, [], None
@@ -314,6 +343,10 @@ class LaunchedPasses:
         )
         salts = layout.salts if layout is not None else None
         zeros = torch.zeros(len(PROJECTIONS), dtype=torch.int64, device=h.device) if salts is None else None
+        if self.background is not None and compiled and decoder.layers:
+            first_salts = salts[0] if salts is not None else zeros
+            assert first_salts is not None
+            self.background.layer(layout, h, cos, sin, decoder.layers[0], loras[0], rows, first_salts, decoder.shape)
         for index, weights in enumerate(decoder.layers):
             layer_salts = salts[index] if salts is not None else zeros
             assert layer_salts is not None
@@ -324,8 +357,9 @@ class LaunchedPasses:
     def compiling(self, layout: Layout) -> Iterator[None]:
         """Context of one pass of ``layout``: compilations in it are counted for the layout, and its first pass
         is timed (compilation included) and logged once."""
-        self._current = layout
+        self._local.current = layout
         first = layout.first_pass_seconds is None and layout.compiled and self.backend is not None
+        first = first and self.background is None  # compiled in the background: no pass waits for it
         start = time.perf_counter()
         try:
             with warnings.catch_warnings():
@@ -333,7 +367,7 @@ class LaunchedPasses:
                 warnings.filterwarnings("ignore", message=".*gradient layout contract.*")
                 yield
         finally:
-            self._current = None
+            self._local.current = None
         if first:
             layout.first_pass_seconds = time.perf_counter() - start
             _logger.info(
@@ -377,8 +411,9 @@ class LaunchedPasses:
     def _count(self, graph: Any, example_inputs: Any) -> Any:
         """The compile backend: count the compilation, then hand the graph to the chosen backend."""
         self.compiles += 1
-        if self._current is not None:
-            self._current.compiles += 1
+        current = getattr(self._local, "current", None)
+        if current is not None:
+            current.compiles += 1
         assert self.backend is not None
         return _compat.compile_backend(self.backend)(graph, example_inputs)
 
@@ -388,3 +423,126 @@ def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__doc__ = fn.__doc__
     return copy
+
+
+class _Background:
+    """Compiles the launched pass's functions in a thread of their own, on inputs shaped like the pass's, while
+    the device's thread runs them eagerly (:class:`LaunchedPasses` with ``background``).
+
+    Each job is asked for once per *signature* (the layout, the inputs' shapes, grad and autocast modes): the
+    thread calls the compiling function on copies of the inputs (the frozen weights and slot tensors are read,
+    never written), which compiles the graph (its backward too) and keeps it in the function's cache; a graph
+    that already covers the signature compiles nothing. A compilation that fails makes its layout run uncompiled,
+    as a failure in the device's thread would.
+    """
+
+    def __init__(self, owner: LaunchedPasses) -> None:
+        self.owner = owner
+        self._asked: set[Any] = set()
+        self._jobs: queue.Queue[tuple[Layout | None, Callable[[], None]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def layer(self, layout: Layout | None, h: torch.Tensor, *rest: Any) -> None:
+        """Compile :func:`decoder_layer` for a pass's first layer's inputs (``h`` and the rest of its arguments)."""
+        device = h.device.type
+        grad = torch.is_grad_enabled()
+        autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        rows: Rows = rest[4]  # cos, sin, weights, loras, rows, salts, shape
+        signature = (
+            "layer",
+            None if layout is None else layout.key,
+            tuple(h.shape),
+            h.dtype,
+            h.requires_grad,
+            grad,
+            autocast,
+            tuple(rows.units.shape),
+            rows.keys is not None,
+        )
+        if signature in self._asked:
+            return
+        self._asked.add(signature)
+        dummy = torch.zeros_like(h).requires_grad_(h.requires_grad)
+
+        def job() -> None:
+            with torch.set_grad_enabled(grad), torch.autocast(device, dtype=autocast[1], enabled=autocast[0]):
+                self.owner._compile_layer(dummy, *rest)
+
+        self._submit(layout, job)
+
+    def step(self, layout: Layout, optimizer: GangAdamW | None) -> None:
+        """Compile the gang's AdamW step for ``layout``'s slots (on copies: the step writes its inputs)."""
+        signature = ("step", layout.key)
+        if optimizer is None or signature in self._asked:
+            return
+        self._asked.add(signature)
+        s = optimizer.slots
+        copies = [t.clone() for t in (s.params, s.grad, s.exp_avg, s.exp_avg_sq, s.step, optimizer.last_norm)]
+        ready = torch.zeros(s.slots, dtype=torch.float32, device=s.device)
+        lr = torch.zeros(s.slots, dtype=torch.float64, device=s.device)
+        settings = (optimizer.beta1, optimizer.beta2, optimizer.eps, optimizer.weight_decay, optimizer.max_norm)
+        self._submit(layout, lambda: self.owner._compile_step(*copies, ready, lr, *[t.clone() for t in settings]))
+
+    def _submit(self, layout: Layout | None, job: Callable[[], None]) -> None:
+        if self._closed:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="rapidfire-compile", daemon=True)
+            self._thread.start()
+        self._jobs.put((layout, job))
+
+    def _work(self) -> None:
+        device = self.owner.resident.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        _compat.allow_recompiles(_RECOMPILE_LIMIT)  # on the thread that compiles
+        _compat.compile_backward_ahead()
+        while (item := self._jobs.get()) is not None:
+            layout, job = item
+            try:
+                if not self._closed and (layout is None or layout.compiled):
+                    self._run(layout, job)
+            finally:
+                self._jobs.task_done()
+        self._jobs.task_done()
+
+    def _run(self, layout: Layout | None, job: Callable[[], None]) -> None:
+        owner = self.owner
+        owner._local.current = layout
+        before = layout.compiles if layout is not None else owner.compiles
+        start = time.perf_counter()
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*gradient layout contract.*")
+                job()
+        except Exception as error:
+            if layout is not None and layout.compiled:
+                owner.fall_back(layout, error)
+            else:
+                _logger.warning("Compiling the launched reference pass failed (%s: %s).", type(error).__name__, error)
+            return
+        finally:
+            owner._local.current = None
+        seconds = time.perf_counter() - start
+        made = (layout.compiles if layout is not None else owner.compiles) - before
+        if layout is not None:
+            layout.background_seconds += seconds
+        if made:
+            _logger.info(
+                "Background compilation of the launched pass for layout [%s]: %.1f s, %d graph(s); passes ran "
+                "eagerly meanwhile.",
+                "reference, adapters off" if layout is None else layout.key.describe(),
+                seconds,
+                made,
+            )
+
+    def wait(self) -> None:
+        """Block until every job asked for so far is done (tests)."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Run no more jobs (the one running finishes in its thread)."""
+        self._closed = True
+        if self._thread is not None:
+            self._jobs.put(None)

@@ -143,7 +143,7 @@ class PromoteSchedule(BaseSchedule):
         promoted, fresh, between, waiting = self._classify([e for e in live if e.status is Status.READY], reports)
         chosen = promoted + fresh + between
         if not chosen:
-            if not waiting or any(e.status in (Status.AWAITING, Status.BUILDING) for e in live):
+            if not waiting or any(e.status in (Status.AWAITING, Status.BUILDING, Status.TRAINING) for e in live):
                 return None  # a report or a build to come changes what may be promoted
             if reports.more_trials:
                 return _ON_ITS_WAY_SECONDS  # a new config is on its way (looked at again: it may fail to come)
@@ -161,7 +161,7 @@ class PromoteSchedule(BaseSchedule):
         deciding = [now - e.awaiting_since for e in live if e.status is Status.AWAITING]
         if len(chosen) < reports.capacity and reports.arriving_since is not None:
             deciding.append(now - reports.arriving_since)  # a new config on its way joins this pass
-        if deciding:
+        if deciding and not reports.streaming:
             # Each member gets gang_wait_seconds from its own chunk's delivery (a new trial from when it was
             # started); still bounded, since no trial becomes AWAITING while the device waits.
             waited = min(deciding)

@@ -67,6 +67,9 @@ class Reports:
             budget is spent: none will), ``None`` (nobody can tell, as under a plain ``study.optimize``).
         arriving_since: Since when the oldest new trial on its way has been coming (``time.monotonic()``;
             ``None``: none is): it is being asked for and configured, and is built before the next pass.
+        streaming: The device is asking between two passes of a running gang, whose free slots the trials
+            chosen take at once (a trial that comes later takes a slot at a later pass): waiting for a member
+            gains nothing.
     """
 
     values: Mapping[int, Mapping[int, float]]
@@ -75,6 +78,7 @@ class Reports:
     last_change: float = 0.0
     more_trials: bool | None = None
     arriving_since: float | None = None
+    streaming: bool = False
 
 
 @dataclass(frozen=True)

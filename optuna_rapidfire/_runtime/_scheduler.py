@@ -319,6 +319,19 @@ class Scheduler:
             if len(live) < self._expected and quiet < self._gather_seconds:
                 return None, self._gather_seconds - quiet
             self._gathering = False
+        choice = self._choose(live, fuse)
+        if not isinstance(choice, list):
+            return None, choice
+        if not choice:
+            return None, None
+        for e in choice:
+            e.status = Status.TRAINING
+            e.mates = frozenset(o.number for o in choice if o is not e and o.chunks_done == e.chunks_done)
+        return (Task.TRAIN, choice), None
+
+    def _choose(self, live: list[Entry], fuse: bool, streaming: bool = False) -> list[Entry] | float | None:
+        """The schedule's choice among the live trials: the READY entries to train, or how long to wait (``None``:
+        until a change). A :class:`Stop` is carried out here (its trials' drivers hear it)."""
         views = [e.view() for e in live]
         extra: dict[str, Any] = {}
         if _takes_reports(self.schedule):
@@ -330,6 +343,7 @@ class Scheduler:
                 self._last_change,
                 None if lender is None else lender.more_trials(),
                 None if lender is None else lender.arriving_since(),
+                streaming,
             )
             extra["reports"] = reports
             if lender is not None:
@@ -337,18 +351,44 @@ class Scheduler:
         choice = self.schedule.choose(views, fuse=fuse, now=time.monotonic(), **extra)
         if isinstance(choice, Stop):
             self._stop(live, choice)
-            return None, None
+            return None
         if not isinstance(choice, list):
-            return None, choice
+            return choice
         by_number = {e.number: e for e in live}
         chosen = [by_number.get(v.number) for v in choice]
-        group = [e for e in chosen if e is not None and e.status is Status.READY]  # a custom schedule may err
-        if not group:
-            return None, None
-        for e in group:
-            e.status = Status.TRAINING
-            e.mates = frozenset(o.number for o in group if o is not e and o.chunks_done == e.chunks_done)
-        return (Task.TRAIN, group), None
+        return [e for e in chosen if e is not None and e.status is Status.READY]  # a custom schedule may err
+
+    def side_task(self) -> tuple[Task, list[Entry]] | None:
+        """Housekeeping or a build the device can do between two passes of a stream (never a TRAIN), or
+        ``None``; does not block."""
+        with self._cond:
+            entries = sorted(self._entries.values(), key=lambda e: e.number)
+            for e in entries:
+                if e.request is not None:
+                    return self._housekeeping(e)
+            if self._closed or self._draining:
+                return None
+            for e in entries:
+                if e.status is Status.BUILDING and e.runtime is None:
+                    return Task.BUILD, [e]
+            return None
+
+    def join(self, room: int, fits: Callable[[Entry], bool]) -> list[Entry]:
+        """The trials that take free slots of a stream now (at most ``room``, marked TRAINING), as the schedule
+        chooses them; the first that does not ``fit`` the stream ends the list. Does not block."""
+        with self._cond:
+            if self._closed or self._draining or room < 1:
+                return []
+            live = [e for e in sorted(self._entries.values(), key=lambda e: e.number) if e.live]
+            choice = self._choose(live, fuse=True, streaming=True)
+            group: list[Entry] = []
+            for e in choice if isinstance(choice, list) else []:
+                if len(group) >= room or not fits(e):
+                    break
+                e.status = Status.TRAINING
+                e.mates = frozenset()  # set when its chunk is delivered, with the members that ended beside it
+                group.append(e)
+            return group
 
     def _stop(self, live: list[Entry], stop: Stop) -> None:
         """End the READY trials a schedule stopped: each driver hears why and ends its trial as PRUNED."""
@@ -384,9 +424,12 @@ class Scheduler:
                 self._last_arrival = time.monotonic()
             self._cond.notify_all()
 
-    def chunk_done(self, entry: Entry) -> None:
-        """The trial trained and evaluated a chunk; its decision is pending."""
+    def chunk_done(self, entry: Entry, mates: frozenset[int] | None = None) -> None:
+        """The trial trained and evaluated a chunk; its decision is pending. ``mates``: the trials that ended the
+        same step at the same pass boundary of a stream (they decide together)."""
         with self._cond:
+            if mates is not None:
+                entry.mates = mates
             entry.chunks_done += 1
             if entry.status is Status.TRAINING:
                 entry.status = Status.AWAITING

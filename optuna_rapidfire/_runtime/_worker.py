@@ -10,7 +10,7 @@ import math
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,7 +18,7 @@ from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._runtime._scheduler import Entry, Scheduler, Task
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from optuna_rapidfire._engines._base import Branch, ChunkResult, Engine
 
@@ -126,15 +126,13 @@ class DeviceWorker(threading.Thread):
                     self._fail(victim, error)
 
     def _run(self, task: Task, entries: list[Entry]) -> None:
+        if task is Task.TRAIN and self.engine.stream_refusal([e.runtime for e in entries]) is None:
+            self._stream(entries)
+            return
         if task is Task.TRAIN:  # one trial, or a gang
             results = self.engine.run([e.runtime for e in entries])
             for member, result in zip(entries, results, strict=True):
-                if not isinstance(result, BaseException):
-                    result = diverged(result) or result
-                if isinstance(result, BaseException):  # this member failed alone
-                    self._fail(member, result)
-                else:
-                    self._deliver(member, result)
+                self.deliver(member, result)  # an error fails this member alone
             return
         [entry] = entries
         if task is Task.BUILD:
@@ -165,11 +163,40 @@ class DeviceWorker(threading.Thread):
             self.scheduler.remove(entry)
             entry.events.put(Released())
 
-    def _deliver(self, entry: Entry, result: ChunkResult) -> None:
+    def _stream(self, entries: list[Entry]) -> None:
+        """Train a gang as a stream (:meth:`Engine.stream`): members join between passes and leave as their
+        chunks end. An error that fails the stream fails the members seated then."""
+        refill = _Refill(self, entries)
+        try:
+            self.engine.stream([e.runtime for e in entries], refill)
+        except BaseException as error:
+            for victim in refill.seated():
+                self._fail(victim, error)
+
+    def side_tasks(self) -> None:
+        """Carry out the housekeeping and builds waiting now (between two passes of a stream)."""
+        while (task := self.scheduler.side_task()) is not None:
+            kind, entries = task
+            try:
+                self._run(kind, entries)
+            except Exception as error:  # that trial's failure only
+                for victim in entries:
+                    self._fail(victim, error)
+
+    def deliver(self, entry: Entry, result: ChunkResult | BaseException, mates: frozenset[int] | None = None) -> None:
+        """Hand a member's chunk (or its error) to its driver."""
+        if not isinstance(result, BaseException):
+            result = diverged(result) or result
+        if isinstance(result, BaseException):
+            self._fail(entry, result)
+        else:
+            self._deliver(entry, result, mates)
+
+    def _deliver(self, entry: Entry, result: ChunkResult, mates: frozenset[int] | None = None) -> None:
         """Hand a trained chunk to the trial's driver (with its state as a checkpoint, when it has them)."""
         if entry.spec.checkpoint:
             result.snapshot = self.engine.snapshot(entry.runtime)
-        self.scheduler.chunk_done(entry)
+        self.scheduler.chunk_done(entry, mates)
         entry.events.put(result)
 
     def _fail(self, entry: Entry, error: BaseException) -> None:
@@ -186,3 +213,30 @@ class DeviceWorker(threading.Thread):
             victim.events.put(Failed(error, text, fatal=fatal))
         if isinstance(error, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
+
+
+class _Refill:
+    """A stream's side of the device (:class:`~optuna_rapidfire._engines._gang_stream.Refill`): between passes it
+    does the waiting housekeeping and builds, then seats whom the scheduler hands over; it delivers each ended
+    member's chunk, the members that ended the same step beside it as its mates."""
+
+    def __init__(self, worker: DeviceWorker, entries: list[Entry]) -> None:
+        self.worker = worker
+        self._active = {id(e.runtime): e for e in entries}
+
+    def joiners(self, room: int, fits: Callable[[Any], bool]) -> list[Any]:
+        self.worker.side_tasks()
+        joined = self.worker.scheduler.join(room, lambda entry: fits(entry.runtime))
+        for entry in joined:
+            self._active[id(entry.runtime)] = entry
+        return [entry.runtime for entry in joined]
+
+    def delivered(self, done: Sequence[tuple[Any, ChunkResult | BaseException]]) -> None:
+        entries = [(self._active.pop(id(runtime)), result) for runtime, result in done]
+        for entry, result in entries:
+            mates = frozenset(o.number for o, _ in entries if o is not entry and o.chunks_done == entry.chunks_done)
+            self.worker.deliver(entry, result, mates)
+
+    def seated(self) -> list[Entry]:
+        """The members in the stream now (joined, not delivered)."""
+        return list(self._active.values())

@@ -404,8 +404,8 @@ def _evaluated(make_executor, monkeypatch, *, shared: bool, configs=None, **exec
         alone[0] += max_batches is None  # not the metric name's check when the first trial is built
         return evaluate(self, runtime, max_batches)
 
-    def recording_passes(self, runtimes, loss, layout):
-        found = passes(self, runtimes, loss, layout)
+    def recording_passes(self, runtimes, loss, layout, slots=None):
+        found = passes(self, runtimes, loss, layout, slots)
         sums.extend(batch for member in found for batch in member)
         return found
 

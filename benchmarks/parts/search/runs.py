@@ -120,6 +120,12 @@ def executor_worker(spec: dict[str, Any], settings: Settings, base: Path, go: fl
         ],
         "passes": [[start - go, seconds, *rest] for start, seconds, *rest in passes.passes],
         "compile_seconds": log.compile_seconds,
+        "background_compile_seconds": log.background_seconds,
         "log": log.lines,
-        "engine": {"fused_steps": stats.fused_steps, "compiles": stats.compiles, "switches": stats.switches},
+        "engine": {
+            "fused_steps": stats.fused_steps,
+            "compiles": stats.compiles,
+            "switches": stats.switches,
+            "gang_fill": list(stats.gang_fill),
+        },
     }

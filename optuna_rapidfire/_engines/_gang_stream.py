@@ -1,0 +1,332 @@
+"""A gang that never waits for its slowest member: members at any step share every pass, and each one leaves at
+the pass boundary where its chunk ends, while others take its slot.
+
+:meth:`GangTraining.train` trains a fixed gang's chunks and returns when the member with the most micro-batches
+is done, so a member of batch 16 idles while one of batch 4 trains 4 times as many steps, and the next chunk of
+anyone waits for the whole gang. A stream instead keeps the launched pass's slots full (continuous batching, as
+an inference server keeps its batch full): every pass takes the next micro-batch of each seated member, wherever
+it stands in its own chunk; a member whose chunk ends is evaluated, stored back into its own state and handed to
+its Optuna thread at that pass boundary, and a :class:`Refill` (the device's scheduler) seats whoever the
+schedule lets train next in the free slot: a promoted trial, a new config, or the same trial's next chunk. The
+stream ends when no member is seated and nobody is ready.
+
+Each member's values are those it gets alone: its micro-batches, loss scales, optimizer steps, learning rates and
+dropout masks are its own (drawn from its own stream, per row of its own micro-batch), whatever shares its pass;
+the shapes of the compiled pass stay fixed (each pass's rows padded to one of a few sizes, in units of one row
+count; the tokens to the widest chunk seen), so members coming and going never compile the pass again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from optuna_rapidfire import _compat
+from optuna_rapidfire._engines._gang_passes import chunk_width, to_device_async
+from optuna_rapidfire._engines._trials import clips, train_metrics
+from optuna_rapidfire._fused._slots import rank_bucket
+from optuna_rapidfire._resident._state import RngState
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from optuna_rapidfire._engines._base import ChunkResult
+    from optuna_rapidfire._engines._gang_evaluation import GangEvaluation
+    from optuna_rapidfire._engines._gang_passes import MemberChunk
+    from optuna_rapidfire._engines._gang_training import GangTraining
+    from optuna_rapidfire._engines._launched import Layout, Member
+    from optuna_rapidfire._engines._trials import TrialRuntime
+    from optuna_rapidfire._fused._dropout import DropoutStream
+    from optuna_rapidfire._trainers._fused_loss import FusedLoss
+
+
+class Refill(Protocol):
+    """What a stream asks of the device between passes."""
+
+    def joiners(self, room: int, fits: Any) -> Sequence[TrialRuntime]:
+        """At most ``room`` trials to seat now (``fits(runtime)`` says whether one can join this stream; the first
+        that cannot ends the refilling, so it leads the next gang)."""
+        ...
+
+    def delivered(self, done: Sequence[tuple[TrialRuntime, ChunkResult | BaseException]]) -> None:
+        """Members whose chunk ended at this pass boundary, with their results (or the error that failed one)."""
+        ...
+
+
+@dataclass(eq=False)
+class Seat:
+    """A member in a slot: its chunk's micro-batches, where it stands in them, its losses and steps so far."""
+
+    runtime: TrialRuntime
+    slot: int
+    plan: MemberChunk
+    stream: DropoutStream
+    started: float
+    index: int = 0
+    taken: int = 0
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+def row_bucket(rows: int, unit: int) -> int:
+    """The rows a pass of ``rows`` rows is padded to: ``unit`` times the next power of two (a few sizes only)."""
+    units = -(-rows // unit)
+    return unit * (1 << max(units - 1, 0).bit_length())
+
+
+def width_bucket(tokens: int) -> int:
+    """The tokens a stream pads its rows to: the next multiple of 128."""
+    return -(-tokens // 128) * 128
+
+
+class GangStream:
+    """Trains a stream of members through :class:`GangTraining`'s launched pass and :class:`GangEvaluation`.
+
+    Attributes:
+        passes: Shared passes trained (counted in :attr:`GangTraining.fused_steps` too).
+        members_per_pass: How many members each pass trained (the gang's fill).
+    """
+
+    def __init__(self, training: GangTraining, evaluation: GangEvaluation) -> None:
+        self.training = training
+        self.evaluation = evaluation
+        self.passes = training.passes
+        self.trials = training.trials
+        self.launched = training.launched
+        self.device = training.device
+        self.members_per_pass: list[int] = []
+        self.seated: list[TrialRuntime] = []
+
+    def fill(self) -> tuple[int, ...]:
+        """How many passes trained each number of members (index: members)."""
+        counts = [0] * (self.launched.capacity + 1)
+        for members in list(self.members_per_pass):
+            counts[min(members, len(counts) - 1)] += 1
+        return tuple(counts)
+
+    # -- who may join --------------------------------------------------------------------------
+
+    def refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:
+        """Why these trials cannot start a stream (``None``: they can)."""
+        from optuna_rapidfire._engines._fusion import train_refusal
+
+        reason = train_refusal(self.trials.resident, self.trials.extras, runtimes)
+        if reason is not None:
+            return reason
+        reason = self.launched.refusal(runtimes)
+        if reason is not None:
+            return reason
+        if len(runtimes) > self.launched.capacity:
+            return f"a gang of {len(runtimes)} trials exceeds the {self.launched.capacity} slots of a layout"
+        loss = runtimes[0].spec.kind.fused_loss
+        if loss is None or not loss.pads_rows:
+            return "its loss reads the rows' layout (a micro-batch cannot get rows of padding)"
+        for runtime in runtimes:
+            side = getattr(getattr(runtime.trainer, "processing_class", None), "padding_side", "right")
+            if side != "right":
+                return f"trial {runtime.spec.number} pads on the {side} (the launched pass pads on the right only)"
+        return None
+
+    def _fits(self, runtime: TrialRuntime, seats: Sequence[Seat], layout: Layout, unit: int) -> bool:
+        """Whether ``runtime`` can take a slot of this stream: it shares a pass with the seated members, its
+        adapter fits the layout, and its micro-batch is whole units."""
+        from optuna_rapidfire._engines._fusion import train_refusal
+
+        member = self.launched.member(runtime)
+        if isinstance(member, str) or not _covered(member, layout):
+            return False
+        if int(runtime.args.per_device_train_batch_size) % unit:
+            return False
+        gang = [seat.runtime for seat in seats] + [runtime]
+        return train_refusal(self.trials.resident, self.trials.extras, gang) is None
+
+    # -- the stream ----------------------------------------------------------------------------
+
+    def run(self, runtimes: Sequence[TrialRuntime], refill: Refill) -> None:
+        """Train ``runtimes`` and whoever ``refill`` seats after them until no member is left; every member's
+        result goes to ``refill.delivered`` at the pass boundary where its chunk ends. An error of a pass is
+        raised (:attr:`GangTraining.stepped` says whether any seated member had stepped by then)."""
+        training = self.training
+        training.stepped = False
+        loss = runtimes[0].spec.kind.fused_loss
+        assert loss is not None  # refusal() lets only kinds with a fused loss through
+        capacity = self.launched.capacity
+        placement = self.trials.placement
+        placement.gang = list(runtimes)
+        placement.enter_gang(runtimes)
+        layout = self.launched.load(runtimes)
+        training.layout = layout
+        self.trials.resident.module.train()
+        unit = 4  # rows of a unit: at most 4, so that a joiner of any batch size a multiple of 4 fits
+        for runtime in runtimes:
+            unit = _gcd(unit, int(runtime.args.per_device_train_batch_size))
+        if layout.unit and unit % layout.unit == 0:
+            unit = layout.unit  # the layout's earlier streams' unit divides these members' rows: keep its shapes
+        seats: list[Seat | None] = [None] * capacity
+        for slot, runtime in enumerate(runtimes):
+            seats[slot] = self._seat(runtime, slot, layout, loss, loaded=True)
+        accepting = True
+        while True:
+            seated = [seat for seat in seats if seat is not None]
+            if accepting and len(seated) < capacity:
+                accepting = self._refill(refill, seats, layout, loss, unit)
+                seated = [seat for seat in seats if seat is not None]
+            self.seated = [seat.runtime for seat in seated]
+            if not seated:
+                break
+            # Shapes only grow (per layout, across streams): a member leaving never changes a compiled shape.
+            layout.width = max(layout.width, width_bucket(chunk_width([seat.plan for seat in seated])))
+            self._pass(seated, layout, loss, unit, layout.width)
+            ended = [seat for seat in seated if seat.index >= len(seat.plan.inputs)]
+            if ended:
+                for seat in ended:
+                    seats[seat.slot] = None
+                results = self._end(ended, layout)
+                self.seated = [seat.runtime for seat in seats if seat is not None]
+                refill.delivered(results)
+        self.trials.placement.gang = []
+
+    def _refill(self, refill: Refill, seats: list[Seat | None], layout: Layout, loss: FusedLoss, unit: int) -> bool:
+        """Seat the trials the device hands over in the free slots; ``False`` once one could not join."""
+        free = [slot for slot, seat in enumerate(seats) if seat is None]
+        seated = [seat for seat in seats if seat is not None]
+        blocked = False
+
+        def fits(runtime: TrialRuntime) -> bool:
+            nonlocal blocked
+            blocked = blocked or not self._fits(runtime, seated, layout, unit)
+            return not blocked
+
+        for slot, runtime in zip(free, refill.joiners(len(free), fits), strict=False):
+            seats[slot] = self._seat(runtime, slot, layout, loss, loaded=False)
+            seated.append(seats[slot])  # type: ignore[arg-type]
+        return not blocked
+
+    def _seat(self, runtime: TrialRuntime, slot: int, layout: Layout, loss: FusedLoss, *, loaded: bool) -> Seat:
+        """Put a member in ``slot``: its state on the device and in the slot, its next chunk laid out."""
+        placement = self.trials.placement
+        if not loaded:
+            placement.gang = [*placement.gang, runtime]
+            placement.enter_gang([runtime])
+            member = self.launched.member(runtime)
+            assert not isinstance(member, str)
+            assert layout.slots is not None and layout.optimizer is not None
+            layout.slots.load(slot, member.adapter, runtime.state.optimizer)
+            layout.optimizer.configure(slot, member.settings)
+        plan = self.passes.plan(runtime, loss)
+        return Seat(runtime, slot, plan, placement.dropout_stream(runtime), time.perf_counter())
+
+    def _pass(self, seated: Sequence[Seat], layout: Layout, loss: FusedLoss, unit: int, width: int) -> None:
+        """One step of every seated member: their micro-batches in shared passes (at most ``pass_tokens`` tokens
+        each), then the optimizer step of those whose accumulation is done."""
+        training = self.training
+        first = seated[0].runtime
+        runtimes = [seat.runtime for seat in seated]
+        plans = [seat.plan for seat in seated]
+        streams = [seat.stream for seat in seated]
+        # Each member's micro-batch takes its batch size in rows (a short one is padded: refusal() admits only
+        # losses that allow it).
+        sizes = [int(runtime.args.per_device_train_batch_size) for runtime in runtimes]
+        groups = _split(list(range(len(seated))), [size * width for size in sizes], self.passes.pass_tokens)
+        for group in groups:
+            if layout.unit != unit:
+                layout.unit, layout.rows = unit, 0
+            layout.rows = max(layout.rows, row_bucket(sum(sizes[k] for k in group), unit))
+            shared = self.passes.lay_out(
+                runtimes,
+                plans,
+                streams,
+                group,
+                0,
+                {},
+                loss,
+                layout,
+                width,
+                at=[seated[k].index for k in group],
+                slots=[seated[k].slot for k in group],
+                shape=(unit, layout.rows),
+            )
+            for k, value in zip(group, training.run_pass(first, shared), strict=True):
+                seated[k].losses.append(value)
+        training.fused_steps += 1
+        training.launched_steps += 1
+        self.members_per_pass.append(len(seated))
+        capacity = self.launched.capacity
+        ready, lr = [0.0] * capacity, [0.0] * capacity
+        for seat in seated:
+            if seat.plan.steps_at(seat.index):
+                state = seat.runtime.state
+                ready[seat.slot] = 1.0
+                lr[seat.slot] = _compat.lr_at(state.lr_scheduler, state.position.optimizer_steps + seat.taken)
+                seat.taken += 1
+            seat.index += 1
+        if any(ready):
+            training.stepped = True
+            ready_t = to_device_async(torch.tensor(ready, dtype=torch.float32), self.device)
+            lr_t = to_device_async(torch.tensor(lr, dtype=torch.float64), self.device)
+            self.launched.step(layout, ready_t, lr_t)
+
+    def _end(self, ended: Sequence[Seat], layout: Layout) -> list[tuple[TrialRuntime, ChunkResult | BaseException]]:
+        """The members whose chunk ended: evaluated together through their slots, then stored back into their
+        own states and finished (each member's error its own)."""
+        assert layout.slots is not None and layout.optimizer is not None
+        norms = []
+        for seat in ended:  # stored first: a member evaluated alone reads its own parameters
+            runtime = seat.runtime
+            norms.append(layout.optimizer.last_norm[seat.slot].clone() if clips(runtime.args) else None)
+            layout.slots.store(seat.slot, runtime.state.optimizer)
+            _compat.count_train_tokens(runtime.trainer, seat.plan.tokens)  # the eval metrics report them
+        runtimes = [seat.runtime for seat in ended]
+        # The slots still hold the members' weights (a store leaves them): evaluate through them.
+        evaluated = self.evaluation.evaluate(runtimes, layout, slots=[seat.slot for seat in ended])
+        now = time.perf_counter()
+        done: list[tuple[TrialRuntime, ChunkResult | BaseException]] = []
+        for seat, own, grad_norm in zip(ended, evaluated, norms, strict=True):
+            runtime, state = seat.runtime, seat.runtime.state
+            state.position.optimizer_steps += seat.taken
+            _compat.seek_lr_scheduler(state.lr_scheduler, state.position.optimizer_steps)
+            runtime.trainer.state.global_step = state.position.optimizer_steps
+            state.position.chunks_done += 1
+            state.rng = RngState.capture(self.device)
+            state.dropout_rng = seat.stream.state()
+            plan = seat.plan
+            per_step = [
+                torch.stack(seat.losses[i : i + plan.accumulation]).sum()
+                for i in range(0, len(seat.losses), plan.accumulation)
+            ]
+            metrics = train_metrics(runtime, per_step, grad_norm)
+            self.trials.placement.leave_gang([runtime])
+            self.trials.placement.gang = [r for r in self.trials.placement.gang if r is not runtime]
+            try:
+                done.append((runtime, self.trials.finish(runtime, metrics, now - seat.started, own)))
+            except Exception as error:  # this member's evaluation only
+                done.append((runtime, error))
+        return done
+
+
+def _covered(member: Member, layout: Layout) -> bool:
+    """Whether ``member`` runs in ``layout``: its projections in it, its rank within the bucket, its dtype, and
+    dropout only if the layout drops."""
+    adapter = member.adapter
+    dtype = next(iter(adapter.projections.values()))[0].dtype
+    return (
+        set(adapter.projections) <= layout.key.projections
+        and rank_bucket(adapter.rank) <= layout.key.rank
+        and dtype == layout.key.dtype
+        and (layout.key.dropout or adapter.dropout == 0)
+    )
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _split(members: list[int], tokens: list[int], limit: int) -> list[list[int]]:
+    """The members in passes of at most ``limit`` tokens (at least one member each), in order."""
+    from optuna_rapidfire._engines._gang_passes import split_passes
+
+    return split_passes(members, tokens, limit)

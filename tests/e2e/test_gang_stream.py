@@ -1,0 +1,136 @@
+"""Streamed gangs: members at different steps share the fused engine's passes, each leaving at the pass where its
+chunk ends while another takes its slot; what each member reports is what it reports alone, a member leaving
+compiles nothing, and the background compiler gives the eager values."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import optuna
+import pytest
+from _numerics import assert_within_rounding, gradient_terms
+from helpers import lora, sft_args
+from transformers import AutoConfig
+
+from optuna_rapidfire._engines import _launched
+from optuna_rapidfire._engines._gang_stream import GangStream, row_bucket
+from optuna_rapidfire._engines._gang_training import GangTraining
+from optuna_rapidfire.schedules import BaseSchedule
+
+# batch size, rank, targets, dropout, learning rate: three batch sizes, so the members' chunks end at different
+# passes (a chunk of batch 8 takes a quarter of the steps of batch 2)
+CONFIGS = [
+    (8, 8, ["q_proj", "v_proj", "gate_proj"], 0.1, 5e-3),
+    (2, 4, ["q_proj", "k_proj", "v_proj", "o_proj"], 0.0, 1e-2),
+    (4, 8, ["q_proj", "v_proj"], 0.2, 2e-3),
+]
+
+
+def _configure(trial: optuna.Trial):
+    batch, rank, targets, dropout, lr = CONFIGS[trial.suggest_categorical("config", [0, 1, 2])]
+    args = sft_args(
+        per_device_train_batch_size=batch,
+        learning_rate=lr,
+        lr_scheduler_type="cosine",
+        max_grad_norm=1.0,
+        packing=True,
+        packing_strategy="wrapped",
+        max_length=64,
+        seed=5,
+    )
+    return lora(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=targets), args
+
+
+class EveryReady(BaseSchedule):
+    """Every ready trial trains at once, no rungs: a trial whose chunk ends goes on to its next chunk at once."""
+
+    def choose(self, live, *, fuse, now, reports=None):
+        ready = [e for e in live if e.status.value == "ready"]
+        return (ready if fuse else ready[:1]) or None
+
+
+def _values(make_executor, concurrent: int, configs=(0, 1, 2), **kwargs):
+    executor = make_executor(engine="fused", num_chunks=2, max_concurrent_trials=concurrent, **kwargs)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    for config in configs:
+        study.enqueue_trial({"config": config})
+    executor.optimize(study, _configure, n_trials=len(configs))
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * len(configs)
+    return [dict(t.intermediate_values) for t in study.trials], executor
+
+
+def _terms(tiny_model: str) -> int:
+    return gradient_terms(AutoConfig.from_pretrained(tiny_model), rows=8, length=64)
+
+
+def test_row_buckets_are_a_few_sizes_of_whole_units() -> None:
+    assert [row_bucket(rows, 4) for rows in (1, 4, 5, 8, 9, 17, 33)] == [4, 4, 8, 8, 16, 32, 64]
+    assert {row_bucket(rows, 2) for rows in range(1, 33)} == {2, 4, 8, 16, 32}
+
+
+@pytest.mark.numerics
+def test_members_at_different_steps_report_what_they_report_alone(make_executor, tiny_model, monkeypatch) -> None:
+    """Two slots, three trials of batch 8, 2 and 4: the first ends its chunk after a quarter of the second's
+    passes and goes on to its second chunk beside the second's first, then the third takes its slot while the
+    second is midway. Each trial's per-chunk values are those of the trial trained alone."""
+    seen: list[list[tuple[int, int]]] = []
+    original = GangStream._pass
+
+    def recording(stream, seated, *args):
+        seen.append([(seat.runtime.state.position.chunks_done, seat.index) for seat in seated])
+        return original(stream, seated, *args)
+
+    alone = [_values(make_executor, 1, configs=(config,))[0][0] for config in range(3)]
+    monkeypatch.setattr(GangStream, "_pass", recording)
+    together, executor = _values(make_executor, 2, schedule=EveryReady())
+    assert any(len(set(members)) > 1 and len({index for _, index in members}) > 1 for members in seen)
+    assert any(len({chunk for chunk, _ in members}) > 1 for members in seen)  # different chunks in one pass
+    fill = executor.stats().gang_fill
+    assert fill[2] > fill[1] and sum(fill) == len(seen)
+    for own, shared in zip(alone, together, strict=True):
+        assert_within_rounding(shared, own, terms=_terms(tiny_model))
+
+
+def test_a_member_leaving_or_joining_mid_chunk_compiles_nothing(make_executor, monkeypatch) -> None:
+    """After a stream's first training pass, the compiled training pass keeps its shapes while members leave and
+    join inside their chunks (rows padded to a size that only grows; tokens to the widest chunk)."""
+    counts: list[int] = []
+    original = GangTraining.run_pass
+
+    def counting(training, first, shared):
+        before = training.launched.compiles
+        try:
+            return original(training, first, shared)
+        finally:
+            counts.append(training.launched.compiles - before)
+
+    monkeypatch.setattr(GangTraining, "run_pass", counting)
+    _, executor = _values(make_executor, 2, compile="aot_eager")
+    stats = executor.stats()
+    assert stats.compiles > 0 and stats.compile_failures == 0
+    assert counts[0] > 0 and sum(counts[1:]) == 0, [i for i, c in enumerate(counts) if c]
+    assert stats.gang_fill[2] > 0
+
+
+def test_compiling_in_the_background_gives_the_eager_values(make_executor, tiny_model, monkeypatch, caplog) -> None:
+    """The passes run eagerly while a thread compiles the pass for their shapes, then take the compiled code: the
+    values are those of the uncompiled study, and the compiled graphs are counted."""
+    eager, _ = _values(make_executor, 2, compile=False)
+    init = _launched.LaunchedPasses.__init__
+
+    def background(self, resident, compile, capacity, background=None):
+        init(self, resident, compile, capacity, background=True)
+
+    monkeypatch.setattr(_launched.LaunchedPasses, "__init__", background)
+    with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+        compiled, executor = _values(make_executor, 2, compile="aot_eager")
+        deadline = time.monotonic() + 120
+        while executor.stats().compiles == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    stats = executor.stats()
+    assert stats.compiles > 0 and stats.compile_failures == 0
+    assert "Background compilation of the launched pass" in caplog.text
+    assert "Compiled the launched pass" not in caplog.text  # no pass waited for a compilation
+    for a, b in zip(eager, compiled, strict=True):
+        assert_within_rounding(b, a, terms=_terms(tiny_model))
