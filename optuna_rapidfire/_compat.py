@@ -322,3 +322,12 @@ def compile_backward_ahead() -> None:
     import torch._functorch.config
 
     torch._functorch.config.force_non_lazy_backward_lowering = True
+
+
+def run_beside_compiler() -> None:
+    """Let the device's thread call a compiled function while another thread traces one with FX (the background
+    compiler): ``torch._dynamo.config.error_on_nested_fx_trace = False`` makes such a call run the function
+    eagerly instead of raising (FX's tracing flag is process-wide, not per thread). Public alternative: none."""
+    import torch._dynamo.config
+
+    torch._dynamo.config.error_on_nested_fx_trace = False

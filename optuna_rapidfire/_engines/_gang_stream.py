@@ -12,8 +12,9 @@ stream ends when no member is seated and nobody is ready.
 
 Each member's values are those it gets alone: its micro-batches, loss scales, optimizer steps, learning rates and
 dropout masks are its own (drawn from its own stream, per row of its own micro-batch), whatever shares its pass;
-the shapes of the compiled pass stay fixed (each pass's rows padded to one of a few sizes, in units of one row
-count; the tokens to the widest chunk seen), so members coming and going never compile the pass again.
+the compiled pass's shapes stay few (each pass's rows padded to one of a few sizes, in units of one row count;
+the tokens to the widest chunk seen), so once the compiler has generalised the rows (after two sizes) members
+coming and going never compile the pass again.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ class Seat:
 
 
 def row_bucket(rows: int, unit: int) -> int:
-    """The rows a pass of ``rows`` rows is padded to: ``unit`` times the next power of two (a few sizes only)."""
-    units = -(-rows // unit)
-    return unit * (1 << max(units - 1, 0).bit_length())
+    """The rows a pass of ``rows`` rows is padded to: ``unit`` times the next power of two, at least 2 (a few sizes
+    only; never one unit, a size the compiler would specialise a graph for)."""
+    units = max(-(-rows // unit), 2)
+    return unit * (1 << (units - 1).bit_length())
 
 
 def width_bucket(tokens: int) -> int:
@@ -176,7 +178,9 @@ class GangStream:
             self.seated = [seat.runtime for seat in seated]
             if not seated:
                 break
-            # Shapes only grow (per layout, across streams): a member leaving never changes a compiled shape.
+            # The tokens only grow (per layout, across streams); the rows take a few sizes (row_bucket), which the
+            # compiler covers with one graph once it has met two (its automatic dynamic shapes): after that no
+            # member leaving or joining compiles anything.
             layout.width = max(layout.width, width_bucket(chunk_width([seat.plan for seat in seated])))
             self._pass(seated, layout, loss, unit, layout.width)
             ended = [seat for seat in seated if seat.index >= len(seat.plan.inputs)]
@@ -231,9 +235,7 @@ class GangStream:
         sizes = [int(runtime.args.per_device_train_batch_size) for runtime in runtimes]
         groups = _split(list(range(len(seated))), [size * width for size in sizes], self.passes.pass_tokens)
         for group in groups:
-            if layout.unit != unit:
-                layout.unit, layout.rows = unit, 0
-            layout.rows = max(layout.rows, row_bucket(sum(sizes[k] for k in group), unit))
+            layout.unit = unit
             shared = self.passes.lay_out(
                 runtimes,
                 plans,
@@ -246,7 +248,7 @@ class GangStream:
                 width,
                 at=[seated[k].index for k in group],
                 slots=[seated[k].slot for k in group],
-                shape=(unit, layout.rows),
+                shape=(unit, row_bucket(sum(sizes[k] for k in group), unit)),
             )
             for k, value in zip(group, training.run_pass(first, shared), strict=True):
                 seated[k].losses.append(value)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 import types
@@ -73,6 +74,8 @@ _logger = get_logger(__name__)
 
 # Variants of one compiled function the compiler keeps (layouts x shapes) before it stops compiling new ones.
 _RECOMPILE_LIMIT = 64
+# The interpreter's thread switch interval while the background compiler runs (see _Background._run).
+_SWITCH_SECONDS = 2e-5
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,6 @@ class Layout:
     first_pass_seconds: float | None = None
     background_seconds: float = 0.0
     unit: int = 0  # a stream's rows per unit (streams of one unit share the padded sizes below)
-    rows: int = 0  # the rows a stream's passes are padded to: only ever grows
     width: int = 0  # the tokens a stream's rows are padded to: only ever grows
 
 
@@ -157,6 +159,7 @@ class LaunchedPasses:
             self._compile_step = torch.compile(step, fullgraph=True, backend=self._count)
             if background if background is not None else resident.device.type == "cuda":
                 # The device's thread runs only what is compiled (never compiles); the thread compiles.
+                _compat.run_beside_compiler()
                 self.background = _Background(self)
                 self._layer_fn, self._step_fn = torch._dynamo.run(layer), torch._dynamo.run(step)
             else:
@@ -512,6 +515,10 @@ class _Background:
         owner._local.current = layout
         before = layout.compiles if layout is not None else owner.compiles
         start = time.perf_counter()
+        # Every op of the device's thread releases and takes back the GIL: with the default 5 ms switch interval
+        # it would wait up to that long each time while this thread compiles, and its passes would crawl.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(_SWITCH_SECONDS)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*gradient layout contract.*")
@@ -524,6 +531,7 @@ class _Background:
             return
         finally:
             owner._local.current = None
+            sys.setswitchinterval(interval)
         seconds = time.perf_counter() - start
         made = (layout.compiles if layout is not None else owner.compiles) - before
         if layout is not None:

@@ -65,8 +65,8 @@ def _terms(tiny_model: str) -> int:
 
 
 def test_row_buckets_are_a_few_sizes_of_whole_units() -> None:
-    assert [row_bucket(rows, 4) for rows in (1, 4, 5, 8, 9, 17, 33)] == [4, 4, 8, 8, 16, 32, 64]
-    assert {row_bucket(rows, 2) for rows in range(1, 33)} == {2, 4, 8, 16, 32}
+    assert [row_bucket(rows, 4) for rows in (1, 4, 5, 8, 9, 17, 33)] == [8, 8, 8, 8, 16, 32, 64]
+    assert {row_bucket(rows, 2) for rows in range(1, 33)} == {4, 8, 16, 32}
 
 
 @pytest.mark.numerics
@@ -93,8 +93,9 @@ def test_members_at_different_steps_report_what_they_report_alone(make_executor,
 
 
 def test_a_member_leaving_or_joining_mid_chunk_compiles_nothing(make_executor, monkeypatch) -> None:
-    """After a stream's first training pass, the compiled training pass keeps its shapes while members leave and
-    join inside their chunks (rows padded to a size that only grows; tokens to the widest chunk)."""
+    """Members leave and join inside their chunks, and the passes' rows take a few sizes: the compiler compiles
+    the training pass for the first, generalises it at the second (two compilations), and compiles nothing after
+    that whatever the gang does."""
     counts: list[int] = []
     original = GangTraining.run_pass
 
@@ -109,7 +110,8 @@ def test_a_member_leaving_or_joining_mid_chunk_compiles_nothing(make_executor, m
     _, executor = _values(make_executor, 2, compile="aot_eager")
     stats = executor.stats()
     assert stats.compiles > 0 and stats.compile_failures == 0
-    assert counts[0] > 0 and sum(counts[1:]) == 0, [i for i, c in enumerate(counts) if c]
+    compiled_at = [i for i, c in enumerate(counts) if c]
+    assert counts[0] > 0 and sum(counts) <= 2 and len(counts) > compiled_at[-1] + 10, compiled_at
     assert stats.gang_fill[2] > 0
 
 
