@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import sys
 import threading
 import time
 import types
@@ -74,8 +73,6 @@ _logger = get_logger(__name__)
 
 # Variants of one compiled function the compiler keeps (layouts x shapes) before it stops compiling new ones.
 _RECOMPILE_LIMIT = 64
-# The interpreter's thread switch interval while the background compiler runs (see _Background._run).
-_SWITCH_SECONDS = 2e-5
 
 
 @dataclass(frozen=True)
@@ -515,10 +512,6 @@ class _Background:
         owner._local.current = layout
         before = layout.compiles if layout is not None else owner.compiles
         start = time.perf_counter()
-        # Every op of the device's thread releases and takes back the GIL: with the default 5 ms switch interval
-        # it would wait up to that long each time while this thread compiles, and its passes would crawl.
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(_SWITCH_SECONDS)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*gradient layout contract.*")
@@ -531,7 +524,6 @@ class _Background:
             return
         finally:
             owner._local.current = None
-            sys.setswitchinterval(interval)
         seconds = time.perf_counter() - start
         made = (layout.compiles if layout is not None else owner.compiles) - before
         if layout is not None:

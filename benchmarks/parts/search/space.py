@@ -75,6 +75,7 @@ _EXECUTORS = {
     "executor_time_sliced": ("(d) executor, time-sliced, promote", {"engine": "time_sliced", "schedule": "promote"}),
     "executor_fused": ("(d) executor, fused, promote", {"engine": "fused", "schedule": "promote"}),
     "executor_promote_all": ("(d) executor, promote_all (waiting trials trained on)", {"schedule": "promote_all"}),
+    "executor_eager": ("(d) executor, launched pass not compiled", {"compile": False}),
 }
 _PROCESSES = re.compile(r"processes_(\d+)(_compiled)?")
 
