@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optuna_rapidfire import _compat
+from optuna_rapidfire._engines import _warm
 from optuna_rapidfire._fused._decoder import (
     PROJECTIONS,
     Decoder,
@@ -442,6 +443,12 @@ class _Background:
         self._jobs: queue.Queue[tuple[Layout | None, Callable[[], None]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        # Each compiled function's calls so far, in order: a child replays them, so that it makes the same graphs
+        # (the compiler generalises a shape the second time it changes).
+        self._history: dict[str, list[dict[str, Any]]] = {}
+        self.warms = owner.resident.device.type == "cuda"
+        self.warmed = 0  # calls whose child ended well
+        self.warm_seconds = 0.0  # spent waiting for children (the training thread runs meanwhile)
 
     def layer(self, layout: Layout | None, h: torch.Tensor, *rest: Any) -> None:
         """Compile :func:`decoder_layer` for a pass's first layer's inputs (``h`` and the rest of its arguments)."""
@@ -464,8 +471,12 @@ class _Background:
             return
         self._asked.add(signature)
         dummy = torch.zeros_like(h).requires_grad_(h.requires_grad)
+        calls = self._history.setdefault("layer", [])
+        calls.append({"function": "layer", "args": _described((dummy, *rest)), "grad": grad, "autocast": autocast})
+        warming = list(calls)
 
         def job() -> None:
+            self._warm(warming)
             with torch.set_grad_enabled(grad), torch.autocast(device, dtype=autocast[1], enabled=autocast[0]):
                 self.owner._compile_layer(dummy, *rest)
 
@@ -481,8 +492,26 @@ class _Background:
         copies = [t.clone() for t in (s.params, s.grad, s.exp_avg, s.exp_avg_sq, s.step, optimizer.last_norm)]
         ready = torch.zeros(s.slots, dtype=torch.float32, device=s.device)
         lr = torch.zeros(s.slots, dtype=torch.float64, device=s.device)
-        settings = (optimizer.beta1, optimizer.beta2, optimizer.eps, optimizer.weight_decay, optimizer.max_norm)
-        self._submit(layout, lambda: self.owner._compile_step(*copies, ready, lr, *[t.clone() for t in settings]))
+        settings = [t.clone() for t in (optimizer.beta1, optimizer.beta2, optimizer.eps, optimizer.weight_decay)]
+        settings.append(optimizer.max_norm.clone())
+        args = (*copies, ready, lr, *settings)
+        calls = self._history.setdefault("step", [])
+        calls.append({"function": "step", "args": _described(args), "grad": False, "autocast": (False, torch.float32)})
+        warming = list(calls)
+
+        def job() -> None:
+            self._warm(warming)
+            self.owner._compile_step(*args)
+
+        self._submit(layout, job)
+
+    def _warm(self, calls: list[dict[str, Any]]) -> None:
+        """Compile ``calls`` in a child process first (:mod:`~optuna_rapidfire._engines._warm`): this thread then
+        compiles from the caches, holding the interpreter's lock seconds instead of the whole compilation."""
+        if self.warms:
+            start = time.perf_counter()
+            self.warmed += _warm.warm(str(self.owner.resident.device), calls)
+            self.warm_seconds += time.perf_counter() - start
 
     def _submit(self, layout: Layout | None, job: Callable[[], None]) -> None:
         if self._closed:
@@ -511,7 +540,7 @@ class _Background:
         owner = self.owner
         owner._local.current = layout
         before = layout.compiles if layout is not None else owner.compiles
-        start = time.perf_counter()
+        start, warmed_before = time.perf_counter(), self.warm_seconds
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*gradient layout contract.*")
@@ -524,16 +553,18 @@ class _Background:
             return
         finally:
             owner._local.current = None
-        seconds = time.perf_counter() - start
+        child = self.warm_seconds - warmed_before
+        seconds = time.perf_counter() - start - child
         made = (layout.compiles if layout is not None else owner.compiles) - before
         if layout is not None:
             layout.background_seconds += seconds
         if made:
             _logger.info(
-                "Background compilation of the launched pass for layout [%s]: %.1f s, %d graph(s); passes ran "
-                "eagerly meanwhile.",
+                "Background compilation of the launched pass for layout [%s]: %.1f s in this process after %.1f s "
+                "in a warming child, %d graph(s); passes ran eagerly meanwhile.",
                 "reference, adapters off" if layout is None else layout.key.describe(),
                 seconds,
+                child,
                 made,
             )
 
@@ -546,3 +577,9 @@ class _Background:
         self._closed = True
         if self._thread is not None:
             self._jobs.put(None)
+
+
+def _described(args: Sequence[Any]) -> list[Any]:
+    """A call's arguments for a warming child (tensors that share a storage keep sharing one)."""
+    storages: dict[int, tuple[int, int, str]] = {}
+    return [_warm.describe(arg, storages) for arg in args]
