@@ -1,0 +1,47 @@
+"""The warming child's look-alike tensors: a call's arguments described in the training process and rebuilt in the
+child keep every property a compiled graph is keyed on (shapes, strides, storage offsets, dtypes, requires_grad,
+which tensors share a storage), so the child compiles the graph the training process then finds in the caches."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from optuna_rapidfire._engines import _warm
+from optuna_rapidfire._fused._decoder import Lora, Rows, Shape
+from optuna_rapidfire._fused._slots import GangSlots, Projection
+
+
+def _props(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.requires_grad
+
+
+def test_look_alike_arguments_keep_shapes_strides_offsets_and_aliasing() -> None:
+    projections = [Projection(0, "q_proj", 16, 16), Projection(0, "v_proj", 16, 8)]
+    slots = GangSlots(projections, rank=8, slots=3, dtype=torch.float32, device=torch.device("cpu"))
+    loras = tuple(Lora(slots.a[p], slots.b[p], slots.scale[p]) for p in projections)
+    rows = Rows(torch.zeros(4, dtype=torch.int64), None, None)
+    h = torch.zeros(8, 5, 16).requires_grad_(True)
+    args = (h, loras, rows, Shape(2, 1, 8, 1e-6, 0.35), 3)
+    storages: dict = {}
+    described = pickle.loads(pickle.dumps([_warm.describe(a, storages) for a in args]))
+    bases: dict = {}  # one call's tensors over shared bases, as the training process holds them
+    built = [_warm._build(spec, torch.device("cpu"), bases) for spec in described]
+    assert _props(built[0]) == _props(h)
+    for original, copy in zip(loras, built[1], strict=True):
+        assert type(copy) is Lora
+        for a, b in zip(original, copy, strict=True):
+            assert _props(a) == _props(b)
+    a, b = built[1][0].a, built[1][1].b
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # views of one slot matrix, as there
+    assert built[0].untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    assert type(built[2]) is Rows and built[2].keys is None
+    assert built[3] == args[3] and built[4] == 3
+
+
+def test_a_child_that_fails_costs_only_its_time() -> None:
+    """A call the child cannot run (an unknown function) ends it with an error: warm() says so, raising nothing."""
+    assert (
+        _warm.warm("cpu", [{"function": "nonexistent", "args": [], "grad": False, "autocast": (False, None)}]) is False
+    )
