@@ -446,7 +446,8 @@ class _Background:
         # Each compiled function's calls so far, in order: a child replays them, so that it makes the same graphs
         # (the compiler generalises a shape the second time it changes).
         self._history: dict[str, list[dict[str, Any]]] = {}
-        self.warms = owner.resident.device.type == "cuda"
+        # Off by default: on the H200 its first study did not finish in time (not yet understood, see issue 31).
+        self.warms = False
         self.warmed = 0  # calls whose child ended well
         self.warm_seconds = 0.0  # spent waiting for children (the training thread runs meanwhile)
 

@@ -359,19 +359,14 @@ class Scheduler:
         return [e for e in chosen if e is not None and e.status is Status.READY]  # a custom schedule may err
 
     def side_task(self) -> tuple[Task, list[Entry]] | None:
-        """Housekeeping or a build the device can do between two passes of a stream (never a TRAIN), or
-        ``None``; does not block."""
+        """Housekeeping or a build to do between two passes of a stream (never a TRAIN), or ``None``; never blocks."""
         with self._cond:
             entries = sorted(self._entries.values(), key=lambda e: e.number)
-            for e in entries:
-                if e.request is not None:
-                    return self._housekeeping(e)
-            if self._closed or self._draining:
-                return None
-            for e in entries:
-                if e.status is Status.BUILDING and e.runtime is None:
-                    return Task.BUILD, [e]
-            return None
+            busy = next((e for e in entries if e.request is not None), None)
+            if busy is not None or self._closed or self._draining:
+                return None if busy is None else self._housekeeping(busy)
+            building = next((e for e in entries if e.status is Status.BUILDING and e.runtime is None), None)
+            return None if building is None else (Task.BUILD, [building])
 
     def join(self, room: int, fits: Callable[[Entry], bool]) -> list[Entry]:
         """The trials that take free slots of a stream now (at most ``room``, marked TRAINING), as the schedule
