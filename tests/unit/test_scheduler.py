@@ -625,3 +625,45 @@ def test_a_schedule_sees_read_only_views_and_names_the_peers_of_a_pruning_decisi
     assert PromoteSchedule().pruning_peers(entries[0].view()) == frozenset({1})
     assert LockstepSchedule().pruning_peers(entries[0].view()) is None  # a round barrier: every live trial
     assert scheduler.pruning_peers(entries[0]) == frozenset({1})
+
+
+def test_a_stream_seats_the_schedule_s_choice_in_its_free_slots_without_waiting() -> None:
+    """Between two passes a stream asks for trials: those the schedule lets train take its free slots at once
+    (TRAINING), at most ``room`` of them, the first that does not fit the stream ending the list; a decision in
+    flight or a new trial on its way makes nobody wait (a later pass seats them); housekeeping and builds come
+    out as side tasks, never a TRAIN."""
+    scheduler, entries = _scheduler(0, 1, 2, 3, schedule="promote")
+    _build_all(scheduler, 4)
+    assert scheduler.side_task() is None
+    [first] = scheduler.join(1, fits=lambda entry: True)
+    assert first.status is Status.TRAINING and first.number == 0
+    assert [e.number for e in scheduler.join(3, fits=lambda entry: entry.number != 2)] == [1]
+    assert entries[2].status is Status.READY and entries[3].status is Status.READY
+    scheduler.chunk_done(first, mates=frozenset({1}))
+    assert first.mates == frozenset({1}) and first.status is Status.AWAITING
+    # Trial 0's decision is in flight: a fixed gang would wait for it (gang_wait_seconds); a stream goes on.
+    assert [e.number for e in scheduler.join(2, fits=lambda entry: True)] == [2, 3]
+    scheduler.decide(first, Decision.FINISH)
+    assert scheduler.side_task() == (Task.FINISH, [first])
+    late = Entry(number=4, trial_id=104, spec=None)
+    scheduler.add(late)
+    assert scheduler.side_task() == (Task.FINISH, [first])  # housekeeping first
+    scheduler.remove(first)
+    assert scheduler.side_task() == (Task.BUILD, [late])
+    scheduler.drain()
+    assert scheduler.join(4, fits=lambda entry: True) == [] and scheduler.side_task() is None
+
+
+def test_waiting_trials_are_not_stopped_while_a_member_still_trains() -> None:
+    """Once the budget is spent the promote schedule stops the waiting trials no promotion can reach, but not
+    while a trial of a stream is still training: its report may change what is promotable."""
+    schedule = PromoteSchedule(eta=3)
+    waiting = [_waiting(n, 1) for n in range(3)]
+    training = Entry(number=3, trial_id=103, spec=None, status=Status.TRAINING)
+    values = {0: {0: 0.1, 1: 0.5, 2: 0.9}}
+    done = Reports(values, capacity=8, more_trials=False, streaming=True)
+    views = [e.view() for e in [*waiting, training]]
+    assert schedule.choose(views, fuse=True, now=0.0, reports=done) == [views[0]]  # the top 1 of 3 goes on
+    views = [e.view() for e in [*waiting[1:], training]]
+    assert schedule.choose(views, fuse=True, now=0.0, reports=done) is None
+    assert isinstance(schedule.choose(views[:2], fuse=True, now=0.0, reports=done), Stop)
