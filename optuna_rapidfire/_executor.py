@@ -152,9 +152,10 @@ class RapidFireExecutor:
             adapt, their rank bucket, precision, dropout) and reused by every gang of that layout: a trial
             joining a seen layout compiles nothing; on a GPU the compilation runs in a background thread
             while the passes run uncompiled (the log says how long it took); uncompiled on the CPU.
-            ``True``: compiled on any device; ``False``: never; or the name of a ``torch.compile`` backend. A layout that fails to compile runs uncompiled, the log says why,
-            and the results are the same. Llama-family models (Llama, Mistral, Qwen2, Qwen3) take this
-            pass; other models train in the model's own modules, uncompiled.
+            ``True``: compiled on any device; ``False``: never; or the name of a ``torch.compile`` backend.
+            A layout that fails to compile runs uncompiled, the log says why, and the results are the same.
+            Llama-family models (Llama, Mistral, Qwen2, Qwen3) take this pass; other models train in the
+            model's own modules, uncompiled.
     """
 
     @takes_options_of(ExecutorConfig)
