@@ -457,29 +457,30 @@ class _Background:
         grad = torch.is_grad_enabled()
         autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         rows: Rows = rest[4]  # cos, sin, weights, loras, rows, salts, shape
-        signature = (
-            "layer",
-            None if layout is None else layout.key,
-            tuple(h.shape),
-            h.dtype,
-            h.requires_grad,
-            grad,
-            autocast,
-            tuple(rows.units.shape),
-            rows.keys is not None,
-        )
+        # One graph per layout and mode covers every row count and width (marked dynamic); a size of 1 stays
+        # static, so it asks for a graph of its own.
+        ones = tuple(size < 2 for size in (*h.shape[:2], rows.units.shape[0]))
+        key = None if layout is None else layout.key
+        signature = ("layer", key, h.dtype, h.requires_grad, grad, autocast, ones, rows.keys is not None)
         if signature in self._asked:
             return
         self._asked.add(signature)
         dummy = torch.zeros_like(h).requires_grad_(h.requires_grad)
+        args = (dummy, *rest)
         calls = self._history.setdefault("layer", [])
-        calls.append({"function": "layer", "args": _described((dummy, *rest)), "grad": grad, "autocast": autocast})
+        call = {"function": "layer", "args": _described(args), "grad": grad, "autocast": autocast, "dynamic": True}
+        calls.append(call)
         warming = list(calls)
 
         def job() -> None:
             self._warm(warming)
             with torch.set_grad_enabled(grad), torch.autocast(device, dtype=autocast[1], enabled=autocast[0]):
-                self.owner._compile_layer(dummy, *rest)
+                try:
+                    self.owner._compile_layer(*_warm.dynamic_pass(args))
+                except Exception as error:  # the dynamic graph failed: this shape's own graph instead
+                    _logger.info("A dynamic launched pass did not compile (%s); compiling its shape.", error)
+                    call["dynamic"] = False
+                    self.owner._compile_layer(*args)
 
         self._submit(layout, job)
 

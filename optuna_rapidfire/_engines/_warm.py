@@ -61,6 +61,33 @@ def describe(value: Any, storages: dict[int, tuple[int, int, str]] | None = None
     return ("value", value)
 
 
+def dynamic_pass(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A decoder layer's arguments (``h, cos, sin, weights, loras, rows, salts, shape``) with the pass's rows and
+    tokens marked dynamic (``torch._dynamo.mark_dynamic``) on copies of the tensors that carry them, so that one
+    compiled graph serves every row count and width of a layout and mode (a size below 2 stays static: the
+    compiler specialises sizes 0 and 1). The training process and a warming child mark alike, so they make the
+    same graph."""
+    import torch
+
+    from optuna_rapidfire._fused._decoder import Rows
+
+    h, cos, sin, weights, loras, rows, salts, shape = args
+
+    def marked(tensor: torch.Tensor | None, *dims: int) -> Any:
+        if tensor is None:
+            return None
+        copy = tensor.detach().clone().requires_grad_(tensor.requires_grad)
+        for dim in dims:
+            if copy.shape[dim] >= 2:
+                torch._dynamo.mark_dynamic(copy, dim)
+        return copy
+
+    rows = Rows(
+        marked(rows.units, 0), marked(rows.keys, 0), marked(rows.drop, 0), marked(rows.tokens, 0), rows.features
+    )
+    return (marked(h, 0, 1), marked(cos, 1), marked(sin, 1), weights, loras, rows, salts, shape)
+
+
 def _build(spec: Any, device: torch.device, bases: dict[int, torch.Tensor]) -> Any:
     import torch
 
@@ -120,7 +147,9 @@ def _main() -> None:
     }
     for call in job["calls"]:
         bases: dict[int, torch.Tensor] = {}
-        args = [_build(spec, device, bases) for spec in call["args"]]
+        args = tuple(_build(spec, device, bases) for spec in call["args"])
+        if call["function"] == "layer" and call.get("dynamic"):
+            args = dynamic_pass(args)
         enabled, dtype = call["autocast"]
         with torch.set_grad_enabled(call["grad"]), torch.autocast(device.type, dtype=dtype, enabled=enabled):
             functions[call["function"]](*args)

@@ -45,3 +45,22 @@ def test_a_child_that_fails_costs_only_its_time() -> None:
     assert (
         _warm.warm("cpu", [{"function": "nonexistent", "args": [], "grad": False, "autocast": (False, None)}]) is False
     )
+
+
+def test_a_pass_s_rows_and_tokens_are_marked_dynamic_on_copies() -> None:
+    """The layer's arguments get their rows and tokens marked dynamic on copies (the device's tensors stay as they
+    are); a size below 2 stays static."""
+    h = torch.zeros(8, 6, 4).requires_grad_(True)
+    cos, sin = torch.zeros(1, 6, 2), torch.zeros(1, 6, 2)
+    rows = Rows(torch.zeros(1, dtype=torch.int64), torch.zeros(8, dtype=torch.int64), torch.zeros(8), None)
+    args = (h, cos, sin, "weights", "loras", rows, "salts", "shape")
+    marked = _warm.dynamic_pass(args)
+
+    def dims(tensor: torch.Tensor) -> set[int]:
+        return set(getattr(tensor, "_dynamo_dynamic_indices", set()))
+
+    assert dims(marked[0]) == {0, 1} and marked[0].requires_grad and marked[0] is not h
+    assert dims(marked[1]) == dims(marked[2]) == {1}
+    assert dims(marked[5].units) == set() and dims(marked[5].keys) == dims(marked[5].drop) == {0}
+    assert marked[5].tokens is None and marked[3:5] == args[3:5]
+    assert dims(h) == dims(cos) == set()
