@@ -206,7 +206,7 @@ class Engine(ABC):
         """Train ``runtimes`` and whoever ``refill`` seats beside them, members at any step sharing every pass,
         each delivered through ``refill`` at the pass where its chunk ends, until none is left (an engine whose
         :meth:`stream_refusal` lets the gang through). An error that fails every seated member is raised."""
-        raise NotImplementedError(self.stream_refusal(runtimes))
+        raise RuntimeError(f"{type(self).__name__} cannot train this gang as a stream: {self.stream_refusal(runtimes)}")
 
     @abstractmethod
     def stats(self) -> EngineStats:

@@ -19,6 +19,7 @@ coming and going never compile the pass again.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._engines._gang_passes import chunk_width, to_device_async
+from optuna_rapidfire._engines._fusion import train_refusal
+from optuna_rapidfire._engines._gang_passes import chunk_width, split_passes, to_device_async
 from optuna_rapidfire._engines._trials import clips, train_metrics
 from optuna_rapidfire._fused._slots import rank_bucket
 from optuna_rapidfire._resident._state import RngState
@@ -112,8 +114,6 @@ class GangStream:
 
     def refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:
         """Why these trials cannot start a stream (``None``: they can)."""
-        from optuna_rapidfire._engines._fusion import train_refusal
-
         reason = train_refusal(self.trials.resident, self.trials.extras, runtimes)
         if reason is not None:
             return reason
@@ -134,8 +134,6 @@ class GangStream:
     def _fits(self, runtime: TrialRuntime, seats: Sequence[Seat], layout: Layout, unit: int) -> bool:
         """Whether ``runtime`` can take a slot of this stream: it shares a pass with the seated members, its
         adapter fits the layout, and its micro-batch is whole units."""
-        from optuna_rapidfire._engines._fusion import train_refusal
-
         member = self.launched.member(runtime)
         if isinstance(member, str) or not _covered(member, layout):
             return False
@@ -163,7 +161,7 @@ class GangStream:
         self.trials.resident.module.train()
         unit = 4  # rows of a unit: at most 4, so that a joiner of any batch size a multiple of 4 fits
         for runtime in runtimes:
-            unit = _gcd(unit, int(runtime.args.per_device_train_batch_size))
+            unit = math.gcd(unit, int(runtime.args.per_device_train_batch_size))
         if layout.unit and unit % layout.unit == 0:
             unit = layout.unit  # the layout's earlier streams' unit divides these members' rows: keep its shapes
         seats: list[Seat | None] = [None] * capacity
@@ -178,10 +176,6 @@ class GangStream:
             self.seated = [seat.runtime for seat in seated]
             if not seated:
                 break
-            # The tokens only grow (per layout, across streams); the rows take a few sizes (row_bucket), which the
-            # compiler covers with one graph once it has met two (its automatic dynamic shapes): after that no
-            # member leaving or joining compiles anything.
-            layout.width = max(layout.width, width_bucket(chunk_width([seat.plan for seat in seated])))
             self._pass(seated, layout, loss, unit, layout.width)
             ended = [seat for seat in seated if seat.index >= len(seat.plan.inputs)]
             if ended:
@@ -220,6 +214,10 @@ class GangStream:
             layout.slots.load(slot, member.adapter, runtime.state.optimizer)
             layout.optimizer.configure(slot, member.settings)
         plan = self.passes.plan(runtime, loss)
+        # The tokens only grow (per layout, across streams); the rows take a few sizes (row_bucket), which the
+        # compiler covers with one graph once it has met two (its automatic dynamic shapes): after that no
+        # member leaving or joining compiles anything.
+        layout.width = max(layout.width, width_bucket(chunk_width([plan])))
         return Seat(runtime, slot, plan, placement.dropout_stream(runtime), time.perf_counter())
 
     def _pass(self, seated: Sequence[Seat], layout: Layout, loss: FusedLoss, unit: int, width: int) -> None:
@@ -233,7 +231,7 @@ class GangStream:
         # Each member's micro-batch takes its batch size in rows (a short one is padded: refusal() admits only
         # losses that allow it).
         sizes = [int(runtime.args.per_device_train_batch_size) for runtime in runtimes]
-        groups = _split(list(range(len(seated))), [size * width for size in sizes], self.passes.pass_tokens)
+        groups = split_passes(list(range(len(seated))), [size * width for size in sizes], self.passes.pass_tokens)
         for group in groups:
             layout.unit = unit
             shared = self.passes.lay_out(
@@ -319,16 +317,3 @@ def _covered(member: Member, layout: Layout) -> bool:
         and dtype == layout.key.dtype
         and (layout.key.dropout or adapter.dropout == 0)
     )
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
-
-
-def _split(members: list[int], tokens: list[int], limit: int) -> list[list[int]]:
-    """The members in passes of at most ``limit`` tokens (at least one member each), in order."""
-    from optuna_rapidfire._engines._gang_passes import split_passes
-
-    return split_passes(members, tokens, limit)
