@@ -72,6 +72,7 @@ class _Timed:
         self.between: dict[str, float] = {"end": 0.0, "refill": 0.0}
         self.profiler: Any = None
         self._events: list[tuple[Any, Any]] = []
+        self._stopped = False
         self._originals = (GangStream._pass, GangStream._end, GangStream._refill)
         # The parts of a pass, as ranges of the profiler's table ("stream: ...").
         self._parts = [
@@ -108,20 +109,17 @@ class _Timed:
                 if index + 1 == timed.window[1]:
                     timed._stop_profiler()
 
-        def end(stream: GangStream, *args: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return ended(stream, *args)
-            finally:
-                timed.between["end"] += time.perf_counter() - start
+        def summed(key: str, original: Any) -> Any:
+            def timed_part(stream: GangStream, *args: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(stream, *args)
+                finally:
+                    timed.between[key] += time.perf_counter() - start
 
-        def refill(stream: GangStream, *args: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return refilled(stream, *args)
-            finally:
-                timed.between["refill"] += time.perf_counter() - start
+            return timed_part
 
+        end, refill = summed("end", ended), summed("refill", refilled)
         GangStream._pass, GangStream._end, GangStream._refill = one_pass, end, refill  # type: ignore[method-assign,assignment]
         for (owner, name), original in zip(self._parts, self._part_originals, strict=True):
             setattr(owner, name, _ranged(f"stream: {name}", original))
@@ -145,7 +143,7 @@ class _Timed:
         self.profiler.__enter__()
 
     def _stop_profiler(self) -> None:
-        if self.profiler is not None and not getattr(self, "_stopped", False):
+        if self.profiler is not None and not self._stopped:
             self._stopped = True
             self.profiler.__exit__(None, None, None)
 
