@@ -135,6 +135,9 @@ class EngineStats:
             adds none).
         compile_failures: Layouts whose compilation failed (they run uncompiled).
         gang_fill: How many passes of streamed gangs trained each number of members (index: members).
+        graphs_recorded: Shapes of streamed passes and optimizer steps recorded as CUDA graphs.
+        graph_replays: Passes and optimizer steps replayed from them.
+        graph_failures: Shapes that could not be recorded (they run kernel by kernel).
     """
 
     switches: int = 0
@@ -154,6 +157,9 @@ class EngineStats:
     compiles: int = 0
     compile_failures: int = 0
     gang_fill: tuple[int, ...] = ()
+    graphs_recorded: int = 0
+    graph_replays: int = 0
+    graph_failures: int = 0
 
 
 class Engine(ABC):
@@ -179,9 +185,10 @@ class Engine(ABC):
         self.trials = trials
 
     @classmethod
-    def create(cls, trials: DeviceTrials, *, compile: str | bool, capacity: int) -> Engine:
+    def create(cls, trials: DeviceTrials, *, compile: str | bool, capacity: int, graphs: bool = False) -> Engine:
         """The engine for a device's ``trials``; ``compile``: the launched pass's backend (``False``: none),
-        ``capacity``: the most trials trained at once. Each engine takes what it uses."""
+        ``capacity``: the most trials trained at once, ``graphs``: replay passes from CUDA graphs. Each engine
+        takes what it uses."""
         return cls(trials)
 
     @property

@@ -75,11 +75,13 @@ class FusedEngine(Engine):
     fuses = True
     name = "fused"
 
-    def __init__(self, trials: DeviceTrials, *, compile: str | bool = False, capacity: int = 8) -> None:
+    def __init__(
+        self, trials: DeviceTrials, *, compile: str | bool = False, capacity: int = 8, graphs: bool = False
+    ) -> None:
         super().__init__(trials)
         self._alone = TimeSlicedEngine(trials)  # gangs that cannot share a pass, and retries one by one
         self._said: set[str] = set()
-        self.launched = LaunchedPasses(trials.resident, compile, capacity)
+        self.launched = LaunchedPasses(trials.resident, compile, capacity, graphs=graphs)
         self.passes = GangPasses(trials, self.launched)
         self.training = GangTraining(self.passes, self._say)
         self.evaluation = GangEvaluation(self.passes, self._say)
@@ -87,8 +89,8 @@ class FusedEngine(Engine):
         self._generated_steps = 0  # GRPO policy passes shared by gangs
 
     @classmethod
-    def create(cls, trials: DeviceTrials, *, compile: str | bool, capacity: int) -> Engine:
-        return cls(trials, compile=compile, capacity=capacity)
+    def create(cls, trials: DeviceTrials, *, compile: str | bool, capacity: int, graphs: bool = False) -> Engine:
+        return cls(trials, compile=compile, capacity=capacity, graphs=graphs)
 
     def release(self, runtime: TrialRuntime) -> None:
         self.evaluation.release(runtime)
@@ -98,6 +100,7 @@ class FusedEngine(Engine):
         self.launched.close()
 
     def stats(self) -> EngineStats:
+        graphs = self.launched.graphs
         return dataclasses.replace(
             self.trials.stats(),
             fused_steps=self.training.fused_steps + self._generated_steps,
@@ -106,6 +109,9 @@ class FusedEngine(Engine):
             compiles=self.launched.compiles,
             compile_failures=self.launched.compile_failures,
             gang_fill=self.streaming.fill(),
+            graphs_recorded=0 if graphs is None else graphs.captured,
+            graph_replays=0 if graphs is None else graphs.replays,
+            graph_failures=0 if graphs is None else graphs.failures,
         )
 
     def stream_refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:

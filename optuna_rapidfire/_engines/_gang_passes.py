@@ -10,12 +10,14 @@ loop (:mod:`optuna_rapidfire._engines._gang_training`) and the evaluation
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from optuna_rapidfire import _compat
+from optuna_rapidfire._engines._pass_graphs import token_bucket
 from optuna_rapidfire._fused._decoder import Rows
 from optuna_rapidfire._fused._dropout import feature_keys, position_keys, row_keys
 from optuna_rapidfire._fused._fused_pass import (
@@ -87,6 +89,7 @@ class GangPasses:
         at: Sequence[int] | None = None,
         slots: Sequence[int] | None = None,
         shape: tuple[int, int] | None = None,
+        sums: int | None = None,
     ) -> Pass:
         """The ``group``'s ``index``-th micro-batches as one pass: inputs, loss token positions, gang.
 
@@ -98,6 +101,10 @@ class GangPasses:
         each member's own micro-batch (``at``, one index per member of ``group``) and slot (``slots``), and the
         launched pass's ``shape``: ``(unit, rows)``, the rows of a unit and the rows the pass is padded to
         (rows of padding carry no loss), so that its compiled shapes stay the same as members come and go.
+        ``sums`` (a loss that :attr:`~optuna_rapidfire._trainers._fused_loss.FusedLoss.pads_tokens`): the loss
+        computes that many sums, the members' and one more, and the loss tokens are padded to a power of two
+        (:func:`~optuna_rapidfire._engines._pass_graphs.token_bucket`) with tokens of that last sum, whose scale
+        is zero: a pass whose shapes depend only on its rows and width, which a CUDA graph can replay.
         """
         at = [index] * len(group) if at is None else list(at)
         batches = [plans[k].inputs[i] for k, i in zip(group, at, strict=True)]
@@ -137,8 +144,15 @@ class GangPasses:
             segment, extras = torch.cat([row + sum(rows[:j]) for j, row in enumerate(token_rows)]), ()
         else:
             segment, extras = loss.lay_out(rows, token_rows, [runtimes[k].args for k in group])
-        where = to_device_async(torch.stack([torch.cat(flat), segment, torch.cat(target)]), self.device)
+        laid = torch.stack([torch.cat(flat), segment, torch.cat(target)])
+        if sums is not None:
+            missing = token_bucket(laid.shape[1]) - laid.shape[1]
+            filler = torch.tensor([[0], [sums - 1], [0]], dtype=laid.dtype).expand(3, missing)
+            laid = torch.cat([laid, filler], dim=1)
+        where = to_device_async(laid, self.device)
         scales = torch.stack([plans[k].scales[i] for k, i in zip(group, at, strict=True)]) if loss is not None else None
+        if sums is not None and scales is not None:
+            scales = torch.cat([scales, scales.new_zeros(sums - len(scales))])
         on_device = tuple(to_device_async(extra, self.device) for extra in extras)
         unit_rows = None
         if layout is not None:
@@ -149,7 +163,18 @@ class GangPasses:
                 input_ids = torch.cat([input_ids, input_ids.new_full((total - sum(rows), length), pad)])
             unit_rows = self.rows(layout, owners, rows, keys, length, streams is not None, unit, total)
         return Pass(
-            group, gang, layouts.get(key, []), input_ids, attention, where, scales, loss, on_device, layout, unit_rows
+            group,
+            gang,
+            layouts.get(key, []),
+            input_ids,
+            attention,
+            where,
+            scales,
+            loss,
+            on_device,
+            layout,
+            unit_rows,
+            sums,
         )
 
     def rows(
@@ -340,6 +365,43 @@ class Pass:
     extras: tuple[torch.Tensor, ...]
     layout: Layout | None = None
     rows: Rows | None = None
+    sums: int | None = None  # the loss's sums when padded (members and one of padding); None: one per member
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """What a launched training pass reads that changes from pass to pass (see :meth:`with_tensors`)."""
+        assert self.rows is not None
+        rows = self.rows
+        return [
+            self.input_ids,
+            self.where,
+            self.scales,
+            *self.extras,
+            rows.units,
+            rows.keys,
+            rows.drop,
+            rows.tokens,
+            *(rows.features or ()),
+        ]
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor | None]) -> Pass:
+        """This pass reading ``tensors`` (in the order of :meth:`tensors`) instead of its own."""
+        assert self.rows is not None
+        n = len(self.extras)
+        units, keys, drop, tokens = tensors[3 + n : 7 + n]
+        features = tuple(_present(t) for t in tensors[7 + n :]) if self.rows.features is not None else None
+        return dataclasses.replace(
+            self,
+            input_ids=_present(tensors[0]),
+            where=_present(tensors[1]),
+            scales=tensors[2],
+            extras=tuple(_present(t) for t in tensors[3 : 3 + n]),
+            rows=Rows(_present(units), keys, drop, tokens, features),
+        )
+
+
+def _present(tensor: torch.Tensor | None) -> torch.Tensor:
+    assert tensor is not None
+    return tensor
 
 
 def split_passes(members: list[int], tokens: list[int], limit: int = PASS_TOKENS) -> list[list[int]]:

@@ -231,6 +231,9 @@ class GangStream:
         # Each member's micro-batch takes its batch size in rows (a short one is padded: refusal() admits only
         # losses that allow it).
         sizes = [int(runtime.args.per_device_train_batch_size) for runtime in runtimes]
+        graphs = self.launched.graphs
+        # Recorded passes need shapes that depend on the rows and width only: the loss tokens padded too.
+        sums = self.launched.capacity + 1 if graphs is not None and loss.pads_tokens else None
         groups = split_passes(list(range(len(seated))), [size * width for size in sizes], self.passes.pass_tokens)
         for group in groups:
             layout.unit = unit
@@ -247,6 +250,7 @@ class GangStream:
                 at=[seated[k].index for k in group],
                 slots=[seated[k].slot for k in group],
                 shape=(unit, row_bucket(sum(sizes[k] for k in group), unit)),
+                sums=sums,
             )
             for k, value in zip(group, training.run_pass(first, shared), strict=True):
                 seated[k].losses.append(value)
@@ -266,7 +270,10 @@ class GangStream:
             training.stepped = True
             ready_t = to_device_async(torch.tensor(ready, dtype=torch.float32), self.device)
             lr_t = to_device_async(torch.tensor(lr, dtype=torch.float64), self.device)
-            self.launched.step(layout, ready_t, lr_t)
+            if graphs is not None and layout.slots is not None:
+                graphs.run(layout.slots, "step", [ready_t, lr_t], lambda t: self.launched.step(layout, *_both(t)))
+            else:
+                self.launched.step(layout, ready_t, lr_t)
 
     def _end(self, ended: Sequence[Seat], layout: Layout) -> list[tuple[TrialRuntime, ChunkResult | BaseException]]:
         """The members whose chunk ended: evaluated together through their slots, then stored back into their
@@ -304,6 +311,12 @@ class GangStream:
             except Exception as error:  # this member's evaluation only
                 done.append((runtime, error))
         return done
+
+
+def _both(tensors: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    first, second = tensors
+    assert first is not None and second is not None
+    return first, second
 
 
 def _covered(member: Member, layout: Layout) -> bool:

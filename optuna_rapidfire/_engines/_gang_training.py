@@ -164,16 +164,38 @@ class GangTraining:
             return self.forward_backward(first, shared)
 
     def forward_backward(self, first: TrialRuntime, shared: Pass) -> list[torch.Tensor]:
+        """The pass's forward and backward; each member's loss, detached. A padded launched pass
+        (:attr:`Pass.sums`) is replayed from a CUDA graph of its shape where the engine records them
+        (:mod:`~optuna_rapidfire._engines._pass_graphs`)."""
+        graphs, layout = self.launched.graphs, shared.layout
+        if graphs is not None and shared.sums is not None and layout is not None and layout.slots is not None:
+            args = first.args
+            mode = (type(shared.loss), bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False)))
+            sums = graphs.run(
+                layout.slots,
+                ("pass", mode),
+                shared.tensors(),
+                lambda tensors: self.member_losses(first, shared.with_tensors(tensors)),
+            )
+            assert sums is not None
+        else:
+            sums = self.member_losses(first, shared)
+        return list(sums[: len(shared.group)].unbind())
+
+    def member_losses(self, first: TrialRuntime, shared: Pass) -> torch.Tensor:
+        """The pass's forward and backward; the loss sums, scaled and detached (one per member, and one of
+        padding when :attr:`Pass.sums` says so)."""
         loss, rows = shared.loss, len(shared.input_ids)
         assert loss is not None and shared.scales is not None  # a training pass
         reference = loss.reference(lambda: self.passes.token_nll(first, shared, base=True), shared.where, rows)
         # Mixed precision covers the forward pass and the losses only.
         with first.spec.kind.autocast(first.args, self.device):
             nll = self.passes.token_nll(first, shared)
-            sums = loss.losses(nll, reference, shared.where, shared.extras, rows, len(shared.group))
+            count = shared.sums if shared.sums is not None else len(shared.group)
+            sums = loss.losses(nll, reference, shared.where, shared.extras, rows, count)
             member_losses = sums * shared.scales
         member_losses.sum().backward()
-        return list(member_losses.detach().unbind())
+        return member_losses.detach()
 
     def step(self, runtimes: Sequence[TrialRuntime], ready: list[int], grad_norms: list[torch.Tensor | None]) -> None:
         self.stepped = True

@@ -41,6 +41,7 @@ import torch
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines import _warm
+from optuna_rapidfire._engines._pass_graphs import CudaGraphs, PassGraphs
 from optuna_rapidfire._fused._decoder import (
     PROJECTIONS,
     Decoder,
@@ -128,10 +129,20 @@ class LaunchedPasses:
         compile: ``False`` (run uncompiled), or the ``torch.compile`` backend (``"inductor"``...).
         capacity: Slots per layout: the most trials a gang holds.
         background: Compile in a background thread while the passes run eagerly (``None``: on a GPU only).
+        graphs: Replay streamed training passes and optimizer steps from CUDA graphs, one per shape
+            (:mod:`~optuna_rapidfire._engines._pass_graphs`; on a GPU only, and only uncompiled).
+
+    Attributes:
+        graphs: The recorded passes (``None``: every pass is launched kernel by kernel).
     """
 
     def __init__(
-        self, resident: ResidentModel, compile: str | bool, capacity: int, background: bool | None = None
+        self,
+        resident: ResidentModel,
+        compile: str | bool,
+        capacity: int,
+        background: bool | None = None,
+        graphs: bool = False,
     ) -> None:
         self.resident = resident
         self.backend = compile if isinstance(compile, str) else ("inductor" if compile else None)
@@ -150,6 +161,9 @@ class LaunchedPasses:
         self._step_fn: Callable[..., None] = adamw_step
         self._local = threading.local()  # the layout whose compilations are counted, per thread
         self.background: _Background | None = None
+        self.graphs: PassGraphs | None = None
+        if graphs and self.backend is None and resident.device.type == "cuda":
+            self.graphs = PassGraphs(CudaGraphs(), torch.cuda.Stream(resident.device))
         if self.backend is not None and self._refusal is None:
             # Functions of their own (fresh code objects): the compiler's cache lives and dies with this engine.
             layer, step = _fresh(decoder_layer), _fresh(adamw_step)
@@ -241,7 +255,7 @@ class LaunchedPasses:
             dtype=next(iter(typed[0].adapter.projections.values()))[0].dtype,
             dropout=any(m.adapter.dropout > 0 for m in typed),
         )
-        layout = self._layouts.get(key) or self._covering(key)
+        layout = self._layouts.get(key) or _covering(self._layouts, key, self.backend is not None)
         if layout is None:
             layout = self._layouts[key] = Layout(key, compiled=self.backend is not None)
         self._activate(layout)
@@ -251,26 +265,6 @@ class LaunchedPasses:
             slots.load(slot, member.adapter, runtime.state.optimizer)
             optimizer.configure(slot, member.settings)
         return layout
-
-    def _covering(self, key: LayoutKey) -> Layout | None:
-        """The smallest seen layout that can run a gang of ``key`` (every projection of it, a rank bucket as
-        large, the same dtype, dropout if it drops), or ``None``.
-
-        A gang whose members come and go (the promote schedule's gangs change from chunk to chunk) would
-        otherwise compile a layout for nearly every composition, each taking tens of seconds. In a larger
-        layout a member's unused projections have zero weights and scale, and its rank is padded with
-        zeros: it computes the same values, at the cost of the larger layout's pass.
-        """
-        covering = [
-            layout
-            for seen, layout in self._layouts.items()
-            if key.projections <= seen.projections
-            and key.rank <= seen.rank
-            and key.dtype == seen.dtype
-            and (seen.dropout or not key.dropout)
-            and (layout.compiled or self.backend is None)
-        ]
-        return min(covering, key=lambda layout: (len(layout.key.projections), layout.key.rank), default=None)
 
     def store(self, layout: Layout, runtimes: Sequence[TrialRuntime]) -> None:
         """Copy every member's slot back into its own parameters and optimizer state."""
@@ -282,9 +276,7 @@ class LaunchedPasses:
         """Give ``layout`` its storage, freeing the previous layout's (one layout's storage lives at a time)."""
         if self._active is layout:
             return
-        if self._active is not None:
-            self._active.slots = self._active.optimizer = self._active.salts = None
-            self._active.loras = []
+        self.release()
         device = self.resident.device
         projections = sorted(layout.key.projections, key=lambda p: (p.layer, PROJECTIONS.index(p.name)))
         slots = GangSlots(projections, layout.key.rank, self.capacity, layout.key.dtype, device)
@@ -303,8 +295,10 @@ class LaunchedPasses:
             self.background.step(layout, layout.optimizer)
 
     def release(self) -> None:
-        """Free the active layout's storage (the compiled code stays)."""
+        """Free the active layout's storage and its recorded passes (the compiled code stays)."""
         if self._active is not None:
+            if self.graphs is not None and self._active.slots is not None:
+                self.graphs.forget(self._active.slots)
             self._active.slots = self._active.optimizer = self._active.salts = None
             self._active.loras = []
             self._active = None
@@ -417,6 +411,27 @@ class LaunchedPasses:
             current.compiles += 1
         assert self.backend is not None
         return _compat.compile_backend(self.backend)(graph, example_inputs)
+
+
+def _covering(layouts: dict[LayoutKey, Layout], key: LayoutKey, compiles: bool) -> Layout | None:
+    """The smallest seen layout that can run a gang of ``key`` (every projection of it, a rank bucket as
+    large, the same dtype, dropout if it drops), or ``None``.
+
+    A gang whose members come and go (the promote schedule's gangs change from chunk to chunk) would
+    otherwise compile a layout for nearly every composition, each taking tens of seconds. In a larger
+    layout a member's unused projections have zero weights and scale, and its rank is padded with
+    zeros: it computes the same values, at the cost of the larger layout's pass.
+    """
+    covering = [
+        layout
+        for seen, layout in layouts.items()
+        if key.projections <= seen.projections
+        and key.rank <= seen.rank
+        and key.dtype == seen.dtype
+        and (seen.dropout or not key.dropout)
+        and (layout.compiled or not compiles)
+    ]
+    return min(covering, key=lambda layout: (len(layout.key.projections), layout.key.rank), default=None)
 
 
 def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -34,13 +34,22 @@ _logger = get_logger(__name__)
 
 def compile_backend(setting: bool | str, device_type: str) -> str | bool:
     """The ``torch.compile`` backend the fused engine's launched pass uses on a device of ``device_type``
-    (``False``: none): ``"auto"`` compiles with Inductor on a GPU only (on the CPU compiling costs more
-    than it saves in a study), ``True`` with Inductor anywhere."""
+    (``False``: none): ``"auto"`` compiles nothing (on a GPU the streamed passes are recorded as CUDA graphs
+    instead, see :func:`records_graphs`), ``True`` compiles with Inductor anywhere."""
     if setting == "auto":
-        return "inductor" if device_type == "cuda" else False
+        return False
     if setting is True:
         return "inductor"
     return setting
+
+
+def records_graphs(setting: bool | str, device_type: str) -> bool:
+    """Whether the fused engine replays its streamed passes from CUDA graphs: with ``compile="auto"`` on a GPU.
+
+    Recording a pass costs about one uncompiled pass, where compiling the launched pass cost 20-50 s on an
+    H200 (and stalled the passes beside it), and a replay launches the pass's thousands of small kernels at
+    once: the 82M search's passes are launch-bound, so this is what makes them fast."""
+    return setting == "auto" and device_type == "cuda"
 
 
 def engine_for(config: ExecutorConfig, device: torch.device) -> str:
@@ -103,7 +112,10 @@ class DeviceRuntime:
                 state_budget=self._state_budget(),
             )
             self.engine = ENGINES[self.engine_name].create(
-                trials, compile=compile_backend(config.compile, self.device.type), capacity=config.max_concurrent_trials
+                trials,
+                compile=compile_backend(config.compile, self.device.type),
+                capacity=config.max_concurrent_trials,
+                graphs=records_graphs(config.compile, self.device.type),
             )
             self._worker = DeviceWorker(
                 self.engine,

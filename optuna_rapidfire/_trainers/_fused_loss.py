@@ -70,6 +70,10 @@ class FusedLoss(ABC):
     #: Whether a training micro-batch may get rows of padding (no loss tokens) without changing its loss; a
     #: loss that reads the rows' layout (DPO's chosen, then rejected halves) may not.
     pads_rows: bool = False
+    #: Whether a pass's loss tokens may be padded with tokens summed into one more sum (the last of ``members``
+    #: in :meth:`losses`), whose scale is zero: the members' sums stay what they are, and the pass's shapes then
+    #: depend on its rows only (a CUDA graph of the pass replays for any tokens).
+    pads_tokens: bool = False
 
     def eval_refusal(self) -> str | None:
         """Why the kind's trials evaluate one by one rather than in the gang's shared forward passes

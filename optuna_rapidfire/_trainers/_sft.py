@@ -43,6 +43,7 @@ class SFTFusedLoss(FusedLoss):
 
     eval_outputs = ("entropy", "is_top1")
     pads_rows = True
+    pads_tokens = True
 
     def eval_metrics(self, trainer: Trainer, args: TrainingArguments, batches: list[EvalRows]) -> dict[str, float]:
         """``SFTTrainer.evaluate``'s metrics: the loss (each micro-batch's mean over its tokens, averaged over

@@ -16,6 +16,7 @@ from transformers import AutoConfig
 from optuna_rapidfire._engines import _launched
 from optuna_rapidfire._engines._gang_stream import GangStream, row_bucket
 from optuna_rapidfire._engines._gang_training import GangTraining
+from optuna_rapidfire._engines._pass_graphs import PassGraphs, Reenactment
 from optuna_rapidfire.schedules import BaseSchedule
 
 # batch size, rank, targets, dropout, learning rate: three batch sizes, so the members' chunks end at different
@@ -121,8 +122,8 @@ def test_compiling_in_the_background_gives_the_eager_values(make_executor, tiny_
     eager, _ = _values(make_executor, 2, compile=False)
     init = _launched.LaunchedPasses.__init__
 
-    def background(self, resident, compile, capacity, background=None):
-        init(self, resident, compile, capacity, background=True)
+    def background(self, resident, compile, capacity, background=None, **kwargs):
+        init(self, resident, compile, capacity, background=True, **kwargs)
 
     monkeypatch.setattr(_launched.LaunchedPasses, "__init__", background)
     with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
@@ -135,4 +136,30 @@ def test_compiling_in_the_background_gives_the_eager_values(make_executor, tiny_
     assert "Background compilation of the launched pass" in caplog.text
     assert "Compiled the launched pass" not in caplog.text  # no pass waited for a compilation
     for a, b in zip(eager, compiled, strict=True):
+        assert_within_rounding(b, a, terms=_terms(tiny_model))
+
+
+@pytest.mark.numerics
+def test_recorded_passes_replay_what_the_passes_compute(make_executor, tiny_model, monkeypatch) -> None:
+    """The streamed passes recorded once per shape and replayed on static copies of their inputs (on the CPU a
+    replay runs the recorded function again on those copies, so a pass that read anything else of its own would
+    train on another pass's data): the loss tokens padded, the values those of the unrecorded study, and most
+    passes and optimizer steps replayed."""
+    plain, _ = _values(make_executor, 2, schedule=EveryReady())
+    init = _launched.LaunchedPasses.__init__
+    recorders: list[Reenactment] = []
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        recorders.append(Reenactment())
+        self.graphs = PassGraphs(recorders[-1])
+
+    monkeypatch.setattr(_launched.LaunchedPasses, "__init__", recording)
+    replayed, executor = _values(make_executor, 2, schedule=EveryReady())
+    stats = executor.stats()
+    passes = sum(stats.gang_fill)
+    assert stats.graphs_recorded == recorders[0].recorded > 0 and stats.graph_failures == 0
+    # every shape's first call runs as it is, its second is recorded and replayed: the rest are replays
+    assert stats.graph_replays > passes - stats.graphs_recorded, (stats.graph_replays, passes)
+    for a, b in zip(plain, replayed, strict=True):
         assert_within_rounding(b, a, terms=_terms(tiny_model))
