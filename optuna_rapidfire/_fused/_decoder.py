@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from optuna_rapidfire._fused._dropout import apply, keep_scale
+from optuna_rapidfire._fused._dropout import dropped
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -111,7 +111,7 @@ def _project(
         return out
     units = rows.units
     if rows.keys is not None and rows.drop is not None and rows.tokens is not None and rows.features is not None:
-        x = apply(x, keep_scale(rows.keys, salts[index], rows.drop, rows.tokens, rows.features[index]))
+        x = dropped(x, rows.keys, salts[index], rows.drop, rows.tokens, rows.features[index])
     # Transposed before the gather: Inductor (torch 2.13, CPU) scatters a one-unit gather's gradient with the
     # wrong strides when the transpose comes after it.
     a = lora.a.transpose(1, 2).index_select(0, units)  # [units, in, r]

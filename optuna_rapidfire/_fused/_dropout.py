@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -132,3 +133,63 @@ def keep_scale(
 def apply(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x`` times a :func:`keep_scale` mask, computed in float32 and rounded once to ``x``'s dtype."""
     return (x.float() * scale).to(x.dtype)
+
+
+def dropped(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    salt: torch.Tensor | int,
+    drop: torch.Tensor,
+    tokens: torch.Tensor,
+    features: torch.Tensor,
+) -> torch.Tensor:
+    """``x`` (``[rows, tokens, features]``) times its :func:`keep_scale` mask (:func:`apply`), differentiable.
+
+    Uncompiled on a GPU, one Triton kernel computes each element's mask where it applies it (and again in the
+    backward pass): kernel by kernel the mask is some twenty int64 passes over the whole input, which made the
+    dropping layers' masks most of an uncompiled pass's device time on an H200. The bits are the same (the
+    32-bit mixer wraps in uint32 as :func:`mix` masks in int64; the keep scale is divided with IEEE rounding).
+    Compiled, or elsewhere, the torch code (which the compiler fuses)."""
+    kernel = _kernel() if x.is_cuda and not torch.compiler.is_compiling() else None
+    if kernel is None:
+        return apply(x, keep_scale(rows, salt, drop, tokens, features))
+    row = mix_tensor(torch.bitwise_xor(rows, salt))
+    return _Dropped.apply(x, row, drop.to(torch.float32), tokens, features)
+
+
+class _Dropped(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, row: torch.Tensor, drop: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(row, drop, tokens, features)
+        return _launch(x, row, drop, tokens, features)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        row, drop, tokens, features = ctx.saved_tensors
+        # y = (x * s) rounded, so dx = (dy * s) rounded to x's dtype: the same kernel on the gradient.
+        return _launch(grad, row, drop, tokens, features), None, None, None, None
+
+
+def _launch(
+    x: torch.Tensor, row: torch.Tensor, drop: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor
+) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    count = x.numel()
+    block = 1024
+    _kernel()[((count + block - 1) // block,)](
+        x, out, row, drop, tokens, features, count, tokens.numel(), features.numel(), BLOCK=block
+    )
+    return out
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The Triton kernel of :func:`dropped` (``None`` without Triton)."""
+    try:
+        from optuna_rapidfire._fused._dropout_kernel import kernel
+    except ImportError:
+        return None
+    return kernel

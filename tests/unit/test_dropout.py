@@ -66,3 +66,26 @@ def test_a_stream_continues_from_its_state_and_differs_by_seed() -> None:
     assert resumed.next_key() == again.next_key()  # both took three keys
     assert DropoutStream.seeded(12).next_key() != first[0]
     assert len(set(first)) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on a GPU (run on the H200)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpu_kernel_drops_and_scales_exactly_as_the_torch_code(dtype: torch.dtype) -> None:
+    """The uncompiled GPU path's Triton kernel: the same output and input gradient bits as the torch code, for
+    rows of two members with other probabilities (one of them zero), lengths and widths no block divides."""
+    from optuna_rapidfire._fused._dropout import dropped
+
+    gpu = torch.device("cuda")
+    torch.manual_seed(0)
+    keys = row_keys([mix(5), mix(9), mix(13)], [4, 3, 2]).to(gpu)
+    drop = torch.tensor([0.1] * 4 + [0.35] * 3 + [0.0] * 2, device=gpu)
+    salt = torch.tensor(layer_salt("model.layers.3.mlp.down_proj"), device=gpu)
+    tokens, features = position_keys(77, gpu), feature_keys(333, gpu)
+    x = torch.randn(9, 77, 333, dtype=dtype, device=gpu, requires_grad=True)
+    grad = torch.randn_like(x)
+    reference = apply(x, keep_scale(keys, salt, drop, tokens, features))
+    (expected,) = torch.autograd.grad(reference, x, grad)
+    out = dropped(x, keys, salt, drop, tokens, features)
+    (got,) = torch.autograd.grad(out, x, grad)
+    assert torch.equal(out, reference) and torch.equal(got, expected)
+    assert torch.equal(out[7:], x[7:])  # p = 0 keeps the rows unchanged
