@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _mix32(x):  # type: ignore[no-untyped-def]
     x = ((x >> 16) ^ x) * 0x45D9F3B

@@ -233,8 +233,13 @@ class _Refill:
 
     def delivered(self, done: Sequence[tuple[Any, ChunkResult | BaseException]]) -> None:
         entries = [(self._active.pop(id(runtime)), result) for runtime, result in done]
-        for entry, result in entries:
-            mates = frozenset(o.number for o, _ in entries if o is not entry and o.chunks_done == entry.chunks_done)
+        # Each member's step before any delivery moves one on: a member delivered first would otherwise count as
+        # the mate of a member one chunk ahead, whose decision then waits for a report that never comes.
+        steps = [entry.chunks_done for entry, _ in entries]
+        for (entry, result), step in zip(entries, steps, strict=True):
+            mates = frozenset(
+                o.number for (o, _), at in zip(entries, steps, strict=True) if o is not entry and at == step
+            )
             self.worker.deliver(entry, result, mates)
 
     def seated(self) -> list[Entry]:

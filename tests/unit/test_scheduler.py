@@ -667,3 +667,34 @@ def test_waiting_trials_are_not_stopped_while_a_member_still_trains() -> None:
     views = [e.view() for e in [*waiting[1:], training]]
     assert schedule.choose(views, fuse=True, now=0.0, reports=done) is None
     assert isinstance(schedule.choose(views[:2], fuse=True, now=0.0, reports=done), Stop)
+
+
+def test_members_ending_at_one_pass_boundary_are_mates_only_of_those_that_ended_the_same_step() -> None:
+    """A stream delivers the members that ended at one pass boundary one after another, each delivery moving that
+    member on a chunk: the mates are worked out before any of them, so a member one chunk behind (delivered first)
+    is never the mate of one a chunk ahead, whose pruning decision would then wait for ever for a report of a step
+    that member never trains."""
+    from optuna_rapidfire._runtime._worker import _Refill
+
+    scheduler, entries = _scheduler(0, 1, 2, schedule="promote")
+    runtimes = [object() for _ in entries]
+    for _ in entries:
+        task, (entry,) = scheduler.next_task()
+        assert task is Task.BUILD
+        scheduler.built(entry, runtime=runtimes[entry.number], chunks_done=2 if entry.number == 0 else 3)
+    delivered: dict[int, frozenset[int]] = {}
+
+    class Worker:
+        def __init__(self) -> None:
+            self.scheduler = scheduler
+
+        def deliver(self, entry: Entry, result: object, mates: frozenset[int]) -> None:
+            delivered[entry.number] = mates
+            scheduler.chunk_done(entry, mates)
+
+    for entry in entries:
+        entry.status = Status.TRAINING
+    refill = _Refill(Worker(), entries)  # type: ignore[arg-type]
+    refill.delivered([(runtime, object()) for runtime in runtimes])  # type: ignore[misc]
+    assert delivered == {0: frozenset(), 1: frozenset({2}), 2: frozenset({1})}
+    assert [e.chunks_done for e in entries] == [3, 4, 4] and refill.seated() == []
