@@ -261,6 +261,9 @@ def main() -> None:
             for k, v in sorted(by_members.items())
         },
         "compiles": stats.compiles,
+        "graphs_recorded": stats.graphs_recorded,
+        "graph_replays": stats.graph_replays,
+        "graph_failures": stats.graph_failures,
         "log": log.lines,
         "gang_fill": list(stats.gang_fill),
         "states": {s.name: sum(t.state == s for t in study.trials) for s in optuna.trial.TrialState},
@@ -269,6 +272,7 @@ def main() -> None:
         ],
     }
     label = f"stream_profile_{options.compile}{'_warm_child' if options.warm_child else ''}"
+    label += "_graphs" if stats.graphs_recorded else ""
     if timed.profiler is not None and len(passes) >= end:
         record["window"] = {"passes": [start, end], **_window_counts(timed.profiler, end - start)}
         events = timed.profiler.key_averages()

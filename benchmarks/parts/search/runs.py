@@ -127,5 +127,8 @@ def executor_worker(spec: dict[str, Any], settings: Settings, base: Path, go: fl
             "compiles": stats.compiles,
             "switches": stats.switches,
             "gang_fill": list(stats.gang_fill),
+            "graphs_recorded": stats.graphs_recorded,
+            "graph_replays": stats.graph_replays,
+            "graph_failures": stats.graph_failures,
         },
     }
