@@ -8,6 +8,7 @@ adapters off; the per-row sums reach the host once, and each kind computes its m
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ import torch
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._gang_passes import Layouts, chunk_width
 from optuna_rapidfire._fused._fused_pass import backbone_and_head
+from optuna_rapidfire._fused._slots import gcd_units
 from optuna_rapidfire._fused._token_stats import token_stats
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._resident._data import rows_of
@@ -24,7 +26,7 @@ from optuna_rapidfire._trainers._fused_loss import EvalRows
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from optuna_rapidfire._engines._gang_passes import GangPasses, MemberChunk
+    from optuna_rapidfire._engines._gang_passes import GangPasses, MemberChunk, Pass
     from optuna_rapidfire._engines._launched import Layout
     from optuna_rapidfire._engines._trials import TrialRuntime
     from optuna_rapidfire._trainers._fused_loss import FusedLoss
@@ -102,8 +104,6 @@ class GangEvaluation:
         metrics compare against one; the sums reach the host once, at the end.
         """
         first, model = runtimes[0], self.trials.resident.module
-        _, head = backbone_and_head(self.trials.resident.base)
-        config = self.trials.resident.base.config
         plans = [self.plan(runtime, loss) for runtime in runtimes]
         chunks = [chunk for chunk, _ in plans]
         # Right after a launched chunk its slots still hold the members' weights: evaluate through them.
@@ -113,9 +113,20 @@ class GangEvaluation:
         sums: list[list[torch.Tensor]] = [[] for _ in runtimes]
         was_training = model.training
         model.eval()
+        graphs = self.launched.graphs
+        # Recorded as CUDA graphs where the training passes are: rows padded to a bucket, loss tokens to a power of
+        # two (into one more row of sums), so that a pass's shapes repeat from one evaluation to the next.
+        record = graphs is not None and layout is not None and loss.pads_tokens and not loss.eval_reference
         try:
             for index in range(max(len(chunk.inputs) for chunk in chunks)):
                 for group in self.gang_passes.split(chunks, index):
+                    shape = sums_count = None
+                    if record:
+                        counts = [len(chunks[k].inputs[index]["input_ids"]) for k in group]
+                        unit = gcd_units(counts)
+                        # A power of two of units (one unit too: nothing here is compiled).
+                        shape = (unit, unit << (sum(counts) // unit - 1).bit_length())
+                        sums_count = shape[1] + 1
                     shared = self.gang_passes.lay_out(
                         runtimes,
                         chunks,
@@ -127,27 +138,21 @@ class GangEvaluation:
                         layout,
                         width,
                         slots=None if slots is None else [slots[k] for k in group],
+                        shape=shape,
+                        sums=sums_count,
                     )
-                    autocast = first.spec.kind.autocast(first.args, self.device)
-                    with self.gang_passes.context(shared), autocast:
-                        hidden = self.gang_passes.loss_hidden(shared)
-                        stats = token_stats(hidden, head, shared.where[2], config, loss.eval_outputs)
-                    zeros = torch.zeros_like(stats.log_probs)
-                    reference = zeros
-                    if loss.eval_reference:
-                        with self.gang_passes.context(shared), first.spec.kind.autocast(first.args, self.device):
-                            base = self.gang_passes.loss_hidden(shared, base=True)
-                            reference = token_stats(base, head, shared.where[2], config).log_probs
-                    columns = [
-                        stats.log_probs,
-                        zeros if stats.entropy is None else stats.entropy.float(),
-                        zeros if stats.is_top1 is None else stats.is_top1.float(),
-                        zeros if stats.mean_logits is None else stats.mean_logits.float(),
-                        torch.ones_like(stats.log_probs),
-                        reference,
-                    ]
-                    rows = len(shared.input_ids)
-                    totals = zeros.new_zeros(rows, len(columns)).index_add_(0, shared.where[1], torch.stack(columns, 1))
+                    with self.gang_passes.context(shared):
+                        if record and graphs is not None and layout is not None and layout.slots is not None:
+                            mode = (bool(getattr(first.args, "bf16", False)), bool(getattr(first.args, "fp16", False)))
+                            totals = graphs.run(
+                                layout.slots,
+                                ("eval", mode, loss.eval_outputs),
+                                shared.tensors(),
+                                functools.partial(self._replayed_sums, first, shared, loss),
+                            )
+                            assert totals is not None
+                        else:
+                            totals = self.row_sums(first, shared, loss)
                     start = 0
                     for k in group:
                         count = len(chunks[k].inputs[index]["input_ids"])
@@ -165,6 +170,36 @@ class GangEvaluation:
             ]
             for (_, counts), member in zip(plans, sums, strict=True)
         ]
+
+    def row_sums(self, first: TrialRuntime, shared: Pass, loss: FusedLoss) -> torch.Tensor:
+        """One eval pass's sums over each row's loss tokens (``[rows, 6]``, the columns of :class:`EvalRows`; one
+        row more when the loss tokens are padded: :attr:`Pass.sums`)."""
+        _, head = backbone_and_head(self.trials.resident.base)
+        config = self.trials.resident.base.config
+        with first.spec.kind.autocast(first.args, self.device):
+            hidden = self.gang_passes.loss_hidden(shared)
+            stats = token_stats(hidden, head, shared.where[2], config, loss.eval_outputs)
+        zeros = torch.zeros_like(stats.log_probs)
+        reference = zeros
+        if loss.eval_reference:
+            with first.spec.kind.autocast(first.args, self.device):
+                base = self.gang_passes.loss_hidden(shared, base=True)
+                reference = token_stats(base, head, shared.where[2], config).log_probs
+        columns = [
+            stats.log_probs,
+            zeros if stats.entropy is None else stats.entropy.float(),
+            zeros if stats.is_top1 is None else stats.is_top1.float(),
+            zeros if stats.mean_logits is None else stats.mean_logits.float(),
+            torch.ones_like(stats.log_probs),
+            reference,
+        ]
+        rows = shared.sums if shared.sums is not None else len(shared.input_ids)
+        return zeros.new_zeros(rows, len(columns)).index_add_(0, shared.where[1], torch.stack(columns, 1))
+
+    def _replayed_sums(
+        self, first: TrialRuntime, shared: Pass, loss: FusedLoss, tensors: Sequence[torch.Tensor | None]
+    ) -> torch.Tensor:
+        return self.row_sums(first, shared.with_tensors(tensors), loss)
 
     def plan(self, runtime: TrialRuntime, loss: FusedLoss) -> tuple[MemberChunk, list[int]]:
         """The trial's eval micro-batches, collated by its trainer, as :meth:`GangPasses.plan` lays out a chunk, and

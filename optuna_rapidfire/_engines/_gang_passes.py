@@ -319,6 +319,13 @@ def pad_rows(ids: torch.Tensor, rows: int, pad: int) -> torch.Tensor:
     return torch.cat([ids, ids.new_full((missing, ids.shape[1]), pad)]) if missing > 0 else ids
 
 
+def row_bucket(rows: int, unit: int) -> int:
+    """The rows a pass of ``rows`` rows is padded to: ``unit`` times the next power of two, at least 2 (a few sizes
+    only; never one unit, a size the compiler would specialise a graph for)."""
+    units = max(-(-rows // unit), 2)
+    return unit * (1 << (units - 1).bit_length())
+
+
 def chunk_width(plans: Sequence[MemberChunk]) -> int:
     """The tokens every launched pass of a chunk is padded to: its longest micro-batch's, rounded up to 64.
 

@@ -28,7 +28,7 @@ import torch
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._fusion import train_refusal
-from optuna_rapidfire._engines._gang_passes import chunk_width, split_passes, to_device_async
+from optuna_rapidfire._engines._gang_passes import chunk_width, row_bucket, split_passes, to_device_async
 from optuna_rapidfire._engines._trials import clips, train_metrics
 from optuna_rapidfire._fused._slots import rank_bucket
 from optuna_rapidfire._resident._state import RngState
@@ -71,13 +71,6 @@ class Seat:
     index: int = 0
     taken: int = 0
     losses: list[torch.Tensor] = field(default_factory=list)
-
-
-def row_bucket(rows: int, unit: int) -> int:
-    """The rows a pass of ``rows`` rows is padded to: ``unit`` times the next power of two, at least 2 (a few sizes
-    only; never one unit, a size the compiler would specialise a graph for)."""
-    units = max(-(-rows // unit), 2)
-    return unit * (1 << (units - 1).bit_length())
 
 
 def width_bucket(tokens: int) -> int:

@@ -14,7 +14,8 @@ from helpers import lora, sft_args
 from transformers import AutoConfig
 
 from optuna_rapidfire._engines import _launched
-from optuna_rapidfire._engines._gang_stream import GangStream, row_bucket
+from optuna_rapidfire._engines._gang_passes import row_bucket
+from optuna_rapidfire._engines._gang_stream import GangStream
 from optuna_rapidfire._engines._gang_training import GangTraining
 from optuna_rapidfire._engines._pass_graphs import PassGraphs, Reenactment
 from optuna_rapidfire.schedules import BaseSchedule
@@ -144,7 +145,7 @@ def test_recorded_passes_replay_what_the_passes_compute(make_executor, tiny_mode
     """The streamed passes recorded once per shape and replayed on static copies of their inputs (on the CPU a
     replay runs the recorded function again on those copies, so a pass that read anything else of its own would
     train on another pass's data): the loss tokens padded, the values those of the unrecorded study, and most
-    passes and optimizer steps replayed."""
+    training passes, optimizer steps and evaluation passes replayed."""
     plain, _ = _values(make_executor, 2, schedule=EveryReady())
     init = _launched.LaunchedPasses.__init__
     recorders: list[Reenactment] = []
@@ -155,7 +156,16 @@ def test_recorded_passes_replay_what_the_passes_compute(make_executor, tiny_mode
         self.graphs = PassGraphs(recorders[-1])
 
     monkeypatch.setattr(_launched.LaunchedPasses, "__init__", recording)
+    kinds: list[str] = []
+    run = PassGraphs.run
+
+    def counting(graphs, owner, key, inputs, fn):
+        kinds.append(key if isinstance(key, str) else key[0])
+        return run(graphs, owner, key, inputs, fn)
+
+    monkeypatch.setattr(PassGraphs, "run", counting)
     replayed, executor = _values(make_executor, 2, schedule=EveryReady())
+    assert {"pass", "step", "eval"} <= set(kinds)  # training passes, optimizer steps and evaluation passes
     stats = executor.stats()
     passes = sum(stats.gang_fill)
     assert stats.graphs_recorded == recorders[0].recorded > 0 and stats.graph_failures == 0
