@@ -147,14 +147,15 @@ class RapidFireExecutor:
             trial goes on (:class:`~optuna_rapidfire.schedules.PromoteSchedule`). ``"lockstep"``: chunk k
             of every live trial before anyone's chunk k+1, pruning decisions at round barriers, all
             completing at the end of their wave. Per-chunk values do not depend on the schedule.
-        compile: How the fused engine runs a gang's pass. ``"auto"`` (default): on a GPU, uncompiled kernels
-            whose streamed training passes and optimizer steps are recorded as CUDA graphs, one per pass
-            shape (rows padded to a few buckets, tokens to the stream's width), and replayed with one launch:
-            no compilation at all, a recording costs about one pass; uncompiled on the CPU. ``True``:
-            compiled with ``torch.compile`` (Inductor) on any device, once per gang *layout* (the projections
-            the members adapt, their rank bucket, precision, dropout) and reused by every gang of that layout
-            (on a GPU in a background thread while the passes run uncompiled); ``False``: neither; or the name
-            of a ``torch.compile`` backend. A layout that fails to compile, or a shape that cannot be
+        compile: How the fused engine runs a gang's pass. ``"auto"`` (default): on a GPU, a stream's passes
+            (SFT: training, optimizer steps, evaluation) are uncompiled kernels recorded as CUDA graphs, one per
+            pass shape (rows padded to a few buckets, tokens to the stream's width), and replayed with one
+            launch: a recording costs about one pass and nothing is compiled; the passes of fixed gangs (DPO,
+            GRPO's policy passes) are compiled as with ``True``; uncompiled on the CPU. ``True``: compiled with
+            ``torch.compile`` (Inductor) on any device, once per gang *layout* (the projections the members
+            adapt, their rank bucket, precision, dropout) and reused by every gang of that layout (on a GPU in a
+            background thread while the passes run uncompiled), nothing recorded; ``False``: neither; or the
+            name of a ``torch.compile`` backend. A layout that fails to compile, or a shape that cannot be
             recorded, runs uncompiled, the log says why, and the results are the same.
             Llama-family models (Llama, Mistral, Qwen2, Qwen3) take this pass; other models train in the
             model's own modules, uncompiled.

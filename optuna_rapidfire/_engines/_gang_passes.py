@@ -212,7 +212,9 @@ class GangPasses:
         """The backbone's last hidden state at every loss token's position (the one predicting it); ``base``:
         with the adapters off."""
         if shared.rows is not None:  # the launched pass
-            hidden = self.launched.hidden(shared.input_ids, shared.rows, None if base else shared.layout)
+            # A padded pass is one a CUDA graph records: uncompiled kernels.
+            layout = None if base else shared.layout
+            hidden = self.launched.hidden(shared.input_ids, shared.rows, layout, eager=shared.sums is not None)
         else:
             backbone, _ = backbone_and_head(self.resident.base)
             with base_only(shared.layers) if base else contextlib.nullcontext():

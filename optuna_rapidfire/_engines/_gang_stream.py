@@ -264,7 +264,9 @@ class GangStream:
             ready_t = to_device_async(torch.tensor(ready, dtype=torch.float32), self.device)
             lr_t = to_device_async(torch.tensor(lr, dtype=torch.float64), self.device)
             if graphs is not None and layout.slots is not None:
-                graphs.run(layout.slots, "step", [ready_t, lr_t], lambda t: self.launched.step(layout, *_both(t)))
+                graphs.run(
+                    layout.slots, "step", [ready_t, lr_t], lambda t: self.launched.step(layout, *_both(t), eager=True)
+                )
             else:
                 self.launched.step(layout, ready_t, lr_t)
 

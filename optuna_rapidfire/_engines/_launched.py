@@ -133,8 +133,9 @@ class LaunchedPasses:
         compile: ``False`` (run uncompiled), or the ``torch.compile`` backend (``"inductor"``...).
         capacity: Slots per layout: the most trials a gang holds.
         background: Compile in a background thread while the passes run eagerly (``None``: on a GPU only).
-        graphs: Replay streamed training passes and optimizer steps from CUDA graphs, one per shape
-            (:mod:`~optuna_rapidfire._engines._pass_graphs`; on a GPU only, and only uncompiled).
+        graphs: Replay streamed training passes, optimizer steps and evaluations from CUDA graphs, one per shape
+            (:mod:`~optuna_rapidfire._engines._pass_graphs`; on a GPU only): those passes run uncompiled kernels
+            and never ask the compiler for anything.
 
     Attributes:
         graphs: The recorded passes (``None``: every pass is launched kernel by kernel).
@@ -166,7 +167,7 @@ class LaunchedPasses:
         self._local = threading.local()  # the layout whose compilations are counted, per thread
         self.background: _Background | None = None
         self.graphs: PassGraphs | None = None
-        if graphs and self.backend is None and resident.device.type == "cuda":
+        if graphs and resident.device.type == "cuda":
             self.graphs = PassGraphs(CudaGraphs(), torch.cuda.Stream(resident.device))
         if self.backend is not None and self._refusal is None:
             # Functions of their own (fresh code objects): the compiler's cache lives and dies with this engine.
@@ -295,8 +296,6 @@ class LaunchedPasses:
         table = salts_of(len(self.decoder.layers), [w for w, _ in places], [s for _, s in places])
         layout.salts = torch.tensor(table, dtype=torch.int64, device=device)
         self._active = layout
-        if self.background is not None and layout.compiled:
-            self.background.step(layout, layout.optimizer)
 
     def release(self) -> None:
         """Free the active layout's storage and its recorded passes (the compiled code stays)."""
@@ -325,9 +324,12 @@ class LaunchedPasses:
 
     # -- the pass --------------------------------------------------------------------------------
 
-    def hidden(self, input_ids: torch.Tensor, rows: Rows, layout: Layout | None) -> torch.Tensor:
+    def hidden(
+        self, input_ids: torch.Tensor, rows: Rows, layout: Layout | None, *, eager: bool = False
+    ) -> torch.Tensor:
         """The final hidden states ``[rows, tokens, hidden]`` of a pass: the frozen base with every member's
-        LoRA on its units (``layout``), or the base alone (``None``, a reference pass)."""
+        LoRA on its units (``layout``), or the base alone (``None``, a reference pass); ``eager``: uncompiled
+        kernels, nothing asked of the compiler (a pass recorded as a CUDA graph)."""
         decoder = self.decoder
         _compat.allow_recompiles(_RECOMPILE_LIMIT)  # on the thread that compiles
         h = decoder.embed(input_ids)
@@ -335,7 +337,7 @@ class LaunchedPasses:
             # Every layer then sees an input that requires grad: one compiled graph serves the first layer too.
             h.requires_grad_(True)
         cos, sin = decoder.tables(input_ids.shape[1], h.dtype, h.device)
-        compiled = layout is None or layout.compiled
+        compiled = (layout is None or layout.compiled) and not eager
         fn = self._layer_fn if compiled and self.backend is not None else decoder_layer
         loras: Sequence[tuple[Lora | None, ...]] = (
             layout.loras if layout is not None else [(None,) * len(PROJECTIONS)] * len(decoder.layers)
@@ -390,14 +392,20 @@ class LaunchedPasses:
         # What the compiler said (a kernel that failed in a compile worker says it on the following lines).
         _logger.info("The compiler's error, in full:\n%s", "\n".join(lines[-60:]))
 
-    def step(self, layout: Layout, ready: torch.Tensor, lr: torch.Tensor) -> None:
+    def step(self, layout: Layout, ready: torch.Tensor, lr: torch.Tensor, *, eager: bool = False) -> None:
         """The gang's optimizer step (compiled with the layout unless it fell back; a step whose compilation
-        fails runs uncompiled: the compiler fails before anything is updated)."""
+        fails runs uncompiled: the compiler fails before anything is updated); ``eager``: uncompiled (a step
+        recorded as a CUDA graph)."""
         optimizer = layout.optimizer
         assert optimizer is not None
+        if eager:
+            optimizer.step(ready, lr, eager=True)
+            return
         _compat.allow_recompiles(_RECOMPILE_LIMIT)  # on the thread that compiles
         if not (layout.compiled and self.backend is not None):
             optimizer.compiled = False
+        elif self.background is not None:
+            self.background.step(layout, optimizer)  # asked once per layout: compiled while the steps run eagerly
         try:
             optimizer.step(ready, lr)
         except Exception as error:

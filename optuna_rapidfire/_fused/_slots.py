@@ -246,11 +246,13 @@ class GangAdamW:
         self.weight_decay[slot] = settings.weight_decay
         self.max_norm[slot] = settings.max_grad_norm
 
-    def step(self, ready: torch.Tensor, lr: torch.Tensor) -> None:
+    def step(self, ready: torch.Tensor, lr: torch.Tensor, *, eager: bool = False) -> None:
         """Step the ``ready`` slots (float32 0/1 ``[slots]``) with learning rates ``lr`` (float64 ``[slots]``); their
-        gradient norms before clipping are kept in :attr:`last_norm`; their gradients are zeroed."""
+        gradient norms before clipping are kept in :attr:`last_norm`; their gradients are zeroed. ``eager``:
+        uncompiled whatever :attr:`compiled` says."""
         s = self.slots
-        step_fn = self._compiled_fn if self.compiled and self._compiled_fn is not None else adamw_step
+        compiled = self.compiled and not eager and self._compiled_fn is not None
+        step_fn = self._compiled_fn if compiled else adamw_step
         step_fn(
             s.params,
             s.grad,

@@ -34,10 +34,11 @@ _logger = get_logger(__name__)
 
 def compile_backend(setting: bool | str, device_type: str) -> str | bool:
     """The ``torch.compile`` backend the fused engine's launched pass uses on a device of ``device_type``
-    (``False``: none): ``"auto"`` compiles nothing (on a GPU the streamed passes are recorded as CUDA graphs
-    instead, see :func:`records_graphs`), ``True`` compiles with Inductor anywhere."""
+    (``False``: none): ``"auto"`` compiles with Inductor on a GPU only (the passes it records as CUDA graphs
+    run uncompiled kernels, see :func:`records_graphs`: a stream's, so Inductor compiles only what is not
+    recorded, fixed gangs such as DPO's), ``True`` with Inductor anywhere."""
     if setting == "auto":
-        return False
+        return "inductor" if device_type == "cuda" else False
     if setting is True:
         return "inductor"
     return setting

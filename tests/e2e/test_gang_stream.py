@@ -173,3 +173,22 @@ def test_recorded_passes_replay_what_the_passes_compute(make_executor, tiny_mode
     assert stats.graph_replays > passes - stats.graphs_recorded, (stats.graph_replays, passes)
     for a, b in zip(plain, replayed, strict=True):
         assert_within_rounding(b, a, terms=_terms(tiny_model))
+
+
+def test_recorded_passes_ask_nothing_of_the_compiler(make_executor, tiny_model, monkeypatch) -> None:
+    """``compile="auto"`` on a GPU: Inductor compiles in the background what is not recorded (fixed gangs, DPO's),
+    while a stream's passes, steps and evaluations are recorded from uncompiled kernels. A streamed study with a
+    compiling backend and a background compiler then compiles nothing, and reports the uncompiled values."""
+    plain, _ = _values(make_executor, 2, schedule=EveryReady(), compile=False)
+    init = _launched.LaunchedPasses.__init__
+
+    def both(self, resident, compile, capacity, background=None, **kwargs):
+        init(self, resident, compile, capacity, background=True, **kwargs)
+        self.graphs = PassGraphs(Reenactment())
+
+    monkeypatch.setattr(_launched.LaunchedPasses, "__init__", both)
+    replayed, executor = _values(make_executor, 2, schedule=EveryReady(), compile="aot_eager")
+    stats = executor.stats()
+    assert stats.compiles == 0 and stats.graphs_recorded > 0 and stats.graph_failures == 0
+    for a, b in zip(plain, replayed, strict=True):
+        assert_within_rounding(b, a, terms=_terms(tiny_model))
