@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._engines._gang_passes import Layouts, chunk_width
+from optuna_rapidfire._engines._gang_passes import Layouts, chunk_width, precision
+from optuna_rapidfire._engines._pass_graphs import replayed
 from optuna_rapidfire._fused._fused_pass import backbone_and_head
 from optuna_rapidfire._fused._slots import gcd_units
 from optuna_rapidfire._fused._token_stats import token_stats
@@ -113,10 +114,11 @@ class GangEvaluation:
         sums: list[list[torch.Tensor]] = [[] for _ in runtimes]
         was_training = model.training
         model.eval()
-        graphs = self.launched.graphs
         # Recorded as CUDA graphs where the training passes are: rows padded to a bucket, loss tokens to a power of
         # two (into one more row of sums), so that a pass's shapes repeat from one evaluation to the next.
-        record = graphs is not None and layout is not None and loss.pads_tokens and not loss.eval_reference
+        record = (
+            self.launched.graphs is not None and layout is not None and loss.pads_tokens and not loss.eval_reference
+        )
         try:
             for index in range(max(len(chunk.inputs) for chunk in chunks)):
                 for group in self.gang_passes.split(chunks, index):
@@ -142,11 +144,11 @@ class GangEvaluation:
                         sums=sums_count,
                     )
                     with self.gang_passes.context(shared):
-                        if record and graphs is not None and layout is not None and layout.slots is not None:
-                            mode = (bool(getattr(first.args, "bf16", False)), bool(getattr(first.args, "fp16", False)))
-                            totals = graphs.run(
+                        if record and layout is not None:
+                            totals = replayed(
+                                self.launched.graphs,
                                 layout.slots,
-                                ("eval", mode, loss.eval_outputs),
+                                ("eval", precision(first.args), loss.eval_outputs),
                                 shared.tensors(),
                                 functools.partial(self._replayed_sums, first, shared, loss),
                             )

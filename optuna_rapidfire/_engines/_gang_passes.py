@@ -315,6 +315,11 @@ class StepTables:
         return self.ready[row], self.lr[row]
 
 
+def precision(args: Any) -> tuple[bool, bool]:
+    """What of a trial's args a recorded pass's kernels depend on besides its inputs: bf16 and fp16 autocast."""
+    return bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
+
+
 def pad_rows(ids: torch.Tensor, rows: int, pad: int) -> torch.Tensor:
     """``ids`` (rows x tokens) with rows of ``pad`` appended up to ``rows``."""
     missing = rows - len(ids)

@@ -29,6 +29,7 @@ import torch
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._fusion import train_refusal
 from optuna_rapidfire._engines._gang_passes import chunk_width, row_bucket, split_passes, to_device_async
+from optuna_rapidfire._engines._pass_graphs import replayed
 from optuna_rapidfire._engines._trials import clips, train_metrics
 from optuna_rapidfire._fused._slots import rank_bucket
 from optuna_rapidfire._resident._state import RngState
@@ -263,12 +264,15 @@ class GangStream:
             training.stepped = True
             ready_t = to_device_async(torch.tensor(ready, dtype=torch.float32), self.device)
             lr_t = to_device_async(torch.tensor(lr, dtype=torch.float64), self.device)
-            if graphs is not None and layout.slots is not None:
-                graphs.run(
-                    layout.slots, "step", [ready_t, lr_t], lambda t: self.launched.step(layout, *_both(t), eager=True)
-                )
-            else:
-                self.launched.step(layout, ready_t, lr_t)
+            # A recorded step runs uncompiled kernels (nothing of a stream asks the compiler for anything).
+            recorded = graphs is not None
+            replayed(
+                graphs,
+                layout.slots,
+                "step",
+                [ready_t, lr_t],
+                lambda t: self.launched.step(layout, *_both(t), eager=recorded),
+            )
 
     def _end(self, ended: Sequence[Seat], layout: Layout) -> list[tuple[TrialRuntime, ChunkResult | BaseException]]:
         """The members whose chunk ended: evaluated together through their slots, then stored back into their

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._engines._gang_passes import Layouts, StepTables, chunk_width
+from optuna_rapidfire._engines._gang_passes import Layouts, StepTables, chunk_width, precision
+from optuna_rapidfire._engines._pass_graphs import replayed
 from optuna_rapidfire._engines._trials import clips, train_metrics
 from optuna_rapidfire._fused._fused_pass import clip_gang, fused_forward
 from optuna_rapidfire._resident._state import RngState
@@ -167,13 +168,11 @@ class GangTraining:
         """The pass's forward and backward; each member's loss, detached. A padded launched pass
         (:attr:`Pass.sums`) is replayed from a CUDA graph of its shape where the engine records them
         (:mod:`~optuna_rapidfire._engines._pass_graphs`)."""
-        graphs, layout = self.launched.graphs, shared.layout
-        if graphs is not None and shared.sums is not None and layout is not None and layout.slots is not None:
-            args = first.args
-            mode = (type(shared.loss), bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False)))
-            sums = graphs.run(
-                layout.slots,
-                ("pass", mode),
+        if shared.sums is not None and shared.layout is not None:
+            sums = replayed(
+                self.launched.graphs,
+                shared.layout.slots,
+                ("pass", type(shared.loss), precision(first.args)),
                 shared.tensors(),
                 lambda tensors: self.member_losses(first, shared.with_tensors(tensors)),
             )

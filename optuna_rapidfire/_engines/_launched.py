@@ -13,11 +13,11 @@ first time a layout and shape is met, and reused afterwards: a trial joining a g
 changes the values in the slots, so it triggers no compilation. Shapes (rows, tokens) that change make the
 compiler generalise them once (``torch.compile``'s automatic dynamic shapes).
 
-With ``compile="auto"`` on a GPU nothing is compiled: a stream's training passes and the gang's AdamW step are
-recorded as CUDA graphs, one per shape, over the active layout's slot storage, and replayed
-(:mod:`~optuna_rapidfire._engines._pass_graphs`, :attr:`LaunchedPasses.graphs`); a layout's recordings go with
-its storage. With ``compile=True`` (or a backend), compilation is counted (:attr:`LaunchedPasses.compiles`) and on
-a GPU never stalls training: the pass of a
+With ``compile="auto"`` on a GPU a stream's passes are not compiled: its training passes, the gang's AdamW step
+and its evaluation passes are recorded as CUDA graphs, one per shape, over the active layout's slot storage, and
+replayed (:attr:`LaunchedPasses.graphs`, :mod:`~optuna_rapidfire._engines._pass_graphs`); a layout's
+recordings go with its storage. What is not recorded (fixed gangs) is compiled. Compilation is counted
+(:attr:`LaunchedPasses.compiles`) and on a GPU never stalls training: the pass of a
 layout and shape that is not compiled yet runs eagerly (the same functions, uncompiled) while a background
 thread compiles it on inputs of the same shapes (:class:`_Background`); the passes after that take the compiled
 code. The device's thread only ever *runs* compiled code (``torch._dynamo.run``): a shape no compiled graph

@@ -198,6 +198,17 @@ class _Reenacted:
         return self.fn(self.inputs)
 
 
+def replayed(
+    graphs: PassGraphs | None,
+    owner: object,
+    key: Hashable,
+    inputs: Sequence[torch.Tensor | None],
+    fn: Callable[[Sequence[torch.Tensor | None]], torch.Tensor | None],
+) -> torch.Tensor | None:
+    """:meth:`PassGraphs.run` where passes are recorded (``graphs``), else ``fn(inputs)`` as it is."""
+    return fn(inputs) if graphs is None else graphs.run(owner, key, inputs, fn)
+
+
 def token_bucket(tokens: int) -> int:
     """The loss tokens a recorded pass is padded to: the next power of two, at least 64."""
     return max(64, 1 << max(tokens - 1, 0).bit_length())
