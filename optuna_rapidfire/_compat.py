@@ -81,6 +81,21 @@ def heartbeat_timing(storage: Any) -> tuple[float, float] | None:
     return interval, float(grace if grace is not None else 2 * interval)
 
 
+def retries_stale_trial(storage: Any, trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether the storage's heartbeat-stale callback re-enqueues ``trial`` (failed as stale) as a new trial:
+    ``RetryFailedTrialCallback._max_retry`` against the trial's ``retry_history`` (no public accessor for the
+    limit). Another callback, or none: ``False`` (nothing is known to come back)."""
+    if not heartbeats_enabled(storage):
+        return False
+    callback = storage.get_heartbeat_stale_trial_callback()
+    from optuna.storages import RetryFailedTrialCallback
+
+    if not isinstance(callback, RetryFailedTrialCallback):
+        return False
+    limit = callback._max_retry
+    return limit is None or len(trial.system_attrs.get("retry_history", [])) + 1 <= limit
+
+
 def stop_requested(study: optuna.Study) -> bool:
     """``study._stop_flag``: whether ``study.stop()`` was called during this ``optimize``. Public
     alternative: none (``study.stop()`` only sets it)."""

@@ -10,6 +10,7 @@ pool, a paused trial does not take a thread away from the live ones.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import hashlib
 import os
@@ -24,7 +25,14 @@ from optuna.trial import TrialState
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._study._storages import StorageUnavailableError, file_path, on_long_outage, retrying
+from optuna_rapidfire._study import _attrs
+from optuna_rapidfire._study._storages import (
+    STALE_REASON,
+    StorageUnavailableError,
+    file_path,
+    on_long_outage,
+    retrying,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -33,6 +41,7 @@ if TYPE_CHECKING:
 
 _logger = get_logger(__name__)
 _WAIT_SECONDS = 1.0  # how often a worker waiting for the study's end looks at the storage
+_RETRY_ON_ITS_WAY_SECONDS = 120.0  # how long a stale trial's retry is waited for after the trial failed
 
 
 def fail_stale_trials(study: optuna.Study) -> None:
@@ -55,6 +64,25 @@ def _storage_error_in(error: BaseException) -> StorageUnavailableError | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def _retries_on_their_way(storage: Any, trials: list[optuna.trial.FrozenTrial]) -> int:
+    """The trials failed as stale whose retry is not in the study yet but will be: Optuna fails every stale
+    trial first and enqueues the retries after, so a worker counting in between would see a config short and
+    sample a new one besides the retry (two trials for one config). Each counts as running for a while after it
+    failed; a retry that never comes (the worker failing it died in between) stops being waited for then."""
+    retried = {t.system_attrs["retry_history"][-1] for t in trials if t.system_attrs.get("retry_history")}
+    now = datetime.datetime.now()
+    return sum(
+        1
+        for t in trials
+        if t.state == TrialState.FAIL
+        and t.number not in retried
+        and str(t.user_attrs.get(_attrs.FAIL_REASON, "")) == STALE_REASON
+        and t.datetime_complete is not None
+        and (now - t.datetime_complete).total_seconds() < _RETRY_ON_ITS_WAY_SECONDS
+        and _compat.retries_stale_trial(storage, t)
+    )
 
 
 class AskLock:
@@ -262,7 +290,7 @@ class TrialPool:
         trials = storage.get_all_trials(_compat.study_id(self.study), deepcopy=False)
         states = [t.state for t in trials]
         finished = sum(states.count(state) for state in counted)
-        running = states.count(TrialState.RUNNING)
+        running = states.count(TrialState.RUNNING) + _retries_on_their_way(storage, trials)
         if finished >= wanted:
             return "done"
         if TrialState.WAITING in states or finished + running < wanted:

@@ -111,3 +111,47 @@ def test_the_summary_tells_a_trial_optuna_failed_outside_the_executor_as_failed(
     assert entry(TrialState.FAIL, "deleted") == "deleted"
     assert entry(TrialState.PRUNED, "paused-at-end") == "paused-at-end"
     assert entry(TrialState.RUNNING, "paused") == "paused"
+
+
+def test_a_stale_trial_s_retry_on_its_way_is_waited_for_not_replaced_by_a_new_config(tmp_path: Path) -> None:
+    """Optuna fails every stale trial first and enqueues their retries after: a worker counting in between
+    must wait for the retry, not sample a new config besides it (seen in CI: three configs ended COMPLETE for
+    a target of two, the retry and a new one)."""
+    from optuna.trial import TrialState, create_trial
+
+    from optuna_rapidfire._study import _attrs
+    from optuna_rapidfire._study._storages import STALE_REASON
+
+    retry = optuna.storages.RetryFailedTrialCallback(max_retry=1)
+    storage = optuna.storages.RDBStorage(
+        f"sqlite:///{tmp_path / 'stale.db'}", heartbeat_interval=60, failed_trial_callback=retry
+    )
+    study = optuna.create_study(storage=storage)
+    distribution = optuna.distributions.CategoricalDistribution([1, 2, 3, 4])
+    study.add_trial(create_trial(params={"x": 1}, distributions={"x": distribution}, value=1.0))
+    stale = create_trial(
+        state=TrialState.FAIL,
+        params={"x": 2},
+        distributions={"x": distribution},
+        user_attrs={_attrs.FAIL_REASON: STALE_REASON},
+    )
+    study.add_trial(stale)  # failed by another worker's stale check, whose retry is not enqueued yet
+    ran: list[int] = []
+
+    def objective(trial: optuna.Trial) -> float:
+        pool.asked()
+        lease = pool.take_lease(trial.number)
+        ran.append(trial.suggest_categorical("x", [1, 2, 3, 4]))
+        lease.release()
+        return 1.0
+
+    counted = (TrialState.COMPLETE, TrialState.PRUNED)
+    pool = _pool(study, objective, Slots(2), n_trials=None, target=(2, counted))
+    runner = threading.Thread(target=pool.run)
+    runner.start()
+    time.sleep(2.5)  # the pool looks at the study every second meanwhile
+    assert ran == [] and runner.is_alive()
+    retry(study, study.trials[1])  # the other worker's callback enqueues the retry now
+    runner.join(30)
+    assert not runner.is_alive() and ran == [2]
+    assert sorted(t.params["x"] for t in study.trials if t.state == TrialState.COMPLETE) == [1, 2]
