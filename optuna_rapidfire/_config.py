@@ -53,19 +53,20 @@ class MemoryBudget:
     fraction: float | None = None
 
     @classmethod
-    def parse(cls, setting: int | str | None) -> MemoryBudget | None:
-        """``None`` (no limit), ``"auto"`` (None here: the device decides), bytes as an int, or a string:
-        ``"40%"`` of the free memory, or a size such as ``"8GiB"``/``"512MB"``."""
+    def parse(cls, setting: int | str | None, name: str = "state_memory_budget") -> MemoryBudget | None:
+        """``None`` (no limit), ``"auto"`` (None here: the caller decides), bytes as an int, or a string:
+        ``"40%"`` of the memory it is about, or a size such as ``"8GiB"``/``"512MB"``; ``name`` is the setting's
+        name in errors."""
         if setting is None:
             return cls()
         if isinstance(setting, bool) or not isinstance(setting, (int, str)):
             raise TypeError(
-                "state_memory_budget must be 'auto', None, a number of bytes (int) or a string such as '40%' or "
+                f"{name} must be 'auto', None, a number of bytes (int) or a string such as '40%' or "
                 f"'8GiB', but got {setting!r}. A float is ambiguous (bytes or a fraction?): write '50%' or 8_000_000."
             )
         if isinstance(setting, int):
             if setting < 0:
-                raise ValueError(f"state_memory_budget must not be negative, but got state_memory_budget={setting}.")
+                raise ValueError(f"{name} must not be negative, but got {name}={setting}.")
             return cls(bytes=setting)
         text = setting.strip().lower().replace(" ", "")
         if text == "auto":
@@ -77,7 +78,7 @@ class MemoryBudget:
         if sized is not None:
             return cls(bytes=int(float(sized.group(1)) * _UNITS[sized.group(2)]))
         raise ValueError(
-            f"state_memory_budget must be 'auto', None, bytes, a percentage of the free device memory ('40%', "
+            f"{name} must be 'auto', None, bytes, a percentage of the memory it bounds ('40%', "
             f"at most '100%') or a size ('8GiB', '512MB'), but got {setting!r}."
         )
 
@@ -127,6 +128,8 @@ class ExecutorConfig:
     poll_seconds: float = 1.0
     pause_grace_seconds: float = 120.0
     artifact_store: ArtifactStore | Literal["auto"] | None = "auto"
+    keep_checkpoints: int | None = None
+    checkpoint_budget: int | str | None = "auto"
     storage_retry_seconds: float = 60.0
     engine: EngineName = "auto"
     schedule: str | BaseSchedule = "default"
@@ -135,6 +138,9 @@ class ExecutorConfig:
     """The schedule object ``schedule`` names (or is)."""
     memory_budget: MemoryBudget | None = field(init=False)
     """``state_memory_budget`` parsed (``None``: "auto")."""
+    chunk_states_budget: MemoryBudget | None = field(init=False)
+    """``checkpoint_budget`` parsed (``None``: "auto": a quarter of the host memory for states kept in memory, no
+    limit in an artifact store); a percentage is of the host memory."""
     eval_rows: int | None = field(init=False)
     """``eval_samples`` resolved: rows of the eval subsample (``None``: the whole eval set)."""
 
@@ -180,6 +186,12 @@ class ExecutorConfig:
         if not (isinstance(storage_retry_seconds, (int, float)) and storage_retry_seconds >= 0):
             raise ValueError(f"storage_retry_seconds must be a number of at least 0, but got {storage_retry_seconds=}.")
         _check_artifact_store(self.artifact_store)
+        keep = self.keep_checkpoints
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(
+                f"keep_checkpoints must be None (every chunk's state of a live trial) or an integer of at least 1, "
+                f"but got keep_checkpoints={keep!r}."
+            )
         _check_compile(self.compile)
         policy = schedule_from(DEFAULT_SCHEDULE if self.schedule == "default" else self.schedule)
         resolved = {
@@ -191,9 +203,18 @@ class ExecutorConfig:
             "storage_retry_seconds": float(storage_retry_seconds),
             "policy": policy,
             "memory_budget": budget,
+            "chunk_states_budget": MemoryBudget.parse(self.checkpoint_budget, "checkpoint_budget"),
         }
         for name, value in resolved.items():
             object.__setattr__(self, name, value)  # frozen: set once, while the object is made
+
+    def chunk_states_limit(self, *, in_memory: bool) -> int | None:
+        """``checkpoint_budget`` in bytes for chunk states kept in this process's memory (``in_memory``) or in an
+        artifact store (``None``: no limit); a percentage is of the host memory."""
+        budget = self.chunk_states_budget
+        if budget is None:  # "auto"
+            budget = MemoryBudget(fraction=0.25) if in_memory else MemoryBudget()
+        return budget.resolve(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
     @classmethod
     def options(cls) -> list[str]:

@@ -6,12 +6,16 @@
   optuna-rapidfire stop   --storage sqlite:///rf.db --study-name demo 3
   optuna-rapidfire resume --storage sqlite:///rf.db --study-name demo 3
   optuna-rapidfire delete --storage sqlite:///rf.db --study-name demo 7 --reason diverged
-  optuna-rapidfire clone  --storage sqlite:///rf.db --study-name demo 5 --set learning_rate=1e-4 [--cold]
+  optuna-rapidfire clone  --storage sqlite:///rf.db --study-name demo 5 --set learning_rate=1e-4 [--from-chunk 2|--cold]
   optuna-rapidfire worker --storage postgresql://user:pw@db/optuna --study-name demo --app tuning:app --study-trials 64
 
 Every command works on a study that already exists (made with optuna create-study or in Python): none
 creates a database, its tables or a study. Commands go through the study's storage and take effect before
-the trial's next chunk starts. A worker joins a study from any machine: --app names a function of your
+the trial's next chunk starts, or within a second when the trial is not training (waiting at a rung, or
+paused); each waits up to --wait seconds and says what the executor did. A warm clone branches from the
+trial's state at its chunks done now (or --from-chunk N).
+
+A worker joins a study from any machine: --app names a function of your
 module, called as app(devices=...), that returns (executor, configure) or (executor, configure,
 study_kwargs), the last with sampler= and pruner= for optuna.load_study. Workers record heartbeats; the
 trials of a worker that dies are retried on a live one from their last per-chunk checkpoint.
@@ -30,13 +34,16 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
-from optuna_rapidfire import control
+from optuna_rapidfire import _compat, control
 from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._study._storages import hide_password
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import optuna
     from optuna.trial import FrozenTrial
     from sqlalchemy.engine import URL
@@ -71,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--study-name", required=True)
         if with_trial:
             sub.add_argument("trial", type=int, help="trial number")
+            sub.add_argument(
+                "--wait",
+                type=float,
+                default=10.0,
+                metavar="SECONDS",
+                help="wait this long for the executor to apply it, and say what it did (0: do not wait)",
+            )
         return sub
 
     command("ls", "list trials: state, chunk progress, last value, parent", with_trial=False)
@@ -105,6 +119,13 @@ def _parser() -> argparse.ArgumentParser:
     clone = command("clone", "enqueue a warm (or --cold) clone of a trial")
     clone.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="change a parameter")
     clone.add_argument("--cold", action="store_true", help="start from scratch instead of the parent's state")
+    clone.add_argument(
+        "--from-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="branch from the trial's state after chunk N (default: its chunks done now)",
+    )
     return parser
 
 
@@ -220,8 +241,8 @@ def _load_study(url: str, study_name: str) -> optuna.Study:
 
 
 def _lineage(trial: FrozenTrial, chunks_done: dict[int, int]) -> str:
-    """``parent@step warm|cold`` for a clone: where it branched, or for one that has not started yet, where
-    it would branch now (a warm clone starts from its parent's latest chunk boundary)."""
+    """``parent@step warm|cold`` for a clone: where it branched, or for one that has not started yet, where it
+    will branch (the chunk it was asked for at)."""
     retried = _commands.retried(trial)
     if retried:
         return f"retry of {retried[-1]}"
@@ -232,7 +253,7 @@ def _lineage(trial: FrozenTrial, chunks_done: dict[int, int]) -> str:
     if not isinstance(request, dict) or not isinstance(request.get("parent"), int):
         return ""
     warm = bool(request.get("warm", True))
-    step = chunks_done.get(request["parent"], 0) if warm else 0
+    step = (request.get("from_chunk") or chunks_done.get(request["parent"], 0)) if warm else 0
     return f"{request['parent']}@{step} {'warm' if warm else 'cold'}"
 
 
@@ -285,23 +306,64 @@ def main(argv: list[str] | None = None) -> int:
         study = _load_study(options.storage, options.study_name)
         if options.command == "ls":
             print(_table(study))
-        elif options.command == "stop":
-            control.stop(study, options.trial)
-            print(f"trial {options.trial}: stop requested (applied before its next chunk)")
-        elif options.command == "resume":
-            control.resume(study, options.trial)
-            print(f"trial {options.trial}: resume requested")
-        elif options.command == "delete":
-            control.delete(study, options.trial, reason=options.reason)
-            print(f"trial {options.trial}: delete requested")
+        elif options.command in ("stop", "resume", "delete"):
+            act = {"stop": control.stop, "resume": control.resume, "delete": control.delete}[options.command]
+            key = act(study, options.trial, **({"reason": options.reason} if options.command == "delete" else {}))
+            print(f"trial {options.trial}: {options.command} {_applied(study, key, options.wait)}")
         elif options.command == "clone":
-            child = control.clone(study, options.trial, _overrides(options.set), warm_start=not options.cold)
-            print(f"trial {options.trial}: {'cold' if options.cold else 'warm'} clone enqueued as trial {child}")
+            child = control.clone(
+                study,
+                options.trial,
+                _overrides(options.set),
+                warm_start=not options.cold,
+                from_chunk=options.from_chunk,
+            )
+            print(f"trial {options.trial}: {_started(study, child, options.wait)}")
     except SQLAlchemyError as error:  # the server went away after the study was opened
         return _error(_unreachable(options.storage, error))
     except (ValueError, TypeError, KeyError) as error:
         return _error(error.args[0] if isinstance(error, KeyError) and error.args else error)
     return 0
+
+
+def _applied(study: optuna.Study, key: str, wait: float) -> str:
+    """What the executor did with command ``key``, once it has (waiting up to ``wait`` seconds for it)."""
+    done_key = _attrs.DONE_PREFIX + key.removeprefix(_attrs.COMMAND_PREFIX)
+    done = _poll(lambda: _compat.storage(study).get_study_system_attrs(_compat.study_id(study)).get(done_key), wait)
+    if done is None:
+        return "requested: not applied yet (a trial applies it before its next chunk, at once while it waits)"
+    return f"applied: {done['result']}"
+
+
+def _started(study: optuna.Study, child: int, wait: float) -> str:
+    """How clone ``child`` started (warm from where, or cold and why), once it has (waiting up to ``wait``)."""
+
+    def branched() -> FrozenTrial | None:
+        trial = study.trials[child]
+        return trial if _attrs.CLONE in trial.user_attrs or trial.state.is_finished() else None
+
+    trial = branched() if wait <= 0 else _poll(branched, wait)
+    if trial is None:
+        request = study.trials[child].user_attrs[_attrs.CLONE_OF]
+        where = f" after chunk {request['from_chunk']}" if request.get("from_chunk") else ""
+        warmth = "warm" if request.get("warm", True) else "cold"
+        return f"{warmth} clone enqueued as trial {child}, to branch{where}; not started yet (it takes the next slot)"
+    parent, step = trial.user_attrs.get(_attrs.PARENT), trial.user_attrs.get(_attrs.BRANCH_STEP)
+    if _attrs.CLONE not in trial.user_attrs:
+        return f"clone trial {child} ended {trial.state.name}: {trial.user_attrs.get(_attrs.FAIL_REASON)}"
+    if trial.user_attrs[_attrs.CLONE] == "warm":
+        return f"trial {child} started warm from trial {parent} after chunk {step}"
+    return f"trial {child} started cold: {trial.user_attrs.get(_attrs.COLD_REASON)}"
+
+
+def _poll(look: Callable[[], Any], wait: float) -> Any:
+    """``look()`` until it returns something, for up to ``wait`` seconds; ``None`` if it never did."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = look()
+        if found is not None or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.2)
 
 
 def _error(message: object) -> int:

@@ -74,21 +74,32 @@ def clone(
     trial_number: int,
     params: dict[str, Any] | None = None,
     warm_start: bool = True,
+    from_chunk: int | None = None,
 ) -> int:
     """Enqueue a new trial with ``trial_number``'s params, changed by ``params``.
 
-    A warm clone continues from the parent's state at its latest chunk boundary (weights, optimizer
-    moments, LR-schedule position, RNG, data position) with its own hyperparameters, and inherits the
-    parent's intermediate values up to there. A change that cannot keep the state (LoRA rank, target
-    modules, trainer type) makes a cold clone, said in its ``rapidfire:clone``/``rapidfire:cold_reason``
-    user attrs. The parent may be running, paused or finished. A warm clone of a trial that trained all its
-    chunks trains only if its own run is longer (more epochs); otherwise it ends FAIL with nothing trained
-    (clone it cold). A warm clone of a FAIL trial is refused: its state is not one to continue from.
+    A warm clone branches from the parent's state at the chunk boundary at which it was asked for (the
+    parent's chunks done now: what you saw), or after chunk ``from_chunk``, whatever the parent does after:
+    weights, optimizer moments, LR-schedule position, RNG and data position, with its own hyperparameters;
+    it inherits the parent's intermediate values up to there, and without a change continues them exactly.
+    The executor keeps each live trial's chunk states for this (``keep_checkpoints``), and a finished
+    trial's last one. A change that cannot keep the state (LoRA rank, target modules, trainer type) makes a
+    cold clone, said in its ``rapidfire:clone``/``rapidfire:cold_reason`` user attrs. The parent may be
+    running, waiting, paused or finished.
+
+    A clone asked for while a study runs trains in it, beyond ``n_trials``, in the next free slot before any
+    new sampler config; one asked for after the study ended waits for the next ``optimize`` call.
+
+    Raises:
+        ValueError: At once, when the clone could not train: a warm clone of a failed trial or of one that
+            has not trained a chunk, a ``from_chunk`` outside the parent's chunks done, or one from the
+            parent's last chunk without a changed parameter (nothing would be left to train). A changed
+            parameter that does not give the clone a longer run than its parent makes it fail once built.
 
     Returns:
-        The number of the new (WAITING) trial; the next executor to ask for a trial runs it.
+        The number of the new (WAITING) trial.
     """
-    return enqueue_clone(study, trial_number, params, warm_start)
+    return enqueue_clone(study, trial_number, params, warm_start, from_chunk)
 
 
 def _running(study: optuna.Study, trial_number: int, verb: str) -> FrozenTrial:

@@ -30,16 +30,19 @@ class CloneOf:
 
     Attributes:
         parent: Number of the trial to copy.
-        warm: Continue from the parent's state at its latest chunk boundary (else start cold, from
+        warm: Continue from the parent's state at chunk boundary ``step`` (else start cold, from
             scratch, with the new params).
-        fetch: Loads the parent's latest checkpoint from the artifact store (when it is neither live on
-            this device nor saved on this machine); raises when there is none or it is unusable.
+        step: The parent's chunk boundary to branch from (the parent's chunks done when the clone was
+            asked for, or the one named); ``None``: the latest.
+        fetch: Loads the parent's kept state at ``step`` (the study's chunk states, or for a retry its
+            predecessor's checkpoint); raises when there is none or it is unusable.
         resume: The trial is Optuna's retry of ``parent``, whose worker died: continue from its
             checkpoint (and only from that).
     """
 
     parent: int
     warm: bool = True
+    step: int | None = None
     fetch: Callable[[], Any] | None = field(default=None, compare=False)
     resume: bool = False
 
@@ -77,6 +80,8 @@ class TrialSpec:
         adapter_dir: Where the trial's final adapter is written if it completes.
         state_dir: Folder of the study's trial snapshots (``<state_dir>/trial-<number>``).
         clone_of: Set when the trial is a clone.
+        checkpoint: Capture the trial's state after every chunk (:attr:`ChunkResult.snapshot`): what its
+            checkpoints and the chunk states clones branch from are made of.
     """
 
     number: int
@@ -99,7 +104,7 @@ class ChunkResult:
         last: Whether this was the trial's final chunk.
         train_seconds: Wall time of the training part.
         eval_seconds: Wall time of the evaluation part.
-        snapshot: The trial's state after the chunk (CPU copies), when the trial is checkpointed.
+        snapshot: The trial's state after the chunk (CPU copies), when its spec asks for it.
     """
 
     step: int

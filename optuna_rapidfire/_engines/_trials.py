@@ -144,7 +144,6 @@ class DeviceTrials:
 
     def build(self, spec: TrialSpec) -> TrialRuntime:
         """Create the trial's state (adapter, trainer, optimizer, schedule, RNG; a clone's from its parent)."""
-        # A live parent is at a chunk boundary now: this thread is the only one that trains.
         parent = "" if spec.clone_of is None else self._parent_snapshot(spec)
         kind = spec.kind
         name = f"trial_{spec.number}"
@@ -224,25 +223,34 @@ class DeviceTrials:
         return next((r for r in self._runtimes if r.spec.number == number), None)
 
     def _parent_snapshot(self, spec: TrialSpec) -> TrialSnapshot | str:
-        """The parent's state now (a live parent) or as saved when it ended; else why there is none."""
+        """The parent's state at the clone's chunk boundary: as kept (the study's chunk states, or a retry's
+        checkpoint); for a clone of the latest state with none kept, the live parent's or the one saved when it
+        ended; else why there is none."""
         clone_of = spec.clone_of
         assert clone_of is not None
-        number = clone_of.parent
-        if not clone_of.resume:
-            live = self._live(number)
-            if live is not None:
-                return self.snapshot(live)
-            directory = os.path.join(spec.state_dir, f"trial-{number}")
-            if TrialSnapshot.exists(directory):
-                return TrialSnapshot.load(directory)
+        number, step = clone_of.parent, clone_of.step
+        reason = f"no state of trial {number} is available here"
         if clone_of.fetch is not None:
             try:
                 fetched = clone_of.fetch()
-            except Exception as error:  # missing, corrupted or foreign: start from scratch, say why
-                return str(error)
-            assert isinstance(fetched, TrialSnapshot)
-            return fetched
-        return f"no state of trial {number} is available here"
+            except Exception as error:  # missing, dropped, corrupted or foreign: start from scratch, say why
+                reason = str(error)
+            else:
+                assert isinstance(fetched, TrialSnapshot)
+                return fetched
+        if clone_of.resume:
+            return reason
+        # A live parent may be inside a stream's chunk now (builds run between passes): only its kept
+        # states are chunk boundaries, so it is used only for a clone of the latest state kept nowhere.
+        live = self._live(number)
+        if live is not None and step is None:
+            return self.snapshot(live)
+        directory = os.path.join(spec.state_dir, f"trial-{number}")
+        if TrialSnapshot.exists(directory):
+            saved = TrialSnapshot.load(directory)
+            if step is None or saved.position.chunks_done == step:
+                return saved
+        return reason
 
     def snapshot(self, runtime: TrialRuntime) -> TrialSnapshot:
         """The trial's state at its latest chunk boundary, copied to the CPU."""

@@ -165,6 +165,28 @@ def schedule_from(setting: str | BaseSchedule) -> BaseSchedule:
     )
 
 
+def _stop(live: list[Entry], stop: Stop) -> None:
+    """End the READY trials a schedule stopped: each driver hears why and ends its trial as PRUNED."""
+    for e in live:
+        reason = stop.reasons.get(e.number)
+        if reason is not None and e.status is Status.READY:
+            _await(e)  # its driver decides (STOP) next; nothing trains it meanwhile
+            e.events.put(Stopped(reason))
+
+
+def _await(entry: Entry) -> None:
+    entry.status = Status.AWAITING
+    entry.awaiting_since = time.monotonic()
+
+
+def _housekeeping(entry: Entry) -> tuple[Task, list[Entry]]:
+    if entry.request is Request.PAUSE:
+        entry.request, entry.status = None, Status.PAUSED
+        return Task.PAUSE, [entry]
+    # A finish or release request stays (the entry is not live) until the worker removes the entry.
+    return (Task.FINISH if entry.request is Request.FINISH else Task.RELEASE), [entry]
+
+
 class Scheduler:
     """Thread-safe table of the trials of one device.
 
@@ -284,6 +306,17 @@ class Scheduler:
                 entry.request = _REQUESTED[decision]
             self._cond.notify_all()
 
+    def hold(self, entry: Entry) -> bool:
+        """Keep a READY trial (waiting at a rung, or for the device) from being chosen, so that its driver can act
+        on it now (a person's stop, delete or clone); its driver then decides, as after a chunk. ``False``: it is
+        not READY (training, say): it is not held."""
+        with self._cond:
+            if entry.status is not Status.READY or entry.request is not None:
+                return False
+            _await(entry)
+            self._cond.notify_all()
+            return True
+
     # -- the device's worker thread ------------------------------------------------------------
 
     def next_task(self, *, fuse: bool = False) -> tuple[Task, list[Entry]] | None:
@@ -305,7 +338,7 @@ class Scheduler:
         entries = sorted(self._entries.values(), key=lambda e: e.number)
         for e in entries:
             if e.request is not None:
-                return self._housekeeping(e), None
+                return _housekeeping(e), None
         if self._draining:
             return None, None
         for e in entries:
@@ -350,7 +383,7 @@ class Scheduler:
                 lender.park(len(self.schedule.waiting(views, reports)))
         choice = self.schedule.choose(views, fuse=fuse, now=time.monotonic(), **extra)
         if isinstance(choice, Stop):
-            self._stop(live, choice)
+            _stop(live, choice)
             return None
         if not isinstance(choice, list):
             return choice
@@ -364,7 +397,7 @@ class Scheduler:
             entries = sorted(self._entries.values(), key=lambda e: e.number)
             busy = next((e for e in entries if e.request is not None), None)
             if busy is not None or self._closed or self._draining:
-                return None if busy is None else self._housekeeping(busy)
+                return None if busy is None else _housekeeping(busy)
             building = next((e for e in entries if e.status is Status.BUILDING and e.runtime is None), None)
             return None if building is None else (Task.BUILD, [building])
 
@@ -384,23 +417,6 @@ class Scheduler:
                 e.mates = frozenset()  # set when its chunk is delivered, with the members that ended beside it
                 group.append(e)
             return group
-
-    def _stop(self, live: list[Entry], stop: Stop) -> None:
-        """End the READY trials a schedule stopped: each driver hears why and ends its trial as PRUNED."""
-        for e in live:
-            reason = stop.reasons.get(e.number)
-            if reason is not None and e.status is Status.READY:
-                e.status = Status.AWAITING  # its driver decides (STOP) next; nothing trains it meanwhile
-                e.awaiting_since = time.monotonic()
-                e.events.put(Stopped(reason))
-
-    @staticmethod
-    def _housekeeping(entry: Entry) -> tuple[Task, list[Entry]]:
-        if entry.request is Request.PAUSE:
-            entry.request, entry.status = None, Status.PAUSED
-            return Task.PAUSE, [entry]
-        # A finish or release request stays (the entry is not live) until the worker removes the entry.
-        return (Task.FINISH if entry.request is Request.FINISH else Task.RELEASE), [entry]
 
     def built(self, entry: Entry, runtime: Any, chunks_done: int = 0, finished: bool = False) -> None:
         """The trial's state exists (a warm clone starts with its parent's progress): it may train.
@@ -427,8 +443,7 @@ class Scheduler:
                 entry.mates = mates
             entry.chunks_done += 1
             if entry.status is Status.TRAINING:
-                entry.status = Status.AWAITING
-                entry.awaiting_since = time.monotonic()
+                _await(entry)
             self._cond.notify_all()
 
     def entries(self) -> list[Entry]:

@@ -51,8 +51,9 @@ COLD_REASON = PREFIX + "cold_reason"
 """Why a clone asked to be warm started cold (rank or target modules changed, no state available)."""
 
 CLONE_OF = PREFIX + "clone_of"
-"""Request marker ``{"parent": n, "warm": bool}``: a user attr of an enqueued clone, or a system attr set
-by a sampler on the trial it is sampling."""
+"""Request marker ``{"parent": n, "warm": bool, "from_chunk": k}``: a user attr of an enqueued clone, or a
+system attr set by a sampler on the trial it is sampling. ``from_chunk``: the parent's chunk boundary the clone
+branches from (the parent's chunks done when it was asked for, or the one named); absent: the latest."""
 
 ACTION = PREFIX + "action"
 """Set through optuna-dashboard's form on a running trial: 0 no action (the default), 1 stop, 2 resume,
@@ -80,6 +81,11 @@ RETRY_OF = PREFIX + "retry_of"
 
 RESUME_FAILED = PREFIX + "resume_failed"
 """On a retry that had to start from scratch: why its predecessor's checkpoint could not be used."""
+
+CHUNK_STATES_PREFIX = PREFIX + "chunk_states:"
+"""Study system attr ``rapidfire:chunk_states:<trial number>``: the chunk states kept of that trial for clones
+to branch from, ``{"<chunks done>": link}`` (links as :data:`CHECKPOINT`'s; one kept in a worker's memory says
+which: ``"memory": "host:pid"``). A study attr, so it can be trimmed after the trial finished."""
 
 CHECKPOINT = PREFIX + "checkpoint"
 """System attr: the trial's latest per-chunk checkpoint in the artifact store, ``{"artifact_id", "step",

@@ -22,26 +22,39 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._runtime._schedule import Status
 from optuna_rapidfire._study import _attrs
 
 if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
+    from optuna_rapidfire._runtime._scheduler import Entry, Scheduler
+
 _logger = get_logger(__name__)
 
 OPS = ("stop", "resume", "delete", "clone")
+# How a command's result says where the trial was, before its chunk count.
+_WHERE = {"chunk": "after chunk", "waiting": "while waiting after chunk", "paused": "while paused after chunk"}
 # The dashboard's choice widget stores floats; these are the values of its choices. It pre-selects the
 # first choice, so that one does nothing: a stray Submit must not pause a trial.
 _NO_ACTION = 0.0
 _FORM_VALUES = {1.0: "stop", 2.0: "resume", 3.0: "delete", 4.0: "clone"}
 _FORM_CHOICES = ["no action", "stop (pause)", "resume", "delete", "clone"]
-# In the form's text, ``trial=<n>`` names the trial to clone (by default the form's own trial).
+# In the form's text, ``trial=<n>`` names the trial to clone (by default the form's own trial), and
+# ``from_chunk=<k>`` the chunk boundary a warm clone branches from (by default the one it is applied at).
 _TARGET = "trial"
+_FROM_CHUNK = "from_chunk"
+_EMPTY_CLONE = (
+    "clone with an empty args field: nothing cloned. optuna-dashboard takes typed text about half a second after "
+    "the last keystroke, so a quick Submit can send it empty; wait a moment before Submit. To clone this trial "
+    "unchanged, write 'warm'"
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,8 @@ class Command:
         warm: Whether a clone continues from the parent's state.
         reason: Why (recorded for delete).
         issued_at: When it was written (ordering).
+        from_chunk: For a warm clone: the parent's chunk boundary to branch from (``None``: its chunks done
+            when the command is applied).
     """
 
     key: str
@@ -65,6 +80,7 @@ class Command:
     warm: bool = True
     reason: str | None = None
     issued_at: float = 0.0
+    from_chunk: int | None = None
 
     @property
     def from_form(self) -> bool:
@@ -119,6 +135,23 @@ def pending(study: optuna.Study, trial: FrozenTrial) -> list[Command]:
     return found
 
 
+def held_for(study: optuna.Study, entry: Entry, scheduler: Scheduler) -> list[Command]:
+    """The commands for the trial of ``entry`` while it waits between chunks (READY: at a rung, or for the
+    device), holding it (:meth:`Scheduler.hold`) so that it trains no chunk before they are applied; ``[]``: none,
+    or it is not waiting (they apply after its chunk then).
+
+    Raises:
+        UpdateFinishedTrialError: The trial was finished from outside meanwhile.
+    """
+    if entry.status is not Status.READY or entry.request is not None:
+        return []
+    frozen = _compat.storage(study).get_trial(entry.trial_id)
+    if frozen.state.is_finished():
+        raise UpdateFinishedTrialError(f"Trial {entry.number} was finished outside the executor.")
+    commands = pending(study, frozen)
+    return commands if commands and scheduler.hold(entry) else []
+
+
 def retried(trial: FrozenTrial) -> list[int]:
     """The trials ``trial`` is Optuna's retry of (``RetryFailedTrialCallback``), oldest first; ``[]`` if none."""
     history = trial.system_attrs.get("retry_history")
@@ -160,8 +193,8 @@ def apply(
 
     Args:
         command: The command.
-        where: Where the trial is: after a ``"chunk"`` (or its ``"last chunk"``), ``"paused"``, or
-            ``"saved"`` (complete, its adapter written).
+        where: Where the trial is: after a ``"chunk"`` (or its ``"last chunk"``), ``"waiting"`` between chunks
+            (at a rung, or for the device), ``"paused"``, or ``"saved"`` (complete, its adapter written).
         chunk: Chunks the trial has trained (for the record).
         pausing: A stop was already applied after this chunk.
 
@@ -170,11 +203,11 @@ def apply(
     """
     op, action = command.op, None
     if op == "delete" and where != "saved":
-        result, action = ("deleted while paused" if where == "paused" else f"deleted after chunk {chunk}"), op
+        result, action = f"deleted {_WHERE.get(where, 'after chunk')} {chunk}", op
     elif op == "stop" and (where == "paused" or pausing):
         result = "ignored: already paused"
-    elif op == "stop" and where == "chunk":
-        result, action = f"paused after chunk {chunk}", "pause"
+    elif op == "stop" and where in ("chunk", "waiting"):
+        result, action = f"paused {_WHERE[where]} {chunk}", "pause"
     elif op in ("stop", "delete"):
         result = "ignored: the trial has trained its last chunk"
     elif op == "resume" and where == "paused":
@@ -183,7 +216,9 @@ def apply(
         result = "ignored: the trial is not paused"
     elif op == "clone":
         try:
-            child = enqueue_clone(study, command.trial, command.params, warm_start=command.warm)
+            child = enqueue_clone(
+                study, command.trial, command.params, warm_start=command.warm, from_chunk=command.from_chunk
+            )
         except (TypeError, ValueError) as error:
             result = f"refused: {error}"
         else:
@@ -203,17 +238,26 @@ def _form_command(trial: FrozenTrial) -> Command | None:
     if op not in OPS:
         return Command(key=key, op="invalid", trial=trial.number, reason=f"unknown action {action!r}")
     text = str(trial.user_attrs.get(_attrs.ACTION_ARGS) or "").strip()
+    if op == "clone" and not text:
+        # optuna-dashboard takes the typed text about 0.5 s after the last keystroke: an empty field on a clone
+        # may be text typed just before Submit, so nothing is cloned on a guess.
+        return Command(key=key, op="invalid", trial=trial.number, reason=_EMPTY_CLONE)
     warm = True
     params: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        if part.lower() == "cold":
-            warm = False
+        if part.lower() in ("cold", "warm"):
+            warm = part.lower() == "warm"
             continue
         name, _, value = part.partition("=")
         params[name.strip()] = _parse_value(value.strip())
     target = params.pop(_TARGET, trial.number)
     if not isinstance(target, int) or isinstance(target, bool):
         return Command(key=key, op="invalid", trial=trial.number, reason=f"{_TARGET}={target!r} is not a trial number")
+    from_chunk = params.pop(_FROM_CHUNK, None)
+    if from_chunk is not None and (not isinstance(from_chunk, int) or isinstance(from_chunk, bool)):
+        return Command(
+            key=key, op="invalid", trial=trial.number, reason=f"{_FROM_CHUNK}={from_chunk!r} is not a chunk number"
+        )
     if target != trial.number and op != "clone":
         # The driver of this trial applies the command to itself: only a clone may be about another trial.
         return Command(
@@ -222,7 +266,7 @@ def _form_command(trial: FrozenTrial) -> Command | None:
             trial=trial.number,
             reason=f"only clone can name another trial; {op} trial {target} from its own form",
         )
-    return Command(key=key, op=op, trial=target, params=params, warm=warm, reason=text or None)
+    return Command(key=key, op=op, trial=target, params=params, warm=warm, reason=text or None, from_chunk=from_chunk)
 
 
 def _parse_value(text: str) -> Any:
@@ -253,8 +297,9 @@ def register_dashboard_form(study: optuna.Study) -> bool:
     widgets = [
         TextInputWidget(
             description=(
-                "clone: overrides as name=value, comma separated; trial=<n> clones trial n "
-                "(a finished one: cold, or with a longer run); add 'cold' for a cold clone"
+                "clone: overrides as name=value, comma separated ('warm' alone: unchanged); trial=<n> clones trial "
+                "n, from_chunk=<k> branches from its state after chunk k (default: its latest); add 'cold' for a "
+                "cold clone. Wait a moment after typing before Submit"
             ),
             user_attr_key=_attrs.ACTION_ARGS,
             optional=True,
@@ -278,7 +323,11 @@ def register_dashboard_form(study: optuna.Study) -> bool:
 
 
 def enqueue_clone(
-    study: optuna.Study, trial_number: int, params: dict[str, Any] | None = None, warm_start: bool = True
+    study: optuna.Study,
+    trial_number: int,
+    params: dict[str, Any] | None = None,
+    warm_start: bool = True,
+    from_chunk: int | None = None,
 ) -> int:
     """Enqueue a clone of ``trial_number`` with ``params`` changed (see :func:`optuna_rapidfire.control.clone`).
 
@@ -288,8 +337,8 @@ def enqueue_clone(
     parent = find_trial(study, trial_number)
     if parent.state == TrialState.WAITING:
         raise ValueError(f"Trial {trial_number} has not started: there is nothing to clone.")
-    if warm_start:
-        _check_warm_parent(parent)
+    if from_chunk is not None and (not isinstance(from_chunk, int) or isinstance(from_chunk, bool)):
+        raise TypeError(f"from_chunk must be a chunk number (an int), but got {from_chunk=!r}.")
     merged = dict(parent.params)
     for name, value in (params or {}).items():
         if name not in parent.distributions:
@@ -297,16 +346,61 @@ def enqueue_clone(
                 f"Trial {trial_number} has no parameter {name!r}; its parameters are {sorted(parent.distributions)}."
             )
         merged[name] = _checked(name, value, parent.distributions[name])
+    request: dict[str, Any] = {"parent": trial_number, "warm": bool(warm_start)}
+    if warm_start:
+        _check_warm_parent(parent)
+        request["from_chunk"] = _branch_chunk(study, parent, from_chunk, changed=bool(params))
+    elif from_chunk is not None:
+        raise ValueError(f"from_chunk={from_chunk} names a state to branch from, but a cold clone starts from none.")
     # The token finds this clone among others enqueued at the same moment by other clients.
-    request = {"parent": trial_number, "warm": bool(warm_start), "request": uuid.uuid4().hex}
+    request["request"] = uuid.uuid4().hex
     study.enqueue_trial(merged, user_attrs={_attrs.CLONE_OF: request})
     waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     return next(t.number for t in waiting if t.user_attrs.get(_attrs.CLONE_OF) == request)
 
 
+def _branch_chunk(study: optuna.Study, parent: FrozenTrial, from_chunk: int | None, *, changed: bool) -> int:
+    """The chunk boundary a warm clone of ``parent`` branches from: ``from_chunk``, or the parent's chunks done
+    now (what the person asking saw). Refused at once when there is nothing to branch from (no chunk trained, or
+    the named one's state no longer kept), or nothing left to train (the parent's last chunk, and no changed
+    parameter that could give the clone a longer run)."""
+    done = parent.user_attrs.get(_attrs.CHUNKS_DONE, 0)
+    done = done if isinstance(done, int) else 0
+    step = done if from_chunk is None else from_chunk
+    if done == 0:
+        raise ValueError(
+            f"Trial {parent.number} has not trained a chunk yet: there is no state to branch a warm clone from. "
+            "Clone it cold, or once it has reported a chunk."
+        )
+    if not 1 <= step <= done:
+        raise ValueError(
+            f"from_chunk must be between 1 and {done} (trial {parent.number}'s chunks done), but got {step}."
+        )
+    if from_chunk is not None and from_chunk != done:
+        attrs = _compat.storage(study).get_study_system_attrs(_compat.study_id(study))
+        kept = sorted(int(k) for k in attrs.get(f"{_attrs.CHUNK_STATES_PREFIX}{parent.number}") or {})
+        if from_chunk not in kept:
+            raise ValueError(
+                f"Trial {parent.number}'s state after chunk {from_chunk} is no longer kept (kept: after chunks "
+                f"{kept or 'none'}); a finished trial keeps its last, a live one as many as keep_checkpoints says."
+            )
+    total = parent.user_attrs.get(_attrs.TOTAL_CHUNKS)
+    if isinstance(total, int) and step >= total and not changed:
+        raise ValueError(
+            f"Trial {parent.number} had trained all {total} chunks at chunk {step}: a warm clone from there would "
+            "have nothing left to train. Name an earlier chunk (from_chunk, --from-chunk), or clone it cold."
+        )
+    return step
+
+
+def asked_by_hand(trial: FrozenTrial | optuna.Trial) -> bool:
+    """Whether ``trial`` is a clone a person asked for (:func:`enqueue_clone`), not one a sampler made."""
+    request = trial.user_attrs.get(_attrs.CLONE_OF)
+    return isinstance(request, dict) and "request" in request
+
+
 def _check_warm_parent(parent: FrozenTrial) -> None:
-    """Refuse a warm clone of a trial that failed: its state is not one to continue from. (A warm clone of a
-    trial that trained every chunk continues only if its own run is longer; else it fails, untrained.)"""
+    """Refuse a warm clone of a trial that failed: its state is not one to continue from."""
     if parent.state == TrialState.FAIL:
         raise ValueError(
             f"Trial {parent.number} failed ({parent.user_attrs.get(_attrs.FAIL_REASON, 'no reason recorded')}): "

@@ -54,13 +54,14 @@ class Run:
         self.externally_finished: set[int] = set()
         self.error: BaseException | None = None
 
-    def lease(self, trial_number: int, *, resume: bool = False) -> Lease:
+    def lease(self, trial_number: int, *, resume: bool = False, by_hand: bool = False) -> Lease:
         """A live-trial slot for ``trial_number``: the one the pool took for this thread, else a new one
-        (``resume``: a resumed trial, before any new trial)."""
+        (``resume``: a resumed trial, before any new trial; ``by_hand``: a clone a person asked for, which the
+        pool does not count toward ``n_trials``)."""
         pool = self.pool
         if pool is not None and not resume:
+            lease = pool.take_lease(trial_number, by_hand=by_hand)
             pool.asked()
-            lease = pool.take_lease(trial_number)
             if lease is not None:
                 return lease
         return self.device.slots.acquire(resume=resume)

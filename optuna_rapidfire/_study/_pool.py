@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._study import _attrs
+from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._study._storages import (
     STALE_REASON,
     StorageUnavailableError,
@@ -64,6 +64,20 @@ def _storage_error_in(error: BaseException) -> StorageUnavailableError | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def _counts(
+    storage: Any, trials: list[optuna.trial.FrozenTrial], counted: tuple[TrialState, ...]
+) -> tuple[int, int, int]:
+    """``(finished, running, waiting)``: trials in the ``counted`` states, running (a retry on its way included),
+    and enqueued."""
+    states = [t.state for t in trials]
+    finished = sum(states.count(state) for state in counted)
+    return (
+        finished,
+        states.count(TrialState.RUNNING) + _retries_on_their_way(storage, trials),
+        states.count(TrialState.WAITING),
+    )
 
 
 def _retries_on_their_way(storage: Any, trials: list[optuna.trial.FrozenTrial]) -> int:
@@ -187,6 +201,9 @@ class TrialPool:
         self.target = target
         self._retry_seconds = retry_seconds
         self._unasked = 0  # threads started that have not asked for their trial yet
+        self._by_hand = 0  # threads whose trial is a clone asked for by hand (not counted toward n_trials)
+        self._first_new: int | None = None  # the first trial number enqueued or asked for during this call
+        self._told_by_hand = False
         self._told_waiting = False
         self._storage = retrying(_compat.storage(study), retry_seconds)
         if after_long_outage is not None:
@@ -217,12 +234,13 @@ class TrialPool:
 
     def _run(self) -> None:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        self._first_new = len(self._storage.get_all_trials(_compat.study_id(self.study), deepcopy=False))
         self.slots.set_starting(True)
         try:
             self._start_trials(deadline)
         finally:
             self.slots.set_starting(False)  # the device's schedule may now treat its rungs as final
-        self._wait_for_trials()
+        self._wait_for_trials(lambda: self._start_clones_asked_by_hand(deadline))
 
     def _start_trials(self, deadline: float | None) -> None:
         started = 0
@@ -247,20 +265,31 @@ class TrialPool:
             if self._take_ticket is not None and not self._take_ticket():
                 lease.release()
                 break
-            thread = threading.Thread(
-                target=self._one_trial, args=(lease,), name=f"rapidfire-trial-{started}", daemon=True
-            )
-            with self._lock:
-                self._threads.append(thread)
-                self._unasked += 1
-            thread.start()
+            self._start_one(lease, str(started))
             started += 1
 
-    def _wait_for_trials(self) -> None:
+    def _start_one(self, lease: Lease, name: str) -> None:
+        thread = threading.Thread(target=self._one_trial, args=(lease,), name=f"rapidfire-trial-{name}", daemon=True)
+        with self._lock:
+            self._threads.append(thread)
+            self._unasked += 1
+        thread.start()
+
+    def _wait_for_trials(self, meanwhile: Callable[[], None] | None = None) -> None:
+        """Wait for the started trials to end, calling ``meanwhile`` about every second (and once more when they
+        have ended, so that what it starts is waited for too)."""
         only_paused_since: float | None = None
+        looked = 0.0
         while True:
+            if meanwhile is not None and time.monotonic() - looked >= _WAIT_SECONDS:
+                looked = time.monotonic()
+                meanwhile()
             with self._lock:
                 alive = [t for t in self._threads if t.is_alive()]
+            if not alive and meanwhile is not None:
+                meanwhile()  # a slot the last trial freed may go to what it starts
+                with self._lock:
+                    alive = [t for t in self._threads if t.is_alive()]
             if not alive:
                 break
             if len(alive) > self._paused():
@@ -288,12 +317,10 @@ class TrialPool:
         assert self.target is not None
         wanted, counted = self.target
         trials = storage.get_all_trials(_compat.study_id(self.study), deepcopy=False)
-        states = [t.state for t in trials]
-        finished = sum(states.count(state) for state in counted)
-        running = states.count(TrialState.RUNNING) + _retries_on_their_way(storage, trials)
+        finished, running, waiting = _counts(storage, trials, counted)
         if finished >= wanted:
             return "done"
-        if TrialState.WAITING in states or finished + running < wanted:
+        if waiting or finished + running < wanted:
             return "start"
         with self._lock:
             mine = sum(t.is_alive() for t in self._threads)
@@ -316,9 +343,31 @@ class TrialPool:
     def _should_stop_starting(self, started: int, deadline: float | None) -> bool:
         if self._stop or self._error is not None:
             return True
-        if self.n_trials is not None and started >= self.n_trials:
-            return True
+        if self.n_trials is not None:
+            while True:  # a thread that has not asked yet may take a clone asked for by hand, not counted
+                with self._lock:
+                    unasked, counted = self._unasked, started - self._by_hand
+                if counted < self.n_trials:
+                    break
+                if not unasked:
+                    return True
+                self.slots.wait_for_change(0.05)
         return deadline is not None and time.monotonic() >= deadline
+
+    def _start_clones_asked_by_hand(self, deadline: float | None) -> None:
+        """Once the budget is spent: start a thread for a clone a person asked for during this call, when a slot
+        is free and the next trial the study hands out (the oldest enqueued) is one."""
+        if self._stop or self._error is not None or (deadline is not None and time.monotonic() >= deadline):
+            return
+        with self._lock:
+            if self._unasked or self.slots.free() <= 0:
+                return
+        waiting = self._storage.get_all_trials(
+            _compat.study_id(self.study), deepcopy=False, states=(TrialState.WAITING,)
+        )
+        oldest = min(waiting, key=lambda t: t.number, default=None)
+        if oldest is not None and _commands.asked_by_hand(oldest) and oldest.number >= (self._first_new or 0):
+            self._start_one(self.slots.acquire(starting=True), "by-hand")
 
     def _one_trial(self, lease: Lease) -> None:
         # A study object per thread (each has its own stop flag, which study.optimize resets on entry),
@@ -349,11 +398,25 @@ class TrialPool:
             lease.release()  # the driver gave it back already, or the objective never ran
             self.slots.notify()
 
-    def take_lease(self, trial_number: int) -> Lease | None:
-        """The slot the pool took for the calling thread, handed to its trial ``trial_number`` (once)."""
+    def take_lease(self, trial_number: int, *, by_hand: bool = False) -> Lease | None:
+        """The slot the pool took for the calling thread, handed to its trial ``trial_number`` (once);
+        ``by_hand``: the trial is a clone a person asked for; one asked for during this call does not count
+        toward ``n_trials``."""
         lease: Lease | None = getattr(self.local, "lease", None)
         self.local.lease = None
         self.local.trial_number = trial_number
+        # A clone enqueued before this call is an enqueued trial like any other (Optuna counts it).
+        by_hand = by_hand and self._first_new is not None and trial_number >= self._first_new
+        if by_hand and lease is not None:
+            with self._lock:
+                self._by_hand += 1
+                told, self._told_by_hand = self._told_by_hand, True
+            if not told and (self.n_trials is not None or self.target is not None):
+                _logger.info(
+                    "Trial %d is a clone asked for by hand: it trains in this study now, and clones asked for by "
+                    "hand do not count toward the study's trial budget.",
+                    trial_number,
+                )
         return lease
 
     def asked(self) -> None:

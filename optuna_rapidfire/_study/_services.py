@@ -15,7 +15,7 @@ from optuna.study import StudyDirection
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._study._checkpoints import Checkpoints, default_store
+from optuna_rapidfire._study._checkpoints import MEMORY, Checkpoints, default_store
 from optuna_rapidfire._study._commands import register_dashboard_form
 from optuna_rapidfire._trainers import TrainerExtras, TrainerKind, kind_for
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from peft import PeftConfig
     from transformers import TrainingArguments
 
+    from optuna_rapidfire._compat import ArtifactStore
     from optuna_rapidfire._config import ExecutorConfig
     from optuna_rapidfire._study._mlflow import MlflowTracker
 
@@ -48,7 +49,7 @@ class StudyServices:
         self._metric = config.metric  # resolved by the first trial's trainer type when not given
         self._notes: set[str] = set()
         self._forms: set[str] = set()
-        self._checkpoint_stores: dict[str, Checkpoints | None] = {}
+        self._checkpoint_stores: dict[str, Checkpoints] = {}
 
     @property
     def metric(self) -> str:
@@ -116,20 +117,23 @@ class StudyServices:
                 "Pass one of those, or a compute_metrics that returns it."
             )
 
-    def checkpoints(self, study: optuna.Study) -> Checkpoints | None:
-        """The study's per-chunk checkpoint store (``None``: checkpoints are off)."""
+    def checkpoints(self, study: optuna.Study) -> Checkpoints:
+        """The study's per-chunk states: in its artifact store (``"auto"``: when the storage records heartbeats,
+        whose retries resume from them), else in this process's memory, for clones only."""
         with self._lock:
             if study.study_name not in self._checkpoint_stores:
                 setting = self.config.artifact_store
-                if setting is None:
-                    store = None
-                elif setting == "auto":
-                    # Checkpoints serve retries, which need heartbeats: without them they would only cost.
-                    heartbeats = _compat.heartbeats_enabled(_compat.storage(study))
-                    store = Checkpoints(default_store(study, os.fspath(self.config.output_dir))) if heartbeats else None
-                else:
-                    store = Checkpoints(setting)
-                self._checkpoint_stores[study.study_name] = store
+                store: ArtifactStore = MEMORY
+                if setting == "auto":
+                    # Checkpoints in a store serve retries, which need heartbeats: without them they would only cost.
+                    if _compat.heartbeats_enabled(_compat.storage(study)):
+                        store = default_store(study, os.fspath(self.config.output_dir))
+                elif setting is not None:
+                    store = setting
+                limit = self.config.chunk_states_limit(in_memory=store is MEMORY)
+                self._checkpoint_stores[study.study_name] = Checkpoints(
+                    store, keep=self.config.keep_checkpoints, budget=limit
+                )
             return self._checkpoint_stores[study.study_name]
 
     def register_form(self, study: optuna.Study) -> None:

@@ -73,19 +73,15 @@ class TrialDriver:
     # -- the trial from start to end -------------------------------------------------------------
 
     def run(self) -> float:
-        state, value = "FAIL", None
+        state, value, elsewhere = "FAIL", None, False
         try:
             if self.device.fatal is not None:  # an earlier trial's error no trial survives
                 raise self.device.fatal
             self.services.check_study(self.study)
-            self._lease = self.shared.lease(self.trial.number)
+            self._lease = self.shared.lease(self.trial.number, by_hand=_commands.asked_by_hand(self.trial))
             spec = trial_spec(self.shared, self.trial, self.configure, self.record)
             self.services.register_form(self.study)
-            self.trial.set_user_attr(_attrs.METRIC, self.services.metric)
-            self.trial.set_user_attr(_attrs.STATUS, "running")
-            if self.trial.user_attrs.get(_attrs.FAIL_REASON) is not None:  # copied by Optuna's retry from the dead one
-                self.trial.set_user_attr(_attrs.FAIL_REASON, None)
-            self.trial.set_user_attr(_attrs.WORKER, f"{socket.gethostname()}:{os.getpid()}:{self.device.label}")
+            self.record.started(self.services.metric, f"{socket.gethostname()}:{os.getpid()}:{self.device.label}")
             entry = Entry(number=self.trial.number, trial_id=_compat.trial_id(self.trial), spec=spec)
             maximize = self.study.direction == optuna.study.StudyDirection.MAXIMIZE
             self.device.scheduler.study(
@@ -104,8 +100,10 @@ class TrialDriver:
             self.record.end("pruned", (_attrs.PRUNED_REASON, str(pruned)))
             raise
         except FinishedElsewhere:
+            elsewhere = True
             raise
         except UpdateFinishedTrialError:  # failed elsewhere while it was being set up or recorded
+            elsewhere = True
             self._finished_elsewhere()
         except BaseException as error:
             # Whatever ends the trial with an exception is its fail reason (a bad config, a missing metric...).
@@ -116,6 +114,8 @@ class TrialDriver:
                 self._leave(Decision.STOP)
             if self._lease is not None:
                 self._lease.release()
+            # A retry elsewhere resumes from the last state (its checkpoint); a failed state is not kept.
+            self.record.keep_chunk_states(last=state != "FAIL" or elsewhere)
             if state == "COMPLETE":
                 self.record.end("complete")
             elif state == "FAIL" and value is not None:  # returned NaN: failed on the device, or deleted
@@ -128,18 +128,18 @@ class TrialDriver:
         entry = self.entry
         assert entry is not None
         while True:
-            event = entry.events.get()
+            try:
+                event = entry.events.get(timeout=self.services.config.poll_seconds)
+            except queue.Empty:  # not training meanwhile, perhaps: a person's command applies now
+                outcome = self._commands_while_waiting()
+                if outcome is not None:
+                    return outcome
+                continue
             if isinstance(event, Built):
                 branch = event.branch
                 if branch is not None and not branch.resume and branch.step >= event.total_chunks > 0:
-                    # A warm clone of a trial that trained every chunk, whose own run is no longer: nothing of
-                    # its config would be trained, so it records no result (not even the inherited curve).
                     self._leave(Decision.STOP)
-                    return self.record.fail(
-                        f"Warm clone of trial {branch.parent}, which had trained all {event.total_chunks} chunks: "
-                        "nothing is left to train under the new parameters. Clone it cold, or give the clone a "
-                        "longer run (more epochs)."
-                    )
+                    return self.record.nothing_left(branch.parent, event.total_chunks)
                 self._built(event)
                 if branch is not None and branch.step >= event.total_chunks > 0:
                     # A retry of a trial whose worker died after its last chunk: it ends where it was.
@@ -150,7 +150,7 @@ class TrialDriver:
                     return self._end_interrupted(entry.chunks_done)
             elif isinstance(event, StorageWasLost):
                 # Training: the chunk's result looks at the stored trial before anything is written.
-                if entry.status is not Status.TRAINING and self._finished_in_storage():
+                if entry.status is not Status.TRAINING and self.record.finished_in_storage():
                     return self._finished_elsewhere()
             elif isinstance(event, Failed):
                 return self._failed(event)
@@ -188,11 +188,7 @@ class TrialDriver:
             if stored.state.is_finished():
                 raise UpdateFinishedTrialError("finished outside the executor")
             self.record.checkpoint(event, stored.system_attrs.get(_attrs.CHECKPOINT))
-            trial.report(value, step)
-            trial.set_user_attr(_attrs.CHUNKS_DONE, step + 1)
-            for key, attr in (("train_loss", _attrs.TRAIN_LOSS), ("train_learning_rate", _attrs.LEARNING_RATE)):
-                if key in event.metrics:
-                    trial.set_user_attr(attr, event.metrics[key])
+            self.record.chunk(event, value)
         except UpdateFinishedTrialError:
             return self._finished_elsewhere()
         self.shared.progress.chunk_done(
@@ -206,25 +202,47 @@ class TrialDriver:
         if pruned:
             self._leave(Decision.STOP)
             raise optuna.TrialPruned(self.record.pruned_reason(step, value, self._total_chunks))
-        pause = False
-        for command in _commands.pending(self.study, frozen):
-            action = self._apply(command, "last chunk" if event.last else "chunk", step + 1, pausing=pause)
-            if action == "delete":
-                return self._delete(command.reason)
-            pause = pause or action == "pause"
+        deleted, asked = self._obey(_commands.pending(self.study, frozen), "last chunk" if event.last else "chunk")
+        if deleted is not None:
+            return deleted
         if event.last:
             return self._complete(float(value))
-        if pause:
-            outcome = self._pause(step)
-            if outcome is not None:
-                return outcome
+        if asked == "pause" and (outcome := self._pause(step + 1)) is not None:
+            return outcome
         self.device.scheduler.decide(entry, Decision.CONTINUE)
         return None
 
-    def _apply(self, command: _commands.Command, where: str, chunk: int, *, pausing: bool = False) -> str | None:
-        return _commands.apply(self.study, _compat.trial_id(self.trial), command, where, chunk, pausing=pausing)
+    def _commands_while_waiting(self) -> float | None:
+        """Apply a person's commands while the trial waits between chunks (``None``: it goes on waiting)."""
+        entry = self.entry
+        assert entry is not None
+        try:
+            commands = _commands.held_for(self.study, entry, self.device.scheduler)
+        except UpdateFinishedTrialError:
+            return self._finished_elsewhere()
+        if not commands:
+            return None
+        deleted, asked = self._obey(commands, "waiting")
+        if deleted is not None:
+            return deleted
+        if asked == "pause" and (outcome := self._pause(entry.chunks_done)) is not None:
+            return outcome
+        self.device.scheduler.decide(entry, Decision.CONTINUE)
+        return None
 
-    # -- ways to end -------------------------------------------------------------------------------
+    def _obey(self, commands: list[_commands.Command], where: str) -> tuple[float | None, str | None]:
+        """Apply ``commands`` to the trial ``where`` it is, up to a resume: ``(its value, _)`` if a delete ended
+        it, else ``(None, "pause" or "resume" if one was asked)``."""
+        assert self.entry is not None
+        asked, trial_id, chunks = None, _compat.trial_id(self.trial), self.entry.chunks_done
+        for command in commands:
+            action = _commands.apply(self.study, trial_id, command, where, chunks, pausing=asked == "pause")
+            if action == "delete":
+                return self._delete(command.reason), asked
+            asked = action if action in ("pause", "resume") else asked
+            if asked == "resume":
+                break
+        return None, asked
 
     def _complete(self, value: float) -> float:
         done = self._leave(Decision.FINISH)
@@ -238,7 +256,7 @@ class TrialDriver:
             for command in _commands.pending(
                 self.study, _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
             ):
-                self._apply(command, "saved", self._total_chunks)
+                _commands.apply(self.study, _compat.trial_id(self.trial), command, "saved", self._total_chunks)
         except UpdateFinishedTrialError:  # optuna-dashboard's "Fail Trial" while the adapter was being saved
             return self._finished_elsewhere()
         return value
@@ -254,9 +272,6 @@ class TrialDriver:
     def _delete(self, reason: str | None) -> float:
         self._leave(Decision.STOP)
         return self.record.deleted(reason)
-
-    def _finished_in_storage(self) -> bool:
-        return _compat.storage(self.study).get_trial(_compat.trial_id(self.trial)).state.is_finished()
 
     def _finished_elsewhere(self) -> NoReturn:
         if self.entry is not None and not self.entry.gone:
@@ -277,8 +292,8 @@ class TrialDriver:
 
     # -- pause -------------------------------------------------------------------------------------
 
-    def _pause(self, step: int) -> float | None:
-        """Wait, off the device and without a slot, for a resume; ``None`` once resumed."""
+    def _pause(self, chunks: int) -> float | None:
+        """Wait, off the device and without a slot, for a resume (``None`` once resumed), after ``chunks``."""
         trial, entry = self.trial, self.entry
         assert entry is not None
         self.device.scheduler.decide(entry, Decision.PAUSE)
@@ -291,13 +306,13 @@ class TrialDriver:
             if isinstance(event, Paused):
                 break
         if self._interrupted:  # Ctrl-C while it moved off: it ends as an interrupted trial, not a paused one
-            return self._end_interrupted(step + 1)
+            return self._end_interrupted(chunks)
         assert self._lease is not None
         self._lease.release()
         self._lease = None
         trial.set_user_attr(_attrs.STATUS, "paused")
         self.shared.progress.trial_paused(trial.number)
-        _logger.info("Trial %d paused after chunk %d.", trial.number, step + 1)
+        _logger.info("Trial %d paused after chunk %d.", trial.number, chunks)
         self.device.paused.add(entry)
         try:
             while True:
@@ -306,39 +321,30 @@ class TrialDriver:
                 except queue.Empty:
                     event = None
                 if isinstance(event, (EndPaused, Interrupted)):  # the study is over, or interrupted
-                    return self._end_paused(step)
+                    return self._end_paused(chunks)
                 frozen = _compat.storage(self.study).get_trial(_compat.trial_id(trial))
                 if frozen.state.is_finished():
                     return self._finished_elsewhere()
-                for command in _commands.pending(self.study, frozen):
-                    action = self._apply(command, "paused", step + 1)
-                    if action == "resume":
-                        self._lease = self.shared.lease(trial.number, resume=True)
-                        trial.set_user_attr(_attrs.STATUS, "running")
-                        self.shared.progress.trial_resumed(trial.number)
-                        _logger.info("Trial %d resumed after chunk %d.", trial.number, step + 1)
-                        return None
-                    if action == "delete":
-                        return self._delete(command.reason)
+                deleted, asked = self._obey(_commands.pending(self.study, frozen), "paused")
+                if deleted is not None:
+                    return deleted
+                if asked == "resume":
+                    self._lease = self.shared.lease(trial.number, resume=True)
+                    trial.set_user_attr(_attrs.STATUS, "running")
+                    self.shared.progress.trial_resumed(trial.number)
+                    _logger.info("Trial %d resumed after chunk %d.", trial.number, chunks)
+                    return None
         finally:
             self.device.paused.discard(entry)
 
-    def _end_interrupted(self, chunks: int) -> float:
+    def _end_interrupted(self, chunks: int) -> NoReturn:
         """End the trial after an interrupt (Ctrl-C): its state is saved for clones, what it reported stays."""
         self._leave(Decision.STOP)
-        self.trial.set_user_attr(_attrs.STATUS, "interrupted")
-        if not self._total_chunks:  # not built yet: nothing trained, nothing kept
-            raise optuna.TrialPruned("Interrupted (Ctrl-C) before it started training.")
-        raise optuna.TrialPruned(
-            f"Interrupted (Ctrl-C) after chunk {chunks}/{self._total_chunks}; its state is kept: clone it to continue."
-        )
+        self.record.interrupted(chunks, self._total_chunks)
 
-    def _end_paused(self, step: int) -> float:
+    def _end_paused(self, chunks: int) -> NoReturn:
         self._leave(Decision.STOP)
-        self.trial.set_user_attr(_attrs.STATUS, "paused-at-end")
-        raise optuna.TrialPruned(
-            f"Still paused after chunk {step + 1} when the study ended; its state is kept: clone it to continue."
-        )
+        self.record.paused_at_end(chunks)
 
 
 def trial_spec(run: Run, trial: optuna.Trial, configure: Configure, record: TrialRecord) -> TrialSpec:
@@ -366,5 +372,5 @@ def trial_spec(run: Run, trial: optuna.Trial, configure: Configure, record: Tria
         adapter_dir=os.path.join(root, f"trial-{trial.number}"),
         state_dir=os.path.join(root, "state"),
         clone_of=record.clone_request(),
-        checkpoint=services.checkpoints(study) is not None,
+        checkpoint=True,
     )

@@ -9,39 +9,22 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
+import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._base import CloneOf
 from optuna_rapidfire._logging import explained, get_logger
 from optuna_rapidfire._study import _attrs, _commands
-from optuna_rapidfire._study._checkpoints import CheckpointError
 from optuna_rapidfire._study._storages import StorageUnavailableError
 
 if TYPE_CHECKING:
-    import optuna
-
     from optuna_rapidfire._engines._base import Branch, ChunkResult
-    from optuna_rapidfire._resident._snapshot import TrialSnapshot
-    from optuna_rapidfire._study._checkpoints import Checkpoints
     from optuna_rapidfire._study._services import StudyServices
 
 _logger = get_logger(__name__)
-
-
-def fetch_parent(checkpoints: Checkpoints, study: optuna.Study, parent: int) -> TrialSnapshot:
-    """The latest checkpoint of trial ``parent`` (for a warm clone of a trial that ran elsewhere)."""
-    storage = _compat.storage(study)
-    try:
-        trial_id = storage.get_trial_id_from_study_id_trial_number(_compat.study_id(study), parent)
-    except KeyError:
-        trial_id = None
-    link = None if trial_id is None else storage.get_trial(trial_id).system_attrs.get(_attrs.CHECKPOINT)
-    if link is None:
-        raise CheckpointError(f"trial {parent} has no checkpoint in the artifact store")
-    return checkpoints.load(study, link, {parent})
 
 
 class TrialRecord:
@@ -51,6 +34,23 @@ class TrialRecord:
         self.study = study
         self.trial = trial
         self.services = services
+
+    def started(self, metric: str, worker: str) -> None:
+        """Say the trial runs: its metric, its status, the worker (``host:pid:device``) it runs on."""
+        trial = self.trial
+        trial.set_user_attr(_attrs.METRIC, metric)
+        trial.set_user_attr(_attrs.STATUS, "running")
+        if trial.user_attrs.get(_attrs.FAIL_REASON) is not None:  # copied by Optuna's retry from the dead one
+            trial.set_user_attr(_attrs.FAIL_REASON, None)
+        trial.set_user_attr(_attrs.WORKER, worker)
+
+    def chunk(self, event: ChunkResult, value: float) -> None:
+        """Report the chunk's ``value`` at its step, and what it trained (chunks done, train loss, learning rate)."""
+        self.trial.report(value, event.step)
+        self.trial.set_user_attr(_attrs.CHUNKS_DONE, event.step + 1)
+        for key, attr in (("train_loss", _attrs.TRAIN_LOSS), ("train_learning_rate", _attrs.LEARNING_RATE)):
+            if key in event.metrics:
+                self.trial.set_user_attr(attr, event.metrics[key])
 
     def end(self, status: str, reason: tuple[str, str] | None = None) -> None:
         """Write the trial's final status (unless a more telling one is set) and why it ended."""
@@ -72,7 +72,7 @@ class TrialRecord:
         system_attrs = _compat.storage(study).get_trial(_compat.trial_id(self.trial)).system_attrs
         # Optuna's RetryHeartbeatStaleTrialCallback re-enqueues a stale trial with the dead one's system
         # attrs (our checkpoint link among them) plus "failed_trial" and "retry_history".
-        if "failed_trial" in system_attrs and checkpoints is not None:
+        if "failed_trial" in system_attrs and checkpoints.shared:
             history = [
                 n for n in system_attrs.get("retry_history") or [system_attrs["failed_trial"]] if isinstance(n, int)
             ]
@@ -88,8 +88,10 @@ class TrialRecord:
         if not isinstance(request, dict) or not isinstance(request.get("parent"), int):
             return None
         parent = request["parent"]
-        fetch = None if checkpoints is None else functools.partial(fetch_parent, checkpoints, study, parent)
-        return CloneOf(parent=parent, warm=bool(request.get("warm", True)), fetch=fetch)
+        step = request.get("from_chunk")
+        step = step if isinstance(step, int) and not isinstance(step, bool) else None
+        fetch = functools.partial(checkpoints.load_chunk, study, parent, step)
+        return CloneOf(parent=parent, warm=bool(request.get("warm", True)), step=step, fetch=fetch)
 
     def branch(self, branch: Branch) -> None:
         """Record how a clone (or a retry) started: its parent, its first step, warm or cold and why."""
@@ -142,7 +144,7 @@ class TrialRecord:
     def checkpoint(self, event: ChunkResult, previous: Any) -> None:
         """Save the chunk's state to the artifact store and link it, before the chunk is reported."""
         checkpoints = self.services.checkpoints(self.study)
-        if event.snapshot is None or checkpoints is None:
+        if event.snapshot is None:
             return
         try:
             checkpoints.save(self.study, _compat.trial_id(self.trial), event.snapshot, previous)
@@ -157,6 +159,32 @@ class TrialRecord:
                 error,
             )
         event.snapshot = None
+
+    def keep_chunk_states(self, *, last: bool) -> None:
+        """Once the trial has ended: keep its ``last`` chunk state for clones (none for a failed or deleted
+        trial, whose state is not one to continue from), and any a waiting clone branches from."""
+        try:
+            self.services.checkpoints(self.study).trim(
+                self.study, self.trial.number, finished=True, keep=None if last else 0
+            )
+        except Exception:  # the storage is gone: the states stay (orphans are harmless)
+            _logger.debug("Trial %d: its chunk states could not be trimmed.", self.trial.number, exc_info=True)
+
+    def interrupted(self, chunks: int, total_chunks: int) -> NoReturn:
+        """End the trial after an interrupt (Ctrl-C), as PRUNED: what it reported and its state stay."""
+        self.trial.set_user_attr(_attrs.STATUS, "interrupted")
+        if not total_chunks:  # not built yet: nothing trained, nothing kept
+            raise optuna.TrialPruned("Interrupted (Ctrl-C) before it started training.")
+        raise optuna.TrialPruned(
+            f"Interrupted (Ctrl-C) after chunk {chunks}/{total_chunks}; its state is kept: clone it to continue."
+        )
+
+    def paused_at_end(self, chunks: int) -> NoReturn:
+        """End a trial still paused when the study ends, as PRUNED: its state stays for clones."""
+        self.trial.set_user_attr(_attrs.STATUS, "paused-at-end")
+        raise optuna.TrialPruned(
+            f"Still paused after chunk {chunks} when the study ended; its state is kept: clone it to continue."
+        )
 
     def pruned_reason(self, step: int, value: float, total_chunks: int) -> str:
         """What the log and the trial's user attrs say about a pruning: who, when, on what value, against whom."""
@@ -176,6 +204,18 @@ class TrialRecord:
         _logger.warning("Trial %d failed: %s", self.trial.number, reason.splitlines()[0] if reason else reason)
         explained(self.trial.number)
         return math.nan
+
+    def nothing_left(self, parent: int, total_chunks: int) -> float:
+        """End a warm clone of a trial that trained every chunk, whose own run is no longer: nothing of its config
+        would be trained, so it records no result (not even the inherited curve). Returns the NaN it returns."""
+        return self.fail(
+            f"Warm clone of trial {parent}, which had trained all {total_chunks} chunks: nothing is left to train "
+            "under the new parameters. Clone it cold, or give the clone a longer run (more epochs)."
+        )
+
+    def finished_in_storage(self) -> bool:
+        """Whether the stored trial is finished (failed from outside: another worker's check, the dashboard)."""
+        return _compat.storage(self.study).get_trial(_compat.trial_id(self.trial)).state.is_finished()
 
     def deleted(self, reason: str | None) -> float:
         """Record a delete command's end (FAIL, with the command's reason); returns the NaN the trial returns."""

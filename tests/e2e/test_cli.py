@@ -140,9 +140,15 @@ def test_help_reads_as_plain_text(capsys, argv: list[str]) -> None:
 def test_a_warm_clone_enqueued_from_the_cli_shows_its_parent_and_params_while_waiting(tmp_path: Path, capsys) -> None:
     url, study = _study(tmp_path)
     parent = _running_trial(study, chunks_done=3)
-    assert main(["clone", "--storage", url, "--study-name", "demo", "0", "--set", "learning_rate=1e-4"]) == 0
-    assert capsys.readouterr().out.strip() == "trial 0: warm clone enqueued as trial 1"
-    assert main(["clone", "--storage", url, "--study-name", "demo", "0", "--set", "r=16", "--cold"]) == 0
+    clone = ["clone", "--storage", url, "--study-name", "demo", "0", "--wait", "0"]
+    assert main([*clone, "--set", "learning_rate=1e-4"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "trial 0: warm clone enqueued as trial 1, to branch after chunk 3; not started yet (it takes the next slot)"
+    )
+    # A chunk whose state is not kept (nothing ran here) is refused at once, with what is kept.
+    assert main([*clone, "--from-chunk", "2"]) == 2
+    assert "Trial 0's state after chunk 2 is no longer kept (kept: after chunks none)" in capsys.readouterr().err
+    assert main([*clone, "--set", "r=16", "--cold"]) == 0
     capsys.readouterr()
 
     assert main(["ls", "--storage", url, "--study-name", "demo"]) == 0

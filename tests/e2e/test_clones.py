@@ -144,17 +144,28 @@ def test_cold_clone_on_request(make_executor, slow_chunks) -> None:
     assert clone.intermediate_values[0] == parent.intermediate_values[0]  # same params, same seed, from scratch
 
 
-def test_a_warm_clone_of_a_trial_that_trained_everything_fails_untrained_and_one_of_a_failed_trial_is_refused(
+def test_a_warm_clone_of_a_trial_that_trained_everything_is_refused_at_once_and_one_of_a_failed_trial_too(
     make_executor,
 ) -> None:
     executor = make_executor(num_chunks=3, max_concurrent_trials=1)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     study.enqueue_trial({"r": 8, "learning_rate": 2e-2, "weight_decay": 0.1})
     executor.optimize(study, configure, n_trials=1)
+    before = len(study.trials)
+    # Unchanged, from its last chunk: nothing would be left to train, so nothing is enqueued.
+    with pytest.raises(ValueError, match=r"had trained all 3 chunks at chunk 3: .* nothing left to train"):
+        control.clone(study, 0)
+    # An earlier chunk of a finished trial: only its last state is kept.
+    with pytest.raises(ValueError, match=r"state after chunk 1 is no longer kept \(kept: after chunks \[3\]\)"):
+        control.clone(study, 0, from_chunk=1)
+    with pytest.raises(ValueError, match="from_chunk must be between 1 and 3"):
+        control.clone(study, 0, from_chunk=4)
+    assert len(study.trials) == before
+    # Changed: it could have a longer run, so it is enqueued; with the same run length it fails once built,
+    # recording nothing of the new learning rate.
     child = control.clone(study, 0, params={"learning_rate": 1e-3})
     executor.optimize(study, configure, n_trials=1)
     clone = study.trials[child]
-    # The same run length: nothing of the new learning rate would be trained, so no result is recorded.
     assert clone.state == TrialState.FAIL and clone.intermediate_values == {}
     assert clone.user_attrs[_attrs.FAIL_REASON].startswith("Warm clone of trial 0, which had trained all 3 chunks")
     with pytest.raises(ValueError, match=f"Trial {child} failed .*Clone it cold"):
@@ -166,6 +177,32 @@ def test_a_warm_clone_of_a_trial_that_trained_everything_fails_untrained_and_one
         1,
         2,
     ]
+
+
+def test_a_warm_clone_from_a_named_chunk_of_a_live_trial_continues_from_there_with_its_new_learning_rate(
+    make_executor, slow_chunks
+) -> None:
+    executor = make_executor(num_chunks=NUM_CHUNKS, max_concurrent_trials=2)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial({"r": 8, "learning_rate": 2e-2, "weight_decay": 0.1})
+    asked: list[int] = []
+
+    def clone_after_chunk_4() -> bool:
+        if not asked and 3 in study.trials[0].intermediate_values:
+            asked.append(control.clone(study, 0, from_chunk=2))
+            asked.append(control.clone(study, 0, params={"learning_rate": 5e-3}, from_chunk=2))
+        return False
+
+    slow_chunks(0.0, hold=clone_after_chunk_4)
+    executor.optimize(study, configure, n_trials=1)
+    parent, same, changed = study.trials[0], study.trials[asked[0]], study.trials[asked[1]]
+    assert parent.state == same.state == changed.state == TrialState.COMPLETE
+    assert same.user_attrs[_attrs.BRANCH_STEP] == changed.user_attrs[_attrs.BRANCH_STEP] == 2
+    assert same.intermediate_values == parent.intermediate_values
+    # The changed clone inherits chunks 1-2, then trains from the parent's state after chunk 2 at its own rate.
+    assert [changed.intermediate_values[s] for s in (0, 1)] == [parent.intermediate_values[s] for s in (0, 1)]
+    assert changed.intermediate_values[2] != parent.intermediate_values[2]
+    assert changed.user_attrs[_attrs.LEARNING_RATE] == pytest.approx(5e-3)
 
 
 def test_clone_rejects_unknown_or_out_of_range_params(make_executor) -> None:
@@ -182,3 +219,32 @@ def test_clone_rejects_unknown_or_out_of_range_params(make_executor) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         control.clone(study, 42)
     assert len(study.trials) == before
+
+
+@pytest.mark.parametrize("schedule", ["default", "lockstep"])
+def test_a_clone_asked_for_while_the_study_runs_branches_where_asked_and_trains_in_the_same_call(
+    make_executor, slow_chunks, schedule: str
+) -> None:
+    """One slot, n_trials=2, one enqueued trial; after its chunk 2 a warm clone of it is asked for, unchanged.
+    The clone trains in the same optimize call (beyond the budget: the sampler's config still runs), branches
+    from chunk 2 whatever its parent did since, and continues the parent's values exactly."""
+    executor = make_executor(num_chunks=NUM_CHUNKS, max_concurrent_trials=1, schedule=schedule)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner(), sampler=optuna.samplers.RandomSampler(seed=0))
+    study.enqueue_trial({"r": 8, "learning_rate": 2e-2, "weight_decay": 0.1})
+    asked: list[int] = []
+
+    def clone_after_chunk_2() -> bool:  # the parent's next chunk starts only once the clone was asked for
+        if not asked and 1 in study.trials[0].intermediate_values:
+            asked.append(control.clone(study, 0))
+        return False
+
+    slow_chunks(0.0, hold=clone_after_chunk_2)
+    executor.optimize(study, configure, n_trials=2)
+    [child] = asked
+    parent, clone = study.trials[0], study.trials[child]
+    assert parent.state == clone.state == TrialState.COMPLETE
+    assert clone.user_attrs[_attrs.BRANCH_STEP] == 2 and clone.user_attrs[_attrs.CLONE] == "warm"
+    assert clone.intermediate_values == parent.intermediate_values
+    # The budget counts the trials the study asked for: the clone came on top.
+    assert sum(_attrs.CLONE_OF not in t.user_attrs for t in study.trials) == 2
+    assert all(t.state.is_finished() for t in study.trials)  # nothing left waiting

@@ -43,7 +43,7 @@ def test_stop_and_resume_from_another_process(make_executor, chunk_log, slow_chu
     url = f"sqlite:///{tmp_path / 'rf.db'}"
     executor = make_executor(num_chunks=8, max_concurrent_trials=2)
     study = optuna.create_study(storage=url, study_name="ctl", pruner=optuna.pruners.NopPruner())
-    run = Background(lambda: executor.optimize(study, by_number(CONFIGS[:3]), n_trials=3))
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=3))
     wait_until(lambda: 0 in study.trials[0].intermediate_values, what="trial 0's first report")
 
     stopped = _cli("stop", "--storage", url, "--study-name", "ctl", "0")
@@ -101,7 +101,7 @@ def test_a_command_waits_for_the_chunk_in_progress(make_executor, monkeypatch) -
 def test_delete_ends_the_trial_as_fail_and_frees_its_state(make_executor, engine) -> None:
     executor = make_executor(num_chunks=4, max_concurrent_trials=2, engine=engine)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-    run = Background(lambda: executor.optimize(study, by_number(CONFIGS[:3]), n_trials=3))
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=3))
     wait_until(lambda: 0 in study.trials[1].intermediate_values, what="trial 1's first report")
     control.delete(study, 1, reason="diverged")
     run.join()
@@ -196,9 +196,10 @@ def test_concurrent_commands_are_applied_exactly_once(make_executor, slow_chunks
     ]
     issued = [k for k in study._storage.get_study_system_attrs(study._study_id) if k.startswith(_attrs.COMMAND_PREFIX)]
     assert len(results) == len(issued)  # none lost: every command was answered
-    assert sum(r.startswith("paused after chunk") for r in results) == 1
+    # After its chunk, or at once while it waited for the device: paused once either way.
+    assert sum(r.startswith(("paused after chunk", "paused while waiting after chunk")) for r in results) == 1
     assert sum(r == "resumed" for r in results) == 1
-    assert all(r.startswith(("paused after", "resumed", "ignored")) for r in results)
+    assert all(r.startswith(("paused ", "resumed", "ignored")) for r in results)
     assert study.trials[0].state == TrialState.COMPLETE
 
 
@@ -271,3 +272,62 @@ def test_a_trial_failed_by_another_worker_s_heartbeat_check_says_so_and_its_retr
         executor.optimize(study, by_number(CONFIGS), n_trials=1)
         retry = study.trials[retry.number]
     assert retry.state == TrialState.COMPLETE  # (from scratch: this study keeps no checkpoints)
+
+
+def test_commands_to_trials_waiting_between_chunks_apply_at_once(make_executor, slow_chunks, tmp_path, capsys) -> None:
+    """Trials 1 and 2 wait after their first chunk (a schedule that does not choose them) while trial 0 trains:
+    a stop (from the CLI, which says what was done), a delete and a clone to them apply within poll_seconds,
+    with no chunk trained in between."""
+    from optuna_rapidfire.cli import main
+    from optuna_rapidfire.schedules import PromoteSchedule
+
+    released = threading.Event()
+
+    class Holding(PromoteSchedule):
+        """Promote-all, except that trials 1 and 2 wait after chunk 1 until the test releases them."""
+
+        def choose(self, live, *, fuse, now, reports=None):
+            if not released.is_set():
+                live = [v for v in live if not (v.number in (1, 2) and v.chunks_done >= 1)]
+            return super().choose(live, fuse=fuse, now=now, reports=reports)
+
+    executor = make_executor(
+        num_chunks=4, max_concurrent_trials=3, poll_seconds=0.2, schedule=Holding(when_exhausted="promote")
+    )
+    url = f"sqlite:///{tmp_path / 'waiting.db'}"
+    study = optuna.create_study(storage=url, study_name="waiting", pruner=optuna.pruners.NopPruner())
+
+    def waiting() -> bool:
+        trials = study.get_trials(deepcopy=False)
+        return len(trials) == 3 and all(0 in t.intermediate_values for t in trials[1:])
+
+    # Once 1 and 2 wait, trial 0's next chunk (if it has one left) is held until the end of the test's checks.
+    slow_chunks(0.0, hold=lambda: not released.is_set() and waiting())
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=3))
+    try:
+        wait_until(waiting, what="trials 1 and 2 waiting after their first chunk")
+        assert main(["stop", "--storage", url, "--study-name", "waiting", "1", "--wait", "30"]) == 0
+        assert capsys.readouterr().out == "trial 1: stop applied: paused while waiting after chunk 1\n"
+        control.delete(study, 2, reason="not promising")
+        child = control.clone(study, 1)
+        wait_until(lambda: _status(study, 1) == "paused", timeout=30, what="the stop of the waiting trial")
+        wait_until(lambda: study.trials[2].state == TrialState.FAIL, timeout=30, what="the delete")
+        # Applied while they waited: neither trained a chunk meanwhile.
+        assert [sorted(study.trials[n].intermediate_values) for n in (1, 2)] == [[0], [0]]
+        results = _command_results(study)
+        assert results[:2] == ["paused while waiting after chunk 1", "deleted while waiting after chunk 1"], results
+        control.resume(study, 1)
+    finally:
+        released.set()
+    run.join()
+    assert study.trials[1].state == TrialState.COMPLETE and sorted(study.trials[1].intermediate_values) == [0, 1, 2, 3]
+    assert study.trials[2].user_attrs[_attrs.FAIL_REASON] == "deleted: not promising"
+    clone = study.trials[child]
+    assert clone.state == TrialState.COMPLETE and clone.user_attrs[_attrs.BRANCH_STEP] == 1
+
+
+def _command_results(study: optuna.Study) -> list[str]:
+    from optuna_rapidfire import _compat
+
+    attrs = _compat.storage(study).get_study_system_attrs(_compat.study_id(study))
+    return [attrs[key]["result"] for key in sorted(attrs) if key.startswith(_attrs.DONE_PREFIX)]

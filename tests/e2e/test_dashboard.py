@@ -181,3 +181,44 @@ def test_a_bare_submit_does_nothing_and_a_running_trials_form_clones_a_finished_
     assert child.params == {"learning_rate": 5e-3}
     assert child.state == TrialState.COMPLETE and child.user_attrs[_attrs.PARENT] == 0
     assert parent.state == second.state == TrialState.COMPLETE
+
+
+def test_a_clone_submitted_while_the_dashboard_still_holds_back_the_typed_text_clones_nothing_and_says_so(
+    make_executor, slow_chunks, browser_page: Page, tmp_path: Path
+) -> None:
+    """optuna-dashboard takes a text field's value ~0.5 s after the last keystroke, so a fast Submit sends it
+    empty: the clone is refused with that reason (not made unchanged); with the text taken, it is made."""
+    page = browser_page
+    url = f"sqlite:///{tmp_path / 'rf.db'}"
+    executor = make_executor(num_chunks=10, max_concurrent_trials=1)
+    study = optuna.create_study(storage=url, study_name="ui", pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial({"learning_rate": 1e-2})
+    limit = [1]
+    slow_chunks(0.1, hold=_held_at(study, 0, limit))
+    with dashboard_server(url) as dashboard:
+        run = Background(lambda: executor.optimize(study, _by_learning_rate, n_trials=1))
+        wait_until(lambda: 0 in study.trials[0].intermediate_values, what="trial 0's first report")
+        _open_trial(page, dashboard, study, 0)
+        page.get_by_role("textbox").press_sequentially("learning_rate=5e-3", delay=10)
+        page.get_by_label("clone").check()
+        page.get_by_role("button", name="Submit").click()  # at once: the dashboard still holds the text back
+        wait_until(lambda: _form_action(study, 0) not in (None, 0), what="the fast submit")
+        assert study.trials[0].user_attrs[_attrs.ACTION_ARGS] == ""
+        limit[0] = 2  # the chunk in flight ends; the command applies at its boundary
+        done = wait_until(lambda: study.trials[0].user_attrs.get(_attrs.ACTION_DONE), what="the refusal")
+        assert "clone with an empty args field: nothing cloned" in done, done
+        assert len(study.trials) == 1
+
+        _open_trial(page, dashboard, study, 0)
+        _submit(page, "clone", "learning_rate=5e-3")  # waits for the dashboard to take the text
+        wait_until(lambda: study.trials[0].user_attrs.get(_attrs.ACTION_ARGS), what="the text")
+        limit[0] = _RELEASED
+        done = wait_until(
+            lambda: (d := study.trials[0].user_attrs.get(_attrs.ACTION_DONE)) and d.startswith("clone") and d,
+            what="the clone",
+        )
+        assert done.startswith("clone: enqueued as trial 1"), done
+        run.join()
+    clone = study.trials[1]
+    assert clone.params == {"learning_rate": 5e-3} and clone.user_attrs[_attrs.CLONE_OF]["parent"] == 0
+    assert clone.state == TrialState.COMPLETE and clone.user_attrs[_attrs.CLONE] == "warm"

@@ -65,6 +65,21 @@ def test_a_form_clone_may_name_another_trial_and_other_actions_may_not() -> None
     assert stop_self is not None and (stop_self.op, stop_self.trial) == ("stop", 3)
 
 
+def test_a_form_clone_with_an_empty_args_field_clones_nothing_and_says_why() -> None:
+    # optuna-dashboard sends the text ~0.5 s after the last keystroke: an empty field may be text not taken yet.
+    empty = _commands._form_command(_form_trial(3, 4.0, ""))
+    assert empty is not None and empty.op == "invalid" and "empty args field: nothing cloned" in str(empty.reason)
+    unchanged = _commands._form_command(_form_trial(3, 4.0, "warm"))
+    assert unchanged is not None and (unchanged.op, unchanged.trial, unchanged.params, unchanged.warm) == (
+        "clone",
+        3,
+        {},
+        True,
+    )
+    branch = _commands._form_command(_form_trial(3, 4.0, "from_chunk=2, r=8"))
+    assert branch is not None and (branch.from_chunk, branch.params) == (2, {"r": 8})
+
+
 def test_a_command_to_a_trial_whose_worker_died_reaches_its_retry_and_ls_shows_both(tmp_path, capsys) -> None:
     from optuna_rapidfire import control
     from optuna_rapidfire.cli import main
