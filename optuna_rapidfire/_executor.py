@@ -130,9 +130,9 @@ class RapidFireExecutor:
             other machines use them. ``None``: never (a retry then starts from scratch). Without a store,
             the chunk states clones branch from are kept in this process's memory.
         keep_checkpoints: Chunk states kept per trial for warm clones to branch from (``control.clone(...,
-            from_chunk=k)``): ``None`` (default) keeps every chunk's state of a live trial, an integer the
-            last that many; a finished trial keeps its last, and a state a waiting clone branches from is
-            kept until the clone has it.
+            from_chunk=k)``): ``None`` (default) keeps every chunk's state of a live trial and the last of
+            a finished one; an integer keeps the last that many of every trial; a state a waiting clone
+            branches from is kept until the clone has it.
         checkpoint_budget: Bytes of chunk states this process keeps (an int, ``"8GiB"``, or ``"25%"`` of the
             host memory); over it, the oldest that are neither a trial's latest nor awaited by a clone are
             dropped, each with a log line. ``"auto"``: a quarter of the host memory for states kept in

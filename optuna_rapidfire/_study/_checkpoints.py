@@ -93,8 +93,8 @@ class Checkpoints:
 
     Args:
         store: An artifact store shared by the study's workers, or :data:`MEMORY` (this process only).
-        keep: Chunk states kept per trial for clones to branch from (``None``: every one of a live trial).
-            A finished trial keeps its last one, unless a waiting clone still needs an earlier one.
+        keep: Chunk states kept per trial for clones to branch from (``None``: every one of a live trial, and
+            the last of a finished one); never one a waiting clone still needs.
         budget: Bytes of chunk states this process keeps in ``store`` (``None``: no limit); over it, the
             oldest states that are neither a trial's latest nor awaited by a clone are dropped, each with a
             log line.
@@ -159,9 +159,10 @@ class Checkpoints:
         return link
 
     def trim(self, study: optuna.Study, number: int, *, finished: bool = False, keep: int | None = None) -> None:
-        """Drop trial ``number``'s chunk states beyond what is kept: ``keep`` (default: :attr:`keep`, or 1 once the
-        trial has ``finished``; 0 drops all), never one a waiting clone branches from; then enforce the budget."""
-        limit = keep if keep is not None else (1 if finished else self.keep)
+        """Drop trial ``number``'s chunk states beyond what is kept: ``keep`` (default: :attr:`keep`; once the trial
+        has ``finished``, 1 unless :attr:`keep` says more; 0 drops all), never one a waiting clone branches from;
+        then enforce the budget."""
+        limit = keep if keep is not None else ((self.keep or 1) if finished else self.keep)
         dropped = False
         if limit is not None:
             awaited = awaited_steps(study, number)

@@ -274,8 +274,8 @@ def test_a_trial_failed_by_another_worker_s_heartbeat_check_says_so_and_its_retr
     assert retry.state == TrialState.COMPLETE  # (from scratch: this study keeps no checkpoints)
 
 
-def test_commands_to_trials_waiting_between_chunks_apply_at_once(make_executor, slow_chunks, tmp_path, capsys) -> None:
-    """Trials 1 and 2 wait after their first chunk (a schedule that does not choose them) while trial 0 trains:
+def test_commands_to_trials_waiting_between_chunks_apply_at_once(make_executor, tmp_path, capsys) -> None:
+    """Trials 1 and 2 wait after their first chunk (a schedule that does not choose them; trial 0 trains on):
     a stop (from the CLI, which says what was done), a delete and a clone to them apply within poll_seconds,
     with no chunk trained in between."""
     from optuna_rapidfire.cli import main
@@ -301,15 +301,12 @@ def test_commands_to_trials_waiting_between_chunks_apply_at_once(make_executor, 
         trials = study.get_trials(deepcopy=False)
         return len(trials) == 3 and all(0 in t.intermediate_values for t in trials[1:])
 
-    # Once 1 and 2 wait, trial 0's next chunk (if it has one left) is held until the end of the test's checks.
-    slow_chunks(0.0, hold=lambda: not released.is_set() and waiting())
     run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=3))
     try:
         wait_until(waiting, what="trials 1 and 2 waiting after their first chunk")
         assert main(["stop", "--storage", url, "--study-name", "waiting", "1", "--wait", "30"]) == 0
         assert capsys.readouterr().out == "trial 1: stop applied: paused while waiting after chunk 1\n"
         control.delete(study, 2, reason="not promising")
-        child = control.clone(study, 1)
         wait_until(lambda: _status(study, 1) == "paused", timeout=30, what="the stop of the waiting trial")
         wait_until(lambda: study.trials[2].state == TrialState.FAIL, timeout=30, what="the delete")
         # Applied while they waited: neither trained a chunk meanwhile.
@@ -319,6 +316,11 @@ def test_commands_to_trials_waiting_between_chunks_apply_at_once(make_executor, 
         control.resume(study, 1)
     finally:
         released.set()
+    # Beyond the budget (3 trials asked for), in the slot the deleted trial freed; the CLI says how it started.
+    clone = ["clone", "--storage", url, "--study-name", "waiting", "1", "--from-chunk", "1", "--wait", "60"]
+    assert main(clone) == 0
+    child = len(study.trials) - 1
+    assert capsys.readouterr().out == f"trial 1: trial {child} started warm from trial 1 after chunk 1\n"
     run.join()
     assert study.trials[1].state == TrialState.COMPLETE and sorted(study.trials[1].intermediate_values) == [0, 1, 2, 3]
     assert study.trials[2].user_attrs[_attrs.FAIL_REASON] == "deleted: not promising"

@@ -15,7 +15,7 @@ from optuna.artifacts import FileSystemArtifactStore
 from optuna_rapidfire._resident._snapshot import TrialSnapshot
 from optuna_rapidfire._resident._state import Position, RngState, SwapState
 from optuna_rapidfire._study import _attrs
-from optuna_rapidfire._study._checkpoints import Checkpoints
+from optuna_rapidfire._study._checkpoints import MEMORY, CheckpointError, Checkpoints
 
 
 def _snapshot(number: int, chunks: int) -> TrialSnapshot:
@@ -69,3 +69,59 @@ def test_a_checkpoint_whose_trial_was_failed_meanwhile_leaves_no_blob(tmp_path: 
         checkpoints.save(study, trial._trial_id, _snapshot(trial.number, 2), previous=first)
     assert [p.name for p in folder.iterdir()] == [first["artifact_id"]]
     assert study.trials[0].system_attrs[_attrs.CHECKPOINT] == first
+
+
+def _kept(study: optuna.Study, number: int) -> list[int]:
+    attrs = study._storage.get_study_system_attrs(study._study_id)
+    return sorted(int(step) for step in attrs.get(f"{_attrs.CHUNK_STATES_PREFIX}{number}", {}))
+
+
+def test_a_trial_keeps_its_last_chunk_states_and_once_finished_its_last_unless_a_clone_waits_for_one(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "artifacts"
+    folder.mkdir()
+    checkpoints = Checkpoints(FileSystemArtifactStore(str(folder)), keep=2)
+    study = optuna.create_study(study_name="s")
+    trial = study.ask()
+    links = [checkpoints.save(study, trial._trial_id, _snapshot(trial.number, chunks)) for chunks in (1, 2, 3, 4)]
+    assert _kept(study, trial.number) == [3, 4]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(link["artifact_id"] for link in links[2:])
+    # A clone asked for at chunk 3 waits in the queue: the trial ends, and keeps chunk 3 for it besides its last.
+    study.enqueue_trial({}, user_attrs={_attrs.CLONE_OF: {"parent": trial.number, "warm": True, "from_chunk": 3}})
+    checkpoints.trim(study, trial.number, finished=True)
+    assert _kept(study, trial.number) == [3, 4]
+    # Another worker (a checkpoint store of its own over the same folder) branches from it.
+    other = Checkpoints(FileSystemArtifactStore(str(folder)))
+    assert other.load_chunk(study, trial.number, 3).position.chunks_done == 3
+    with pytest.raises(CheckpointError, match=r"after chunk 1 is not kept \(kept: 3, 4;"):
+        other.load_chunk(study, trial.number, 1)
+
+
+def test_the_budget_drops_the_oldest_states_but_never_a_trial_s_latest_and_says_so(tmp_path: Path, caplog) -> None:
+    study = optuna.create_study(study_name="s")
+    trial = study.ask()
+    size = len(_snapshot(trial.number, 1).to_bytes("s"))
+    checkpoints = Checkpoints(MEMORY, budget=int(2.5 * size))
+    with caplog.at_level(logging.WARNING, logger="optuna_rapidfire"):
+        for chunks in (1, 2, 3):
+            checkpoints.save(study, trial._trial_id, _snapshot(trial.number, chunks))
+    assert _kept(study, trial.number) == [2, 3]
+    assert "Dropped the state of trial 0 after chunk 1" in caplog.text and "checkpoint_budget" in caplog.text
+    tiny = Checkpoints(MEMORY, budget=1)  # even below one state, each trial's latest stays
+    other = study.ask()
+    tiny.save(study, other._trial_id, _snapshot(other.number, 1))
+    assert _kept(study, other.number) == [1]
+
+
+def test_states_kept_in_memory_branch_clones_here_and_say_where_they_are_elsewhere() -> None:
+    study = optuna.create_study(study_name="s")
+    trial = study.ask()
+    checkpoints = Checkpoints(MEMORY)
+    link = checkpoints.save(study, trial._trial_id, _snapshot(trial.number, 1))
+    assert link["memory"] == MEMORY.where and _attrs.CHECKPOINT not in study.trials[0].system_attrs  # no retries
+    assert checkpoints.load_chunk(study, trial.number, None).position.chunks_done == 1
+    key = f"{_attrs.CHUNK_STATES_PREFIX}{trial.number}"
+    study._storage.set_study_system_attr(study._study_id, key, {"1": {**link, "memory": "elsewhere:1"}})
+    with pytest.raises(CheckpointError, match="kept in the memory of worker elsewhere:1; give the executors a shared"):
+        checkpoints.load_chunk(study, trial.number, 1)
