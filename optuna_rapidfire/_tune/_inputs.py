@@ -169,7 +169,7 @@ def open_storage(search: Search) -> optuna.storages.RDBStorage:
         )
 
 
-def make_configure(search: Search) -> Callable[[optuna.Trial], tuple[LoraConfig, TrainingArguments]]:
+def make_configure(search: Search) -> Callable[[optuna.trial.BaseTrial], tuple[LoraConfig, TrainingArguments]]:
     """``configure(trial)``: suggest every parameter of the space under its name, then build the configs from
     the fixed values and the sampled ones (a sampled value goes where its name says: ``lora.r`` into
     ``LoraConfig.r``, ``training.learning_rate`` into the TRL config's ``learning_rate``)."""
@@ -177,7 +177,7 @@ def make_configure(search: Search) -> Callable[[optuna.Trial], tuple[LoraConfig,
     fixed_lora, fixed_training = dict(search.lora), training_values(search)
     space: Mapping[str, Any] = search.space
 
-    def configure(trial: optuna.Trial) -> tuple[LoraConfig, TrainingArguments]:
+    def configure(trial: optuna.trial.BaseTrial) -> tuple[LoraConfig, TrainingArguments]:
         from optuna.distributions import CategoricalDistribution, IntDistribution
 
         sampled: dict[str, dict[str, Any]] = {"lora": {}, "training": {}}
@@ -200,3 +200,81 @@ def make_configure(search: Search) -> Callable[[optuna.Trial], tuple[LoraConfig,
         )
 
     return configure
+
+
+def check_model(model: str) -> Any:
+    """The base model's config (``transformers.PretrainedConfig``), found before anything is created: a local
+    folder with a ``config.json``, or a hub id in the local hub cache or on the hub. Raises ``ValueError`` with
+    one line saying which it is not (and, for the hub, how to reach it), never after a minute of retries."""
+    from transformers import AutoConfig
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: the folder {path.resolve()} has no config.json (it is not a model folder).")
+        return AutoConfig.from_pretrained(str(path))
+    if path.exists():
+        raise ValueError(f"model: {path.resolve()} is a file; give the model's folder, or a hub id.")
+    import huggingface_hub
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        huggingface_hub.utils.validate_repo_id(model)
+    except HFValidationError:
+        raise ValueError(f"model: there is no folder {path.resolve()} (and {model!r} is not a hub id).") from None
+    if isinstance(huggingface_hub.try_to_load_from_cache(model, "config.json"), str):
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    where = f"there is no folder {path.resolve()}, and hub model {model!r}"
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise ValueError(f"model: {where} is not in the hub cache (HF_HUB_OFFLINE is set, so the hub is not asked).")
+    try:
+        huggingface_hub.model_info(model, timeout=10)
+    except huggingface_hub.errors.GatedRepoError:
+        raise ValueError(f"model: {where} is gated: accept its terms on the hub, then `hf auth login`.") from None
+    except huggingface_hub.errors.RepositoryNotFoundError:
+        raise ValueError(f"model: {where} does not exist (or is private: `hf auth login`).") from None
+    except Exception as error:  # no network, a proxy, a timeout
+        raise ValueError(
+            f"model: {where} is not in the hub cache and the hub could not be reached ({type(error).__name__}); "
+            "download it where the hub is reachable and give its folder, or set HF_HOME to a cache that holds it."
+        ) from None
+    return AutoConfig.from_pretrained(model)
+
+
+def check_trials(search: Search, model_config: Any) -> None:
+    """Build what the trials will build, dry, before any work: the TRL config of each value of the space (the
+    first of every other parameter) and its LoRA adapter on the model's shape (no weights: the meta device).
+    A config no trial could use is refused here with one line, rather than failing every trial after the model
+    has loaded."""
+    import optuna
+    import torch
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    ends = {  # every choice, or the two ends of a range
+        name: list(d.choices) if isinstance(d, CategoricalDistribution) else [d.low, d.high]
+        for name, d in search.space.items()
+        if isinstance(d, (CategoricalDistribution, IntDistribution, FloatDistribution))
+    }
+    first = {name: values[0] for name, values in ends.items()}
+    variants = [first] + [{**first, name: value} for name, values in ends.items() for value in values[1:]]
+    configure = make_configure(search)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    adapters: set[str] = set()
+    for params in variants:
+        shown = ", ".join(f"{k}={v}" for k, v in params.items())
+        try:
+            lora, _args = configure(optuna.trial.FixedTrial(params))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"training/lora: no trial could be configured with {shown}: {error}") from None
+        key = repr(lora)
+        if key in adapters:
+            continue
+        adapters.add(key)
+        try:
+            peft_model = get_peft_model(model, lora)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"lora: the adapter of {shown} cannot be built on {search.model!r}: {error}") from None
+        model = peft_model.unload()  # the bare model again, for the next adapter

@@ -31,6 +31,8 @@ from optuna_rapidfire._tune import _export, _report
 from optuna_rapidfire._tune._inputs import (
     HEARTBEAT_INTERVAL_S,
     build_named,
+    check_model,
+    check_trials,
     load_data,
     make_configure,
     open_storage,
@@ -132,8 +134,11 @@ def tune(search: str | os.PathLike[str] | Mapping[str, Any], *, merge: bool = Fa
     spec = load_search(search)
     started = datetime.now(timezone.utc)
     output = Path(spec.output)
+    # Everything that can be checked is, before anything is created or changed (no study, no output folder).
+    model_config = check_model(spec.model)
     train = load_data(spec.train, spec.trainer, "data.train")
     evaluation = load_data(spec.eval, spec.trainer, "data.eval")
+    check_trials(spec, model_config)
     executor = RapidFireExecutor(
         model=spec.model,
         model_kwargs=dict(spec.model_kwargs),
@@ -196,14 +201,18 @@ def successors(study: optuna.Study) -> dict[int, int]:
 def trials_left(study: optuna.Study, n_trials: int | None) -> int | None:
     """Trials still to start for ``n_trials`` in the study (``None``: no count, only the timeout).
 
-    A finished trial counts once: a FAIL trial that Optuna retried (its worker died) and an interrupted trial
-    continued by a warm clone are counted through their successor. Trials waiting in the queue (retries,
+    COMPLETE and PRUNED trials count, once: an interrupted trial continued by a warm clone is counted through
+    its successor. FAIL trials do not count (a killed run's are retried; a config that failed is replaced by a
+    new one, as Optuna users expect of a budget of results). Trials waiting in the queue (retries,
     continuations, clones asked for by hand) are among those left, and run first.
     """
+    from optuna.trial import TrialState
+
     if n_trials is None:
         return None
     succeeded = successors(study)
-    done = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished() and t.number not in succeeded]
+    counted = (TrialState.COMPLETE, TrialState.PRUNED)
+    done = [t for t in study.get_trials(deepcopy=False, states=counted) if t.number not in succeeded]
     return max(0, n_trials - len(done))
 
 
@@ -219,7 +228,10 @@ def _definition(spec: Search) -> dict[str, Any]:
 
 
 def _check_same_search(study: optuna.Study, spec: Search) -> None:
-    """Refuse a search whose trials would not be comparable with the study's; warn about other changes."""
+    """Refuse a search whose trials would not be comparable with the study's results (a study without any takes
+    it, saying what changed); warn about other changes."""
+    from optuna.trial import TrialState
+
     definition = _definition(spec)
     previous = study.user_attrs.get(DEFINITION_ATTR)
     if previous is None and study.trials:
@@ -232,11 +244,20 @@ def _check_same_search(study: optuna.Study, spec: Search) -> None:
             names = set(previous["space"]) | set(definition["space"])
             detail = sorted(n for n in names if previous["space"].get(n) != definition["space"].get(n))
             changed[changed.index("space")] = f"space ({', '.join(detail)})"
-        raise ValueError(
-            f"study {spec.study_name!r} in {_report._hidden(spec.storage)} was run with another {', '.join(changed)}: "
-            "its trials would not compare with the new ones. Give the search a new study_name (or output), or "
-            "restore the search it was run with."
-        )
+        results = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+        if not results:  # nothing to compare with yet (a first run that failed): the fixed search is taken
+            _check_compatible_space(study, spec)
+            _logger.warning(
+                "Study %r has no COMPLETE or PRUNED trial: its %s changed, and the new search is taken.",
+                spec.study_name,
+                ", ".join(changed),
+            )
+        else:
+            raise ValueError(
+                f"study {spec.study_name!r} in {_report._hidden(spec.storage)} was run with another "
+                f"{', '.join(changed)}: its trials would not compare with the new ones. Give the search a new "
+                "study_name (or output), or restore the search it was run with."
+            )
     raw = study.user_attrs.get(SEARCH_ATTR)
     if raw is not None and study.user_attrs.get(SHA256_ATTR) != spec.sha256:
         changed = sorted(k for k in set(raw) | set(spec.raw) if raw.get(k) != spec.raw.get(k))
@@ -251,6 +272,25 @@ def _check_same_search(study: optuna.Study, spec: Search) -> None:
     study.set_user_attr(DEFINITION_ATTR, definition)
     study.set_user_attr(SEARCH_ATTR, dict(spec.raw))
     study.set_user_attr(SHA256_ATTR, spec.sha256)
+
+
+def _check_compatible_space(study: optuna.Study, spec: Search) -> None:
+    """Optuna refuses a parameter whose type or log scale differs from the one its trials have (even failed
+    ones) at the first trial; say so here, naming the parameter, instead."""
+    from optuna.distributions import check_distribution_compatibility
+
+    for trial in study.get_trials(deepcopy=False):
+        for name, old in trial.distributions.items():
+            new = spec.space.get(name)
+            if new is None:
+                continue
+            try:
+                check_distribution_compatibility(old, new)
+            except ValueError as error:
+                raise ValueError(
+                    f"space.{name}: {error} (in study {spec.study_name!r}, whose trial {trial.number} has {old}); "
+                    "give the search a new study_name."
+                ) from None
 
 
 def _wait_for_earlier_run(study: optuna.Study) -> None:

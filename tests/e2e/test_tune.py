@@ -137,23 +137,57 @@ def test_the_merged_model_computes_what_base_and_adapter_compute(sft_run, tiny_m
     assert_within_rounding(actual, expected, terms=forward_terms(config, length=length) + extra, what="logits")
 
 
-def test_bad_input_exits_2_with_the_key_and_no_complete_trial_exits_1(tmp_path: Path, tiny_model: str, capsys) -> None:
+def test_bad_input_exits_2_with_one_line_before_anything_is_written(
+    tmp_path: Path, tiny_model: str, capsys, monkeypatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     search = shrunk("sft", tiny_model, tmp_path / "out", n_trials=1)
-    search["space"]["lora.r"]["type"] = "choice"
-    assert cli.main(["tune", str(write(search, tmp_path / "bad.yaml"))]) == 2
-    err = capsys.readouterr().err
-    assert "optuna-rapidfire: error: space.lora.r.type must be one of float, int, categorical, but got 'choice'" in err
-    assert not (tmp_path / "out").exists()  # refused before any work
+
+    def refused(change: dict[str, Any], message: str) -> None:
+        bad = {**search, **change}
+        assert cli.main(["tune", str(write(bad, tmp_path / "bad.yaml"))]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+        assert not (tmp_path / "out").exists()  # refused before any work: no study, no summary
+
+    refused({"space": {**search["space"], "lora.r": {"type": "choice", "choices": [4]}}}, "space.lora.r.type must be")
+    empty = tmp_path / "empty_model"
+    empty.mkdir()
+    refused({"model": str(empty)}, f"model: the folder {empty} has no config.json")
+    # A relative path that looks like a hub id: not a folder here, not in the cache, and the hub is not asked.
+    refused({"model": "models/tiny"}, "there is no folder")
+    refused({"model": "/no/such/model/folder"}, "model: there is no folder /no/such/model/folder")
+    # Every trial would fail when its adapter is built: said once, before the model is loaded for real.
+    refused(
+        {"lora": {**search["lora"], "target_modules": ["query", "value"]}},
+        "lora: the adapter of ",
+    )
     assert cli.main(["tune", str(tmp_path / "missing.yaml")]) == 2
 
-    search["space"]["lora.r"]["type"] = "categorical"
-    search["lora"]["target_modules"] = ["no_such_module"]  # every trial fails when its adapter is built
-    assert cli.main(["tune", str(write(search, tmp_path / "failing.yaml"))]) == 1
+
+def test_a_study_whose_first_run_failed_runs_again_after_the_fix(
+    tmp_path: Path, tiny_model: str, capsys, rapidfire_logs
+) -> None:
+    """A first run whose every trial fails (a learning rate that diverges) exits 1; the fixed search runs on the
+    same study: its space changed, which a study without results takes (one line says so), and the failed
+    trials do not count toward the budget."""
+    search = shrunk("sft", tiny_model, tmp_path / "out", n_trials=1)
+    search["space"] = {"training.learning_rate": {"type": "float", "low": 1.0e4, "high": 1.0e4}}
+    assert cli.main(["tune", str(write(search, tmp_path / "search.yaml"))]) == 1
     assert "has no COMPLETE trial" in capsys.readouterr().err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["best"] is None
-    assert summary["trials"][0]["state"] == "FAIL" and "no_such_module" in summary["trials"][0]["reason"]
-    assert "no trial completed" in (tmp_path / "out" / "report.md").read_text()
+    assert summary["status"] == "failed" and [t["state"] for t in summary["trials"]] == ["FAIL"]
+
+    # Optuna keeps a parameter's scale within a study: a log scale now is refused by name, at once.
+    search["space"] = {"training.learning_rate": {"type": "float", "low": 1.0e-4, "high": 1.0e-3, "log": True}}
+    assert cli.main(["tune", str(write(search, tmp_path / "search.yaml"))]) == 2
+    assert "space.training.learning_rate: " in capsys.readouterr().err
+    search["space"] = {"training.learning_rate": {"type": "float", "low": 1.0e-4, "high": 1.0e-3}}
+    assert cli.main(["tune", str(write(search, tmp_path / "search.yaml"))]) == 0
+    assert "has no COMPLETE or PRUNED trial: its space (training.learning_rate) changed" in rapidfire_logs.text
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [t["state"] for t in summary["trials"]] == ["FAIL", "COMPLETE"]
 
 
 @pytest.mark.parametrize("name", ["dpo", "grpo"])
