@@ -8,11 +8,13 @@ finished trial:
   retried from their last per-chunk checkpoint (``RetryHeartbeatStaleTrialCallback``);
 - trials an interrupted run (Ctrl-C, SIGTERM) ended as PRUNED with ``rapidfire:status=interrupted`` are
   continued as warm clones, which inherit their curves and train the chunks they had left;
-- ``budget.n_trials`` counts the study's finished trials, a retried or continued trial once; only the
-  rest run, and when the budget is met nothing trains and the outputs are written again.
+- ``budget.n_trials`` counts the study's COMPLETE and PRUNED trials, a continued trial once (FAIL trials
+  are retried or replaced); only the rest run, and when the budget is met nothing trains and the outputs
+  are written again.
 
-A search whose model, trainer, objective or space differ from the study's is refused; any other change
-is allowed with a warning. Whatever happens once the study is open, ``summary.json`` and ``report.md``
+The model and what every trial builds are checked before anything is created. A search whose model,
+trainer, objective or space differ from the study's is refused once the study has results (a study without
+any takes it, saying what changed); any other change is allowed with a warning. Whatever happens once the study is open, ``summary.json`` and ``report.md``
 are written, then the error (if any) is raised.
 """
 
