@@ -266,6 +266,8 @@ def _table(study: optuna.Study) -> str:
     for trial in trials:
         state = trial.state.name
         status = trial.user_attrs.get(_attrs.STATUS)
+        if status != "paused":  # what it does now: training, waiting at its rung after chunk k, queued...
+            status = trial.user_attrs.get(_attrs.ACTIVITY) or status
         if state == "RUNNING" and status:
             state = f"RUNNING ({status})"
         if not trial.state.is_finished():

@@ -216,6 +216,7 @@ class Scheduler:
         # The device's slots: the scheduler parks the trials its schedule keeps waiting there, and reads from
         # them whether new trials may still come (Reports.more_trials).
         self.lender: Any = None
+        self._promotion_waits: frozenset[int] = frozenset()  # the schedule's waiting trials, as last asked
 
     # -- Optuna's threads ---------------------------------------------------------------------
 
@@ -306,6 +307,14 @@ class Scheduler:
                 entry.request = _REQUESTED[decision]
             self._cond.notify_all()
 
+    def activity(self, entry: Entry) -> str:
+        """What the trial does now, in words for people (``""``: between two states)."""
+        with self._cond:
+            status, promotion = entry.status, entry.number in self._promotion_waits
+        if status is Status.READY:
+            return f"waiting at its rung after chunk {entry.chunks_done}" if promotion else "waiting for the device"
+        return {Status.TRAINING: "training", Status.BUILDING: "queued", Status.PAUSED: "paused"}.get(status, "")
+
     def hold(self, entry: Entry) -> bool:
         """Keep a READY trial (waiting at a rung, or for the device) from being chosen, so that its driver can act
         on it now (a person's stop, delete or clone); its driver then decides, as after a chunk. ``False``: it is
@@ -379,8 +388,9 @@ class Scheduler:
                 streaming,
             )
             extra["reports"] = reports
+            self._promotion_waits = self.schedule.waiting(views, reports)
             if lender is not None:
-                lender.park(len(self.schedule.waiting(views, reports)))
+                lender.park(len(self._promotion_waits))
         choice = self.schedule.choose(views, fuse=fuse, now=time.monotonic(), **extra)
         if isinstance(choice, Stop):
             _stop(live, choice)

@@ -50,6 +50,10 @@ CLONE = PREFIX + "clone"
 COLD_REASON = PREFIX + "cold_reason"
 """Why a clone asked to be warm started cold (rank or target modules changed, no state available)."""
 
+ACTIVITY = PREFIX + "activity"
+"""What a running trial does now, in words: ``training``, ``waiting at its rung after chunk 3``, ``waiting for the
+device``, ``queued`` (registered, not built yet), ``paused``; updated within ``poll_seconds`` of a change."""
+
 CLONE_OF = PREFIX + "clone_of"
 """Request marker ``{"parent": n, "warm": bool, "from_chunk": k}``: a user attr of an enqueued clone, or a
 system attr set by a sampler on the trial it is sampling. ``from_chunk``: the parent's chunk boundary the clone

@@ -58,7 +58,7 @@ class Progress:
             return
         with self._lock:
             position = self._free_positions.pop(0) if self._free_positions else len(self._bars) + 1
-            self._bars[number] = self._tqdm(
+            self._bars[number] = _bar_class(self._tqdm)(
                 total=total_chunks,
                 initial=done,
                 desc=f"trial {number}",
@@ -66,22 +66,25 @@ class Progress:
                 position=position,
                 leave=False,
                 mininterval=0,  # one update per chunk: each is shown
-                bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {postfix}",  # no wall-clock rate: see the module
+                bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {status}",  # no wall-clock rate: see the module
             )
 
     def trial_paused(self, number: int) -> None:
-        self._describe(number, f"trial {number} (paused)")
+        self.trial_activity(number, "paused")
 
     def trial_resumed(self, number: int) -> None:
-        self._describe(number, f"trial {number}")
+        self.trial_activity(number, "training")
 
-    def _describe(self, number: int, text: str) -> None:
+    def trial_activity(self, number: int, activity: str) -> None:
+        """What trial ``number`` does now (``training``, ``waiting at its rung after chunk 3``, ``paused``...): a
+        bar of a trial that is not training says so, without a time left."""
         if not self.enabled:
             return
         with self._lock:
             bar = self._bars.get(number)
             if bar is not None:
-                bar.set_description_str(text)
+                bar.activity = activity
+                bar.refresh()
 
     def chunk_done(self, number: int, metric: str, value: float, seconds: float | None = None) -> None:
         """Trial ``number`` reported ``value`` after a chunk that took it ``seconds`` (training and evaluation)."""
@@ -98,14 +101,12 @@ class Progress:
             _logger.info("Trial %d: chunk %d/%d%s, %s=%.4g.", number, done, total, took, metric, value)
         if not self.enabled:
             return
-        postfix = {metric: f"{value:.4g}"}
-        if pace is not None:
-            postfix["own"] = f"{pace:.1f}s/chunk"
-            postfix["left"] = _duration(pace * max(total - done, 0))
         with self._lock:
             bar = self._bars.get(number)
             if bar is not None:
-                bar.set_postfix(postfix, refresh=False)
+                bar.latest = f"{metric}={value:.4g}"
+                if pace is not None:
+                    bar.pace = f"{pace:.1f} s/chunk, {_duration(pace * max(total - done, 0))} left"
                 bar.update(1)
 
     def trial_ended(self, number: int, state: str, value: float | None = None) -> None:
@@ -133,6 +134,21 @@ class Progress:
             self._bars.clear()
             self._summary.close()
             self._redirect.__exit__(None, None, None)
+
+
+def _bar_class(tqdm: Any) -> Any:
+    """A tqdm bar whose right side says the trial's latest value and what it does now: its own pace and the time
+    left while it trains, its state otherwise (tqdm's ``{postfix}`` would start with a comma)."""
+
+    class TrialBar(tqdm):
+        latest, pace, activity = "", "", "training"
+
+        @property
+        def format_dict(self) -> dict[str, Any]:
+            shown = self.pace if self.activity == "training" else self.activity
+            return {**super().format_dict, "status": ", ".join(part for part in (self.latest, shown) if part)}
+
+    return TrialBar
 
 
 def _duration(seconds: float) -> str:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
+import optuna
 from optuna.study import StudyDirection
 
 from optuna_rapidfire import _compat
@@ -20,7 +22,6 @@ from optuna_rapidfire._study._commands import register_dashboard_form
 from optuna_rapidfire._trainers import TrainerExtras, TrainerKind, kind_for
 
 if TYPE_CHECKING:
-    import optuna
     from peft import PeftConfig
     from transformers import TrainingArguments
 
@@ -48,7 +49,7 @@ class StudyServices:
         self._kind: TrainerKind | None = None
         self._metric = config.metric  # resolved by the first trial's trainer type when not given
         self._notes: set[str] = set()
-        self._forms: set[str] = set()
+        self._prepared: set[str] = set()
         self._checkpoint_stores: dict[str, Checkpoints] = {}
 
     @property
@@ -136,15 +137,19 @@ class StudyServices:
                 )
             return self._checkpoint_stores[study.study_name]
 
-    def register_form(self, study: optuna.Study) -> None:
-        """Add the control form to the study's trials in optuna-dashboard (once per study)."""
-        if not self.config.dashboard_controls:
-            return
+    def prepare_study(self, study: optuna.Study) -> None:
+        """Once per study: name its objective after the metric (optuna-dashboard shows ``eval_loss``, not
+        "Objective 0"), and add the control form to its trials in optuna-dashboard (``dashboard_controls``)."""
         with self._lock:
-            if study.study_name in self._forms:
+            if study.study_name in self._prepared:
                 return
-            self._forms.add(study.study_name)
-        register_dashboard_form(study)
+            self._prepared.add(study.study_name)
+        if study.metric_names != [self.metric]:
+            with warnings.catch_warnings():  # experimental since Optuna 3.2; nothing to act on
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names([self.metric])
+        if self.config.dashboard_controls:
+            register_dashboard_form(study)
 
 
 def check_direction(metric: str, direction: StudyDirection) -> None:

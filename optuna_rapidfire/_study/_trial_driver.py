@@ -80,7 +80,7 @@ class TrialDriver:
             self.services.check_study(self.study)
             self._lease = self.shared.lease(self.trial.number, by_hand=_commands.asked_by_hand(self.trial))
             spec = trial_spec(self.shared, self.trial, self.configure, self.record)
-            self.services.register_form(self.study)
+            self.services.prepare_study(self.study)
             self.record.started(self.services.metric, f"{socket.gethostname()}:{os.getpid()}:{self.device.label}")
             entry = Entry(number=self.trial.number, trial_id=_compat.trial_id(self.trial), spec=spec)
             maximize = self.study.direction == optuna.study.StudyDirection.MAXIMIZE
@@ -128,6 +128,8 @@ class TrialDriver:
         entry = self.entry
         assert entry is not None
         while True:
+            if self.record.activity(activity := self.device.scheduler.activity(entry)):
+                self.shared.progress.trial_activity(self.trial.number, activity)
             try:
                 event = entry.events.get(timeout=self.services.config.poll_seconds)
             except queue.Empty:  # not training meanwhile, perhaps: a person's command applies now
@@ -200,7 +202,10 @@ class TrialDriver:
             return self._end_interrupted(step + 1)
         pruned, frozen = should_prune(self.device.scheduler, entry, self.study, self.trial, step, float(value))
         if pruned:
-            self._leave(Decision.STOP)
+            if event.last:  # it trained every chunk: its adapter is kept, pruned or not
+                self._complete(float(value))
+            else:
+                self._leave(Decision.STOP)
             raise optuna.TrialPruned(self.record.pruned_reason(step, value, self._total_chunks))
         deleted, asked = self._obey(_commands.pending(self.study, frozen), "last chunk" if event.last else "chunk")
         if deleted is not None:
@@ -314,6 +319,7 @@ class TrialDriver:
         self.shared.progress.trial_paused(trial.number)
         _logger.info("Trial %d paused after chunk %d.", trial.number, chunks)
         self.device.paused.add(entry)
+        self.record.activity("paused")
         try:
             while True:
                 try:

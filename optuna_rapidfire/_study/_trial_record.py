@@ -34,6 +34,7 @@ class TrialRecord:
         self.study = study
         self.trial = trial
         self.services = services
+        self._activity = ""
 
     def started(self, metric: str, worker: str) -> None:
         """Say the trial runs: its metric, its status, the worker (``host:pid:device``) it runs on."""
@@ -43,6 +44,18 @@ class TrialRecord:
         if trial.user_attrs.get(_attrs.FAIL_REASON) is not None:  # copied by Optuna's retry from the dead one
             trial.set_user_attr(_attrs.FAIL_REASON, None)
         trial.set_user_attr(_attrs.WORKER, worker)
+
+    def activity(self, activity: str) -> bool:
+        """Record what the trial does now, if it changed (``""``: between two states, nothing to say); whether
+        it did."""
+        if not activity or activity == self._activity:
+            return False
+        self._activity = activity
+        try:
+            self.trial.set_user_attr(_attrs.ACTIVITY, activity)
+        except Exception:  # finished elsewhere meanwhile, or the storage is down: the driver learns it otherwise
+            _logger.debug("Trial %d: its activity could not be written.", self.trial.number, exc_info=True)
+        return True
 
     def chunk(self, event: ChunkResult, value: float) -> None:
         """Report the chunk's ``value`` at its step, and what it trained (chunks done, train loss, learning rate)."""

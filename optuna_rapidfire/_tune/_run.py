@@ -14,8 +14,8 @@ finished trial:
 
 The model and what every trial builds are checked before anything is created. A search whose model,
 trainer, objective or space differ from the study's is refused once the study has results (a study without
-any takes it, saying what changed); any other change is allowed with a warning. Whatever happens once the study is open, ``summary.json`` and ``report.md``
-are written, then the error (if any) is raised.
+any takes it, saying what changed); any other change is allowed with a warning. Whatever happens once the
+study is open, ``summary.json`` and ``report.md`` are written, then the error (if any) is raised.
 """
 
 from __future__ import annotations

@@ -173,3 +173,20 @@ def test_a_clone_that_has_started_shows_where_it_branched(tmp_path: Path, capsys
     child.set_user_attr(_attrs.CLONE, "warm")
     assert main(["ls", "--storage", url, "--study-name", "demo"]) == 0
     assert _row(capsys.readouterr().out, 1).split()[1:5] == ["RUNNING", "0/?", "0@2", "warm"]
+
+
+def test_ls_says_what_each_running_trial_does(tmp_path: Path, capsys) -> None:
+    url, study = _study(tmp_path)
+    for chunks, status, activity in (
+        (2, "running", "training"),
+        (1, "running", "waiting at its rung after chunk 1"),
+        (3, "paused", "waiting for the device"),  # paused wins over what it did before it paused
+        (0, "running", "queued"),
+    ):
+        trial = _running_trial(study, chunks_done=chunks)
+        trial.set_user_attr(_attrs.STATUS, status)
+        trial.set_user_attr(_attrs.ACTIVITY, activity)
+    assert main(["ls", "--storage", url, "--study-name", "demo"]) == 0
+    table = capsys.readouterr().out
+    states = [_row(table, n).split("RUNNING (", 1)[1].split(")", 1)[0] for n in range(4)]
+    assert states == ["training", "waiting at its rung after chunk 1", "paused", "queued"], table

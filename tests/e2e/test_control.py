@@ -304,6 +304,11 @@ def test_commands_to_trials_waiting_between_chunks_apply_at_once(make_executor, 
     run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=3))
     try:
         wait_until(waiting, what="trials 1 and 2 waiting after their first chunk")
+        # What they do now is recorded for ls, the dashboard and the bars (within poll_seconds).
+        wait_until(
+            lambda: all(study.trials[n].user_attrs.get(_attrs.ACTIVITY, "").startswith("waiting ") for n in (1, 2)),
+            what="their activity",
+        )
         assert main(["stop", "--storage", url, "--study-name", "waiting", "1", "--wait", "30"]) == 0
         assert capsys.readouterr().out == "trial 1: stop applied: paused while waiting after chunk 1\n"
         control.delete(study, 2, reason="not promising")

@@ -176,3 +176,18 @@ def test_a_full_disk_costs_the_checkpoints_it_cuts_short_and_nothing_else(make_e
     from optuna_rapidfire._study._checkpoints import Checkpoints
 
     assert Checkpoints(store).load(study, link, {0}).position.chunks_done == 2
+
+
+def test_a_trial_pruned_after_its_last_chunk_keeps_its_adapter_and_the_study_names_its_metric(make_executor) -> None:
+    class PruneAtTheEnd(optuna.pruners.BasePruner):
+        def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+            return trial.last_step == 1
+
+    executor = make_executor(num_chunks=2, max_concurrent_trials=1)
+    study = optuna.create_study(pruner=PruneAtTheEnd())
+    executor.optimize(study, by_number([(lora(), sft_args())]), n_trials=1)
+    trial = study.trials[0]
+    # It trained every chunk: what it trained is kept (a pruner's verdict on its last value is not a crash).
+    assert trial.state == TrialState.PRUNED and sorted(trial.intermediate_values) == [0, 1]
+    assert os.path.isfile(os.path.join(trial.user_attrs[_attrs.ADAPTER_PATH], "adapter_config.json"))
+    assert study.metric_names == ["eval_loss"]  # optuna-dashboard names the objective after it

@@ -55,7 +55,29 @@ def test_a_trial_s_pace_counts_its_own_chunks_not_its_waits(monkeypatch) -> None
     progress.chunk_done(0, "eval_loss", 1.25, seconds=20.0)  # however long it waited in between
     progress.close()
     text = terminal.getvalue()
-    assert "own=15.0s/chunk" in text and "left=0:30" in text  # two chunks left at 15 s each
+    assert "| eval_loss=1.25, 15.0 s/chunk, 0:30 left" in text  # two chunks left at 15 s each; no stray comma
+
+
+def test_a_bar_of_a_trial_that_is_not_training_says_what_it_does_without_a_time_left(monkeypatch) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    progress = Progress(True, total_trials=1)
+    progress.trial_started(0, 4)
+    progress.chunk_done(0, "eval_loss", 1.5, seconds=10.0)
+    progress.trial_activity(0, "waiting at its rung after chunk 1")
+
+    def shown() -> str:  # the bar as last drawn, without tqdm's cursor moves
+        return terminal.getvalue().rsplit("\r", 1)[-1].split("\x1b")[0].rstrip()
+
+    waiting = shown()
+    progress.trial_paused(0)
+    paused = shown()
+    progress.trial_resumed(0)
+    training = shown()
+    progress.close()
+    assert waiting.endswith("| eval_loss=1.5, waiting at its rung after chunk 1"), waiting
+    assert paused.endswith("| eval_loss=1.5, paused") and "left" not in waiting + paused
+    assert training.endswith("| eval_loss=1.5, 10.0 s/chunk, 0:30 left"), training
 
 
 def test_progress_reuses_lines_of_finished_trials() -> None:
