@@ -92,9 +92,10 @@ def clone(
 
     Raises:
         ValueError: At once, when the clone could not train: a warm clone of a failed trial or of one that
-            has not trained a chunk, a ``from_chunk`` outside the parent's chunks done, or one from the
-            parent's last chunk without a changed parameter (nothing would be left to train). A changed
-            parameter that does not give the clone a longer run than its parent makes it fail once built.
+            has not trained a chunk, a ``from_chunk`` outside the parent's chunks done or no longer kept, or
+            an unchanged clone of a finished trial by default (from its last chunk: nothing would be left to
+            train). Naming its last chunk (or changing a parameter) says the clone's run is longer; if it is
+            not, the clone fails once built, recording nothing.
 
     Returns:
         The number of the new (WAITING) trial.

@@ -362,8 +362,8 @@ def enqueue_clone(
 def _branch_chunk(study: optuna.Study, parent: FrozenTrial, from_chunk: int | None, *, changed: bool) -> int:
     """The chunk boundary a warm clone of ``parent`` branches from: ``from_chunk``, or the parent's chunks done
     now (what the person asking saw). Refused at once when there is nothing to branch from (no chunk trained, or
-    the named one's state no longer kept), or nothing left to train (the parent's last chunk, and no changed
-    parameter that could give the clone a longer run)."""
+    the named one's state no longer kept), or nothing left to train (the parent's last chunk by default, and no
+    changed parameter that could give the clone a longer run; naming that chunk says the run will be longer)."""
     done = parent.user_attrs.get(_attrs.CHUNKS_DONE, 0)
     done = done if isinstance(done, int) else 0
     step = done if from_chunk is None else from_chunk
@@ -385,10 +385,11 @@ def _branch_chunk(study: optuna.Study, parent: FrozenTrial, from_chunk: int | No
                 f"{kept or 'none'}); a finished trial keeps its last, a live one as many as keep_checkpoints says."
             )
     total = parent.user_attrs.get(_attrs.TOTAL_CHUNKS)
-    if isinstance(total, int) and step >= total and not changed:
+    if isinstance(total, int) and step >= total and not changed and from_chunk is None:
         raise ValueError(
             f"Trial {parent.number} had trained all {total} chunks at chunk {step}: a warm clone from there would "
-            "have nothing left to train. Name an earlier chunk (from_chunk, --from-chunk), or clone it cold."
+            "have nothing left to train. Name an earlier chunk (from_chunk, --from-chunk), clone it cold, or, for "
+            f"a run your configure makes longer, name chunk {step} itself."
         )
     return step
 

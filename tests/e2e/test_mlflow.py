@@ -25,7 +25,7 @@ def test_each_trial_is_a_nested_run_with_per_chunk_metrics(make_executor, tmp_pa
         configs = [(lora(r=4), sft_args()), (lora(r=8), sft_args(learning_rate=3e-2)), (lora(r=0), sft_args())]
         executor.optimize(study, by_number(configs), n_trials=3)
         # A warm clone of trial 0 (finished) with a longer run: inherits its curve and trains on.
-        child = control.clone(study, 0)
+        child = control.clone(study, 0, from_chunk=3)  # from its last chunk: the configure below runs longer
         executor.optimize(study, by_number([*configs, (lora(r=4), sft_args(num_train_epochs=2))]), n_trials=1)
 
         client = MlflowClient(tracking_uri=url)
