@@ -38,9 +38,6 @@ GPU, time-sliced on the CPU."""
 Configure = Callable[[optuna.Trial], "tuple[PeftConfig, TrainingArguments]"]
 """The user's function: suggest hyperparameters on the trial, return ``(peft_config, training_args)``."""
 
-DEFAULT_SCHEDULE = "promote"
-"""The schedule ``"default"`` means: ASHA's promotion rule, chosen by a CPU simulation over learning curves
-(tests/unit/test_scheduler.py); the search part of benchmarks/README.md is to measure it against "lockstep"."""
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -193,7 +190,7 @@ class ExecutorConfig:
                 f"but got keep_checkpoints={keep!r}."
             )
         _check_compile(self.compile)
-        policy = schedule_from(DEFAULT_SCHEDULE if self.schedule == "default" else self.schedule)
+        policy = schedule_from(self.schedule)
         resolved = {
             "model_kwargs": dict(self.model_kwargs or {}),
             "metric": None if metric is None else metric_key(metric),

@@ -449,10 +449,11 @@ def _tune(options: argparse.Namespace) -> int:
 
     from sqlalchemy.exc import SQLAlchemyError
 
+    from optuna_rapidfire._study._optimize import Terminated
     from optuna_rapidfire._tune import NoCompleteTrialError, tune
 
     def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # a pipeline's cancel (SIGTERM) ends the step as Ctrl-C does: cleanly
+        raise Terminated  # a pipeline's cancel (SIGTERM) ends the step as Ctrl-C does: cleanly
 
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -462,8 +463,12 @@ def _tune(options: argparse.Namespace) -> int:
     except NoCompleteTrialError as error:
         print(f"optuna-rapidfire: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("optuna-rapidfire: the tuning step was interrupted; run it again to continue it.", file=sys.stderr)
+    except KeyboardInterrupt as error:
+        cause = "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C"
+        print(
+            f"optuna-rapidfire: the tuning step was interrupted ({cause}); run it again to go on.",
+            file=sys.stderr,
+        )
         return 130
     except SQLAlchemyError as error:
         return _error(f"the study's storage failed: {str(getattr(error, 'orig', None) or error).splitlines()[0]}")

@@ -144,7 +144,11 @@ SCHEDULES: dict[str, Callable[[], BaseSchedule]] = {
     "promote_all": functools.partial(PromoteSchedule, when_exhausted="promote"),
 }
 """The schedules ``RapidFireExecutor(schedule=...)`` knows by name (``"promote_all"``: promote, training the
-waiting trials on once the budget is spent, instead of ASHA's stop)."""
+waiting trials on once the budget is spent, instead of ASHA's stop); ``"default"`` names :data:`DEFAULT_SCHEDULE`."""
+
+DEFAULT_SCHEDULE = "promote"
+"""The schedule ``"default"`` means: ASHA's promotion rule, chosen by a CPU simulation over learning curves
+(tests/unit/test_scheduler.py) and measured against "lockstep" by the search part of benchmarks/README.md."""
 
 
 def _takes_reports(schedule: BaseSchedule) -> bool:
@@ -157,11 +161,11 @@ def schedule_from(setting: str | BaseSchedule) -> BaseSchedule:
     """A schedule from its name or itself; the error names the bad value and the choices."""
     if isinstance(setting, BaseSchedule):
         return setting
-    if isinstance(setting, str) and setting in SCHEDULES:
-        return SCHEDULES[setting]()
+    if isinstance(setting, str) and (setting in SCHEDULES or setting == "default"):
+        return SCHEDULES[DEFAULT_SCHEDULE if setting == "default" else setting]()
     raise ValueError(
-        f"schedule must be one of {', '.join(repr(n) for n in SCHEDULES)} or a BaseSchedule instance "
-        f"(e.g. PromoteSchedule()), but got schedule={setting!r}."
+        f"schedule must be one of 'default' ({DEFAULT_SCHEDULE!r}), {', '.join(repr(n) for n in SCHEDULES)} or a "
+        f"BaseSchedule instance (e.g. PromoteSchedule()), but got schedule={setting!r}."
     )
 
 

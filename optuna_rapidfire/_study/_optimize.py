@@ -85,19 +85,27 @@ def end_paused(device: DeviceRuntime) -> None:
         entry.events.put(EndPaused())
 
 
-def interrupt(device: DeviceRuntime) -> None:
-    """Ctrl-C: the device starts nothing new, live trials end after their chunk in flight (as PRUNED, their
-    state kept for clones, what they reported kept), paused ones end as at a study's end."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a pipeline's cancel), raised by the CLI's handler: the study ends as on Ctrl-C, and says SIGTERM."""
+
+
+def interrupt(device: DeviceRuntime, error: BaseException | None = None) -> None:
+    """Ctrl-C (or SIGTERM, a :class:`Terminated` ``error``): the device starts nothing new, live trials end after
+    their chunk in flight (as PRUNED, their state kept for clones, what they reported kept), paused ones end as
+    at a study's end."""
+    cause = "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C"
 
     def tell(entry: Entry) -> None:
-        entry.events.put(Interrupted())
+        entry.events.put(Interrupted(cause))
 
     entries = device.scheduler.drain(on_late=tell)  # and one registered from now on is told as it comes
     live = [entry for entry in entries if entry.status is not Status.PAUSED]
     _logger.warning(
-        "Interrupted: no new trial or chunk starts; %d live trial(s) end after their chunk in flight, their state "
-        "kept for clones. Press Ctrl-C again to quit at once.",
+        "Interrupted (%s): no new trial or chunk starts; %d live trial(s) end after their chunk in flight, their "
+        "state kept for clones. %s again to quit at once.",
+        cause,
         len(live),
+        "Press Ctrl-C" if cause == "Ctrl-C" else "Send SIGTERM (or press Ctrl-C)",
     )
     for entry in entries:  # a paused one ends as at a study's end; one being paused, once it is
         tell(entry)
@@ -166,7 +174,7 @@ def optimize(
         after_long_outage=lambda seconds: look_for_lost_trials(device),
     )
     try:
-        run.pool.run(on_interrupt=lambda: interrupt(device))
+        run.pool.run(on_interrupt=lambda error: interrupt(device, error))
     finally:
         device.slots.set_starting(None)  # a plain study.optimize may use the device next: nobody tells then
         device.scheduler.drain(False)

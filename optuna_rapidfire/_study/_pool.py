@@ -215,20 +215,20 @@ class TrialPool:
         self.local = threading.local()
         self._ask_lock = AskLock(study)
 
-    def run(self, on_interrupt: Callable[[], None] | None = None) -> None:
+    def run(self, on_interrupt: Callable[[KeyboardInterrupt], None] | None = None) -> None:
         """Start trials until the budget is spent, then wait for them to end.
 
-        A first ``KeyboardInterrupt`` (Ctrl-C) starts no further trial, calls ``on_interrupt`` (which ends the
-        live trials after their chunk in flight), waits for them and raises ``KeyboardInterrupt``; a second one
-        stops waiting at once.
+        A first ``KeyboardInterrupt`` (Ctrl-C) starts no further trial, calls ``on_interrupt`` with it (which ends
+        the live trials after their chunk in flight), waits for them and raises it; a second one stops waiting at
+        once.
         """
         try:
             self._run()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as error:
             if on_interrupt is None:
                 raise
             self._stop = True
-            on_interrupt()
+            on_interrupt(error)
             self._wait_for_trials()
             raise
 

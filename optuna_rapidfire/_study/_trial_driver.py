@@ -12,6 +12,7 @@ import math
 import os
 import queue
 import socket
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import optuna
@@ -39,8 +40,12 @@ class EndPaused:
     """Event for a paused trial: the study is over, finish as PRUNED."""
 
 
+@dataclass(frozen=True)
 class Interrupted:
-    """Event for a live trial: the study was interrupted (Ctrl-C); end after the chunk in flight, if any."""
+    """Event for a live trial: the study was interrupted (``cause``: Ctrl-C, or SIGTERM under the CLI); end after
+    the chunk in flight, if any."""
+
+    cause: str = "Ctrl-C"
 
 
 class StorageWasLost:
@@ -67,7 +72,7 @@ class TrialDriver:
         self._run_id: int | None = None  # the trial's MLflow run handle, once tracking started it
         self._adapter_path: str | None = None
         self._total_chunks = 0
-        self._interrupted = False
+        self._interrupted = ""  # what interrupted the study (Ctrl-C, SIGTERM), once it was
         self.record = TrialRecord(self.study, trial, self.services)
 
     # -- the trial from start to end -------------------------------------------------------------
@@ -147,7 +152,7 @@ class TrialDriver:
                     # A retry of a trial whose worker died after its last chunk: it ends where it was.
                     return self._complete(float(branch.history[-1][self.services.metric]))
             elif isinstance(event, Interrupted):
-                self._interrupted = True
+                self._interrupted = event.cause
                 if entry.status is not Status.TRAINING:  # else it ends once its chunk in flight is reported
                     return self._end_interrupted(entry.chunks_done)
             elif isinstance(event, StorageWasLost):
@@ -307,10 +312,10 @@ class TrialDriver:
             if isinstance(event, Failed):
                 return self._failed(event)
             if isinstance(event, Interrupted):
-                self._interrupted = True
+                self._interrupted = event.cause
             if isinstance(event, Paused):
                 break
-        if self._interrupted:  # Ctrl-C while it moved off: it ends as an interrupted trial, not a paused one
+        if self._interrupted:  # interrupted while it moved off: it ends as an interrupted trial, not a paused one
             return self._end_interrupted(chunks)
         assert self._lease is not None
         self._lease.release()
@@ -344,9 +349,9 @@ class TrialDriver:
             self.device.paused.discard(entry)
 
     def _end_interrupted(self, chunks: int) -> NoReturn:
-        """End the trial after an interrupt (Ctrl-C): its state is saved for clones, what it reported stays."""
+        """End the trial after an interrupt: its state is saved for clones, what it reported stays."""
         self._leave(Decision.STOP)
-        self.record.interrupted(chunks, self._total_chunks)
+        self.record.interrupted(chunks, self._total_chunks, self._interrupted)
 
     def _end_paused(self, chunks: int) -> NoReturn:
         self._leave(Decision.STOP)

@@ -183,13 +183,14 @@ class TrialRecord:
         except Exception:  # the storage is gone: the states stay (orphans are harmless)
             _logger.debug("Trial %d: its chunk states could not be trimmed.", self.trial.number, exc_info=True)
 
-    def interrupted(self, chunks: int, total_chunks: int) -> NoReturn:
-        """End the trial after an interrupt (Ctrl-C), as PRUNED: what it reported and its state stay."""
+    def interrupted(self, chunks: int, total_chunks: int, cause: str) -> NoReturn:
+        """End the trial after an interrupt (``cause``: Ctrl-C, SIGTERM), as PRUNED: what it reported and its state
+        stay."""
         self.trial.set_user_attr(_attrs.STATUS, "interrupted")
         if not total_chunks:  # not built yet: nothing trained, nothing kept
-            raise optuna.TrialPruned("Interrupted (Ctrl-C) before it started training.")
+            raise optuna.TrialPruned(f"Interrupted ({cause}) before it started training.")
         raise optuna.TrialPruned(
-            f"Interrupted (Ctrl-C) after chunk {chunks}/{total_chunks}; its state is kept: clone it to continue."
+            f"Interrupted ({cause}) after chunk {chunks}/{total_chunks}; its state is kept: clone it to continue."
         )
 
     def paused_at_end(self, chunks: int) -> NoReturn:

@@ -256,6 +256,28 @@ def test_an_interrupted_step_run_again_continues_its_trials(tiny_model: str, tmp
     assert len(finished) == 2 and result.summary["status"] == "ok"
 
 
+def test_a_sigterm_ends_the_step_as_ctrl_c_does_and_says_sigterm(tiny_model: str, tmp_path: Path) -> None:
+    search = shrunk("sft", tiny_model, tmp_path / "out")
+    search["schedule"] = "lockstep"
+    search["training"]["num_train_epochs"] = 20  # it runs until the signal comes
+    path = write(search, tmp_path / "search.yaml")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "optuna_rapidfire", "tune", str(path)]
+    step = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        _first_chunk_reported(tmp_path / "out" / "study.db")
+        step.terminate()  # SIGTERM, as a pipeline's cancel sends
+        _, err = step.communicate(timeout=300)
+    finally:
+        step.kill()
+    assert step.returncode == 130, err
+    assert "Interrupted (SIGTERM): no new trial or chunk starts" in err and "Ctrl-C" not in err.split("SIGTERM", 1)[0]
+    assert "the tuning step was interrupted (SIGTERM); run it again to go on." in err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    reasons = [t["reason"] for t in summary["trials"] if t["status"] == "interrupted"]
+    assert reasons and all(reason.startswith("Interrupted (SIGTERM)") for reason in reasons), reasons
+
+
 def _first_chunk_reported(database: Path, timeout: float = 300) -> None:
     """Wait until the study in ``database`` holds a reported chunk (read with sqlite3: opening the study through
     Optuna would race the step at creating its tables)."""

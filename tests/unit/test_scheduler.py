@@ -210,7 +210,9 @@ def test_schedules_by_name_and_bad_names_are_refused_naming_the_value() -> None:
     assert isinstance(schedule_from("lockstep"), LockstepSchedule)
     mine = PromoteSchedule(gang_wait_seconds=0.5)
     assert schedule_from(mine) is mine
-    with pytest.raises(ValueError, match="'asha'"):
+    assert isinstance(schedule_from("default"), PromoteSchedule)
+    listed = r"one of 'default' \('promote'\), 'lockstep', 'promote', 'promote_all' .*'asha'"
+    with pytest.raises(ValueError, match=listed):
         schedule_from("asha")
     with pytest.raises(ValueError, match="gang_wait_seconds=-1"):
         PromoteSchedule(gang_wait_seconds=-1)
