@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from optuna_rapidfire._logging import quiet_library_noise
 from optuna_rapidfire._tune._search import (
     BUILTIN_REWARDS,
     DATA_FILE_TYPES,
@@ -257,6 +258,7 @@ def check_trials(search: Search, model_config: Any) -> None:
         for name, d in search.space.items()
         if isinstance(d, (CategoricalDistribution, IntDistribution, FloatDistribution))
     }
+    quiet_library_noise()  # PEFT's deprecation warning on every adapter it adds, which nobody can act on
     first = {name: values[0] for name, values in ends.items()}
     variants = [first] + [{**first, name: value} for name, values in ends.items() for value in values[1:]]
     configure = make_configure(search)

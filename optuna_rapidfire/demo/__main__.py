@@ -95,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"Best trial: {study.best_trial.number} (eval_loss {study.best_value:.4f})")
     print(f"Best adapter: {best_adapter_path(study)}")
-    print(f"Look at the per-chunk curves with:  optuna-dashboard {storage}")
+    in_venv = sys.prefix != sys.base_prefix
+    activate = f". {Path(sys.prefix) / 'bin' / 'activate'} && " if in_venv else ""
+    print(f"Look at the per-chunk curves with:  {activate}optuna-dashboard {storage}")
+    print(
+        f"List or control its trials with:    {activate}optuna-rapidfire ls --storage {storage} "
+        f"--study-name {options.study_name}"
+    )
     return 0
 
 
