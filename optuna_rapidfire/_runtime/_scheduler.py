@@ -320,9 +320,8 @@ class Scheduler:
         return {Status.TRAINING: "training", Status.BUILDING: "queued", Status.PAUSED: "paused"}.get(status, "")
 
     def hold(self, entry: Entry) -> bool:
-        """Keep a READY trial (waiting at a rung, or for the device) from being chosen, so that its driver can act
-        on it now (a person's stop, delete or clone); its driver then decides, as after a chunk. ``False``: it is
-        not READY (training, say): it is not held."""
+        """Keep a READY trial (at a rung, or waiting for the device) from being chosen, so that its driver acts on
+        it now (a person's command) and then decides, as after a chunk; ``False``: not READY, not held."""
         with self._cond:
             if entry.status is not Status.READY or entry.request is not None:
                 return False

@@ -49,9 +49,10 @@ def merge_best(search: Search, adapter: Path, output: Path) -> Path:
     from peft import PeftModel
 
     from optuna_rapidfire._resident._model import load_model
+    from optuna_rapidfire._tune._inputs import model_path
 
     _logger.info("Merging the best adapter into %s.", search.model)
-    base, tokenizer = load_model(search.model, tokenizer=None, model_kwargs=dict(search.model_kwargs))
+    base, tokenizer = load_model(model_path(search.model), tokenizer=None, model_kwargs=dict(search.model_kwargs))
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
 
     def save(path: Path) -> None:

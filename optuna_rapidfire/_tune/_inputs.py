@@ -203,6 +203,22 @@ def make_configure(search: Search) -> Callable[[optuna.trial.BaseTrial], tuple[L
     return configure
 
 
+TINY_MODEL = "tiny"
+"""``model: tiny`` in a search: a small random-weight Llama-shape model and tokenizer built on this machine (once,
+in the user's cache), so that a search runs on a CPU without the hub; the examples ship with it."""
+
+
+def model_path(model: str) -> str:
+    """What the executor loads for the search's ``model``: :data:`TINY_MODEL` built (or found) in
+    ``$XDG_CACHE_HOME/optuna-rapidfire/tiny-model`` (``~/.cache`` by default), anything else as written."""
+    if model != TINY_MODEL:
+        return model
+    from optuna_rapidfire.demo import build_tiny_model
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return str(build_tiny_model(cache / "optuna-rapidfire" / "tiny-model", hidden_size=64, vocab_size=2048))
+
+
 def check_model(model: str) -> Any:
     """The base model's config (``transformers.PretrainedConfig``), found before anything is created: a local
     folder with a ``config.json``, or a hub id in the local hub cache or on the hub. Raises ``ValueError`` with

@@ -37,6 +37,7 @@ from optuna_rapidfire._tune._inputs import (
     check_trials,
     load_data,
     make_configure,
+    model_path,
     open_storage,
     reward_funcs,
     trials_in_study,
@@ -137,12 +138,13 @@ def tune(search: str | os.PathLike[str] | Mapping[str, Any], *, merge: bool = Fa
     started = datetime.now(timezone.utc)
     output = Path(spec.output)
     # Everything that can be checked is, before anything is created or changed (no study, no output folder).
-    model_config = check_model(spec.model)
+    model = model_path(spec.model)
+    model_config = check_model(model)
     train = load_data(spec.train, spec.trainer, "data.train")
     evaluation = load_data(spec.eval, spec.trainer, "data.eval")
     check_trials(spec, model_config)
     executor = RapidFireExecutor(
-        model=spec.model,
+        model=model,
         model_kwargs=dict(spec.model_kwargs),
         train_dataset=train,
         eval_dataset=evaluation,

@@ -38,8 +38,8 @@ DEVICE = os.environ.get("RAPIDFIRE_TEST_DEVICE", "cpu")
 def shrunk(name: str, tiny_model: str, output: Path, n_trials: int = 2) -> dict[str, Any]:
     """``examples/search_<name>.yaml`` sized for a test (every key it changes must be in the file)."""
     search = yaml.safe_load((ROOT / "examples" / f"search_{name}.yaml").read_text())
-    assert search["model"] == "meta-llama/Llama-3.2-1B", "update this test with the example's model"
-    search["model"] = tiny_model
+    assert search["model"] == "tiny", "update this test with the example's model"
+    search["model"] = tiny_model  # the suite's own tiny model (the built-in is built in a test below)
     for split, rows in (("train", 32), ("eval", 8)):
         assert "rows" in search["data"][split]
         search["data"][split]["rows"] = rows
@@ -190,18 +190,40 @@ def test_a_study_whose_first_run_failed_runs_again_after_the_fix(
     assert [t["state"] for t in summary["trials"]] == ["FAIL", "COMPLETE"]
 
 
-@pytest.mark.parametrize("name", ["dpo", "grpo"])
-def test_the_dpo_and_grpo_example_searches_run(name: str, tiny_model: str, tmp_path: Path) -> None:
-    search = shrunk(name, tiny_model, tmp_path / "out")
-    if name == "dpo":  # a budget of time alone: trials start for 1 s (the first wave at once), then finish
-        search["budget"] = {"timeout": 1}
-    result = optuna_rapidfire.tune(write(search, tmp_path / f"search_{name}.yaml"))
-    summary = result.summary
+@pytest.fixture(scope="module")
+def user_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache folder for ``model: tiny`` (built there once for the module, as in a user's ~/.cache)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "grpo"])
+def test_every_example_search_runs_offline_on_a_cpu_as_shipped(
+    name: str, tmp_path: Path, user_cache: Path, monkeypatch, capsys
+) -> None:
+    """The example as a user runs it (`optuna-rapidfire tune examples/search_<name>.yaml`), from a folder of its
+    own: the built-in tiny model, no hub, the CPU, the shipped sizes."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(user_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["tune", str(ROOT / "examples" / f"search_{name}.yaml")]) == 0
+    assert "best adapter: " in capsys.readouterr().out
+    summary = json.loads((tmp_path / f"tune-gsm8k-{name}" / "summary.json").read_text())
+    shipped = yaml.safe_load((ROOT / "examples" / f"search_{name}.yaml").read_text())
     assert summary["trainer"] == name and summary["status"] == "ok"
-    assert set(summary["counts"]) == {"COMPLETE"} and summary["trials_run_now"] == len(summary["trials"]) >= 2
+    assert len(summary["trials"]) == shipped["budget"]["n_trials"] and "COMPLETE" in summary["counts"]
     assert summary["metric"] == ("eval_reward" if name == "grpo" else "eval_loss")
-    assert summary["direction"] == ("maximize" if name == "grpo" else "minimize")
-    assert (result.best_adapter / "adapter_config.json").is_file()
+    assert (user_cache / "optuna-rapidfire" / "tiny-model" / "config.json").is_file()
+
+
+def test_a_budget_of_time_alone_runs_the_first_wave_then_finishes(tiny_model: str, tmp_path: Path) -> None:
+    search = shrunk("dpo", tiny_model, tmp_path / "out")
+    search["budget"] = {"timeout": 1}  # trials start for 1 s (the first wave at once), then finish
+    result = optuna_rapidfire.tune(write(search, tmp_path / "search_dpo.yaml"))
+    summary = result.summary
+    assert summary["trainer"] == "dpo" and summary["status"] == "ok"
+    assert set(summary["counts"]) == {"COMPLETE"} and summary["trials_run_now"] == len(summary["trials"]) >= 2
+    assert summary["direction"] == "minimize" and (result.best_adapter / "adapter_config.json").is_file()
 
 
 def test_the_best_adapter_is_an_artifact_of_the_studys_mlflow_run(tiny_model: str, tmp_path: Path) -> None:
