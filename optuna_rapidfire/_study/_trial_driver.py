@@ -203,7 +203,7 @@ class TrialDriver:
         )
         if self.services.tracker is not None and self._run_id is not None:
             self.services.tracker.chunk(self._run_id, event)
-        if self._interrupted:
+        if self._interrupted and not event.last:  # an interrupt during its last chunk: it completes
             return self._end_interrupted(step + 1)
         pruned, frozen = should_prune(self.device.scheduler, entry, self.study, self.trial, step, float(value))
         if pruned:

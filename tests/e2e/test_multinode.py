@@ -358,7 +358,7 @@ def test_a_warm_clone_of_a_trial_that_ran_elsewhere_starts_from_its_checkpoint(t
     # "Machine A": its own output folder (where local snapshots live); only the artifact store is shared.
     with _worker_app.executor("cpu", output_dir=tmp_path / "machine-a") as executor:
         executor.optimize(study, _worker_app.configure, n_trials=1)
-    child = control.clone(study, 0)
+    child = control.clone(study, 0, from_chunk=4)  # its last chunk, named: the clone's run is longer
 
     def longer(trial: optuna.Trial):  # the clone runs a second epoch: it continues after the parent's last chunk
         peft_config, args = _worker_app.configure(trial)

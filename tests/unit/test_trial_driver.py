@@ -474,6 +474,21 @@ def test_an_interrupt_during_a_chunk_ends_the_trial_pruned_after_that_chunk(serv
     assert device.scheduler.decisions == [(0, Decision.CONTINUE), (0, Decision.STOP)]
 
 
+def test_an_interrupt_during_the_last_chunk_lets_the_trial_complete_with_its_adapter(services: StudyServices) -> None:
+    values = [0.9, 0.7]
+    script = Script(values)
+    device = FakeDevice({0: script})
+    script.during = {1: lambda entry: interrupt(cast(DeviceRuntime, device))}
+    study = _study()
+    study.optimize(_objective(_run(device, services)), n_trials=1)
+
+    [trial] = study.trials
+    # Every chunk trained: it ends as any complete trial does (its adapter saved), not as an interrupted one.
+    assert (trial.state, trial.value) == (TrialState.COMPLETE, 0.7)
+    assert trial.user_attrs[_attrs.STATUS] == "complete" and _attrs.ADAPTER_PATH in trial.user_attrs
+    assert device.scheduler.decisions == [(0, Decision.CONTINUE), (0, Decision.FINISH)]
+
+
 # "registered": Ctrl-C comes once the trial is registered, before it is built. "asking": its thread was between
 # Optuna's ask and registering, so the interrupt did not see it, and nothing is built while draining: without
 # being told it would wait for ever.
