@@ -46,12 +46,18 @@ def test_off_a_terminal_each_chunk_is_one_log_line_and_disabled_is_silent(make_e
             assert lines == []
 
 
-def test_a_trial_s_pace_counts_its_own_chunks_not_its_waits(monkeypatch) -> None:
+def _one_bar(monkeypatch) -> tuple[_Terminal, Progress]:
+    """Bars on a fake terminal, with trial 0 started (4 chunks) and its first chunk done in 10 s."""
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     progress = Progress(True, total_trials=1)
     progress.trial_started(0, 4)
     progress.chunk_done(0, "eval_loss", 1.5, seconds=10.0)
+    return terminal, progress
+
+
+def test_a_trial_s_pace_counts_its_own_chunks_not_its_waits(monkeypatch) -> None:
+    terminal, progress = _one_bar(monkeypatch)
     progress.chunk_done(0, "eval_loss", 1.25, seconds=20.0)  # however long it waited in between
     progress.close()
     text = terminal.getvalue()
@@ -59,11 +65,7 @@ def test_a_trial_s_pace_counts_its_own_chunks_not_its_waits(monkeypatch) -> None
 
 
 def test_a_bar_of_a_trial_that_is_not_training_says_what_it_does_without_a_time_left(monkeypatch) -> None:
-    terminal = _Terminal()
-    monkeypatch.setattr(sys, "stderr", terminal)
-    progress = Progress(True, total_trials=1)
-    progress.trial_started(0, 4)
-    progress.chunk_done(0, "eval_loss", 1.5, seconds=10.0)
+    terminal, progress = _one_bar(monkeypatch)
     progress.trial_activity(0, "waiting at its rung after chunk 1")
 
     def shown() -> str:  # the bar as last drawn, without tqdm's cursor moves

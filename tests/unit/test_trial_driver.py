@@ -455,15 +455,20 @@ def test_a_trial_still_paused_when_the_study_ends_is_pruned_as_paused_at_end(ser
     assert len(device.paused) == 0 and device.slots.free() == 1
 
 
-def test_an_interrupt_during_a_chunk_ends_the_trial_pruned_after_that_chunk(services: StudyServices) -> None:
-    values = [0.9, 0.7, 0.5, 0.3]
+def _interrupted_during_chunk_2(services: StudyServices, values: list[float]) -> tuple[FrozenTrial, FakeDevice]:
+    """A one-trial study whose device is interrupted (Ctrl-C) while the trial trains its second chunk."""
     script = Script(values)
     device = FakeDevice({0: script})
     script.during = {1: lambda entry: interrupt(cast(DeviceRuntime, device))}
     study = _study()
     study.optimize(_objective(_run(device, services)), n_trials=1)
-
     [trial] = study.trials
+    return trial, device
+
+
+def test_an_interrupt_during_a_chunk_ends_the_trial_pruned_after_that_chunk(services: StudyServices) -> None:
+    values = [0.9, 0.7, 0.5, 0.3]
+    trial, device = _interrupted_during_chunk_2(services, values)
     # What the chunk in flight trained is reported, and kept.
     assert trial.state == TrialState.PRUNED and trial.intermediate_values == {0: 0.9, 1: 0.7}
     assert _attrs_of(trial) == {
@@ -475,14 +480,7 @@ def test_an_interrupt_during_a_chunk_ends_the_trial_pruned_after_that_chunk(serv
 
 
 def test_an_interrupt_during_the_last_chunk_lets_the_trial_complete_with_its_adapter(services: StudyServices) -> None:
-    values = [0.9, 0.7]
-    script = Script(values)
-    device = FakeDevice({0: script})
-    script.during = {1: lambda entry: interrupt(cast(DeviceRuntime, device))}
-    study = _study()
-    study.optimize(_objective(_run(device, services)), n_trials=1)
-
-    [trial] = study.trials
+    trial, device = _interrupted_during_chunk_2(services, [0.9, 0.7])
     # Every chunk trained: it ends as any complete trial does (its adapter saved), not as an interrupted one.
     assert (trial.state, trial.value) == (TrialState.COMPLETE, 0.7)
     assert trial.user_attrs[_attrs.STATUS] == "complete" and _attrs.ADAPTER_PATH in trial.user_attrs
