@@ -7,14 +7,13 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 . .venv/bin/activate
+# Chained with &&: `set -e` does not apply inside a function called as an `if` condition.
 _install() {
-  python -m pip install --upgrade pip
-  # torch first, in a range that a CPU-only machine can take from its local wheel cache or PyPI; a
-  # machine that already has torch (a GPU box) keeps its own.
-  if ! python -c "import torch" 2>/dev/null; then
-    python -m pip install "torch>=2.6,<2.14"
-  fi
-  python -m pip install -e ".[$1]"
+  python -m pip install --upgrade pip &&
+    # torch first, in a range that a CPU-only machine can take from its local wheel cache or PyPI; a
+    # machine that already has torch (a GPU box) keeps its own.
+    { python -c "import torch" 2>/dev/null || python -m pip install "torch>=2.6,<2.14"; } &&
+    python -m pip install -e ".[$1]"
 }
 if ! _install "$1" >.venv/install.log 2>&1; then
   tail -n 30 .venv/install.log >&2
