@@ -116,7 +116,8 @@ class RapidFireExecutor:
         show_progress_bar: Show per-trial progress on a terminal.
         dashboard_controls: Add a stop/resume/delete/clone form to running trials in optuna-dashboard
             (unless the study has a form of its own).
-        poll_seconds: How often a paused trial checks the storage for a resume or delete.
+        poll_seconds: How often a trial that is not training (queued, paused, or waiting at a rung or for the
+            device) checks the storage for a command, which then applies at once.
         pause_grace_seconds: When only paused trials are left in :meth:`optimize`, how long to wait for
             a resume before finishing them as PRUNED (their state is kept for clones).
         artifact_store: Where each trial's state is checkpointed after every chunk (adapter weights and

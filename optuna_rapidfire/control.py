@@ -37,7 +37,8 @@ __all__ = ["clone", "delete", "resume", "stop"]
 
 
 def stop(study: optuna.Study, trial_number: int) -> str:
-    """Pause a running trial at its next chunk boundary.
+    """Pause a running trial: within ``poll_seconds`` if it is not training (queued, or waiting between
+    chunks), else at the end of its chunk in flight.
 
     A paused trial keeps its state (moved off the device), holds no slot (another trial takes it) and
     is not waited for by the others; :func:`resume` continues it where it stopped. A trial still

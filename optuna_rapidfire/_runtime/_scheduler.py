@@ -107,6 +107,9 @@ class Entry:
         awaiting_since: When the trial last became AWAITING (``time.monotonic()``).
         mates: Numbers of the trials that trained the same step in the same pass (a fused gang's
             members at equal progress): under a schedule without barriers they decide together.
+        held: A queued trial its driver acts on (a person's command, :meth:`Scheduler.hold`): not built
+            meanwhile, and not READY once built, until its driver decides.
+        taken: The device's worker took the trial's build.
         events: What the worker tells the trial's Optuna thread, in order.
         runtime: The engine's per-trial object, owned by the worker thread.
     """
@@ -121,6 +124,8 @@ class Entry:
     screened: int = -1
     awaiting_since: float = 0.0
     mates: frozenset[int] = frozenset()
+    held: bool = False
+    taken: bool = False
     events: queue.Queue[Any] = field(default_factory=queue.Queue)
     runtime: Any = None
 
@@ -132,6 +137,11 @@ class Entry:
     @property
     def gone(self) -> bool:
         return self.status is Status.GONE
+
+    @property
+    def buildable(self) -> bool:
+        """Registered, not built nor being built, not held."""
+        return self.status is Status.BUILDING and not self.taken and not self.held
 
     def view(self) -> TrialView:
         """What a schedule sees of the trial now."""
@@ -169,6 +179,20 @@ def schedule_from(setting: str | BaseSchedule) -> BaseSchedule:
     )
 
 
+def _reports(scheduler: Scheduler, live: int, streaming: bool) -> Reports:
+    """What a schedule that takes reports is told besides the trials (see :class:`Reports`)."""
+    lender = scheduler.lender
+    return Reports(
+        scheduler._values,
+        scheduler.maximize,
+        max(scheduler.capacity, live) if lender is None else lender.base,
+        scheduler._last_change,
+        None if lender is None else lender.more_trials(),
+        None if lender is None else lender.arriving_since(),
+        streaming,
+    )
+
+
 def _stop(live: list[Entry], stop: Stop) -> None:
     """End the READY trials a schedule stopped: each driver hears why and ends its trial as PRUNED."""
     for e in live:
@@ -189,6 +213,26 @@ def _housekeeping(entry: Entry) -> tuple[Task, list[Entry]]:
         return Task.PAUSE, [entry]
     # A finish or release request stays (the entry is not live) until the worker removes the entry.
     return (Task.FINISH if entry.request is Request.FINISH else Task.RELEASE), [entry]
+
+
+def _chores(entries: list[Entry], draining: bool) -> tuple[Task, list[Entry]] | None:
+    """Housekeeping first, then a build (none while ``draining``), or ``None``."""
+    for e in entries:
+        if e.request is not None:
+            return _housekeeping(e)
+    for e in [] if draining else entries:
+        if e.buildable:
+            e.taken = True
+            return Task.BUILD, [e]
+    return None
+
+
+def _forget(scheduler: Scheduler, entry: Entry) -> None:
+    entry.status, entry.request, entry.runtime = Status.GONE, None, None
+    scheduler._entries.pop(entry.number, None)
+    scheduler._last_change = time.monotonic()
+    if not scheduler._entries:
+        scheduler._gathering = True
 
 
 class Scheduler:
@@ -296,20 +340,33 @@ class Scheduler:
             view = entry.view()
         return self.schedule.pruning_peers(view)
 
-    def decide(self, entry: Entry, decision: Decision) -> None:
+    def decide(self, entry: Entry, decision: Decision) -> bool:
         """The trial's driver decided: train on, or leave a request for the device.
 
         A trial the device has already removed (its gang failed after its chunk was delivered) stays
         gone: its driver learns it from the Failed event that follows.
+
+        Returns:
+            Whether a PAUSE or STOP was carried out here (a queued trial whose build the device has not
+            taken: nothing on the device to move or release), so that no event follows.
         """
         with self._cond:
+            self._cond.notify_all()
             if entry.status is Status.GONE:
-                return
+                return False
+            queued = entry.status is Status.BUILDING and not entry.taken
             if decision is Decision.CONTINUE:
-                entry.status = Status.READY
+                # A queued trial (held, or paused before it was built) goes back to be built.
+                unbuilt = queued or (entry.status is Status.PAUSED and not entry.taken)
+                entry.status, entry.held = (Status.BUILDING if unbuilt else Status.READY), False
+            elif queued and decision in (Decision.PAUSE, Decision.STOP):
+                entry.status, entry.held = Status.PAUSED, False
+                if decision is Decision.STOP:
+                    _forget(self, entry)
+                return True
             else:
                 entry.request = _REQUESTED[decision]
-            self._cond.notify_all()
+            return False
 
     def activity(self, entry: Entry) -> str:
         """What the trial does now, in words for people (``""``: between two states)."""
@@ -320,12 +377,16 @@ class Scheduler:
         return {Status.TRAINING: "training", Status.BUILDING: "queued", Status.PAUSED: "paused"}.get(status, "")
 
     def hold(self, entry: Entry) -> bool:
-        """Keep a READY trial (at a rung, or waiting for the device) from being chosen, so that its driver acts on
-        it now (a person's command) and then decides, as after a chunk; ``False``: not READY, not held."""
+        """Keep a READY trial (at a rung, or waiting for the device) from being chosen, or a queued one (BUILDING)
+        from being built, so that its driver acts on it now (a person's command) and then decides, as after a
+        chunk; a queued trial being built then waits, built, for that decision. ``False``: neither, not held."""
         with self._cond:
-            if entry.status is not Status.READY or entry.request is not None:
+            if entry.request is not None or entry.status not in (Status.READY, Status.BUILDING):
                 return False
-            _await(entry)
+            if entry.status is Status.BUILDING:
+                entry.held = True
+            else:
+                _await(entry)
             self._cond.notify_all()
             return True
 
@@ -348,14 +409,9 @@ class Scheduler:
 
     def _next(self, fuse: bool) -> tuple[tuple[Task, list[Entry]] | None, float | None]:
         entries = sorted(self._entries.values(), key=lambda e: e.number)
-        for e in entries:
-            if e.request is not None:
-                return _housekeeping(e), None
-        if self._draining:
-            return None, None
-        for e in entries:
-            if e.status is Status.BUILDING and e.runtime is None:
-                return (Task.BUILD, [e]), None
+        chore = _chores(entries, self._draining)
+        if chore is not None or self._draining:
+            return chore, None
         live = [e for e in entries if e.live]
         if not live:
             return None, None
@@ -380,20 +436,11 @@ class Scheduler:
         views = [e.view() for e in live]
         extra: dict[str, Any] = {}
         if _takes_reports(self.schedule):
-            lender = self.lender
-            reports = Reports(
-                self._values,
-                self.maximize,
-                max(self.capacity, len(live)) if lender is None else lender.base,
-                self._last_change,
-                None if lender is None else lender.more_trials(),
-                None if lender is None else lender.arriving_since(),
-                streaming,
-            )
+            reports = _reports(self, len(live), streaming)
             extra["reports"] = reports
             self._promotion_waits = self.schedule.waiting(views, reports)
-            if lender is not None:
-                lender.park(len(self._promotion_waits))
+            if self.lender is not None:
+                self.lender.park(len(self._promotion_waits))
         choice = self.schedule.choose(views, fuse=fuse, now=time.monotonic(), **extra)
         if isinstance(choice, Stop):
             _stop(live, choice)
@@ -407,12 +454,7 @@ class Scheduler:
     def side_task(self) -> tuple[Task, list[Entry]] | None:
         """Housekeeping or a build to do between two passes of a stream (never a TRAIN), or ``None``; never blocks."""
         with self._cond:
-            entries = sorted(self._entries.values(), key=lambda e: e.number)
-            busy = next((e for e in entries if e.request is not None), None)
-            if busy is not None or self._closed or self._draining:
-                return None if busy is None else _housekeeping(busy)
-            building = next((e for e in entries if e.status is Status.BUILDING and e.runtime is None), None)
-            return None if building is None else (Task.BUILD, [building])
+            return _chores(sorted(self._entries.values(), key=lambda e: e.number), self._closed or self._draining)
 
     def join(self, room: int, fits: Callable[[Entry], bool]) -> list[Entry]:
         """The trials that take free slots of a stream now (at most ``room``, marked TRAINING), as the schedule
@@ -442,7 +484,7 @@ class Scheduler:
             entry.chunks_done = chunks_done
             entry.reported = entry.screened = chunks_done - 1
             if entry.status is Status.BUILDING:
-                entry.status = Status.AWAITING if finished else Status.READY
+                entry.status = Status.AWAITING if finished or entry.held else Status.READY
                 entry.awaiting_since = time.monotonic()
             if self._gathering:  # a build slows the threads still configuring their trials: wait as long again
                 self._last_arrival = time.monotonic()
@@ -467,13 +509,7 @@ class Scheduler:
     def remove(self, entry: Entry) -> None:
         """The trial has left the device."""
         with self._cond:
-            entry.status = Status.GONE
-            entry.request = None
-            entry.runtime = None
-            self._entries.pop(entry.number, None)
-            self._last_change = time.monotonic()
-            if not self._entries:
-                self._gathering = True
+            _forget(self, entry)
             self._cond.notify_all()
 
     def drain(self, draining: bool = True, on_late: Callable[[Entry], None] | None = None) -> list[Entry]:

@@ -40,7 +40,11 @@ _logger = get_logger(__name__)
 
 OPS = ("stop", "resume", "delete", "clone")
 # How a command's result says where the trial was, before its chunk count.
-_WHERE = {"chunk": "after chunk", "waiting": "while waiting after chunk", "paused": "while paused after chunk"}
+_WHERE = {
+    "chunk": "after chunk",
+    "waiting": "while waiting after chunk",
+    "paused": "while paused after chunk",
+}
 # The dashboard's choice widget stores floats; these are the values of its choices. It pre-selects the
 # first choice, so that one does nothing: a stray Submit must not pause a trial.
 _NO_ACTION = 0.0
@@ -137,19 +141,29 @@ def pending(study: optuna.Study, trial: FrozenTrial) -> list[Command]:
 
 def held_for(study: optuna.Study, entry: Entry, scheduler: Scheduler) -> list[Command]:
     """The commands for the trial of ``entry`` while it waits between chunks (READY: at a rung, or for the
-    device), holding it (:meth:`Scheduler.hold`) so that it trains no chunk before they are applied; ``[]``: none,
-    or it is not waiting (they apply after its chunk then).
+    device) or is queued (BUILDING), holding it (:meth:`Scheduler.hold`) so that it trains no chunk before they
+    are applied; ``[]``: none, or it is not waiting (they apply after its chunk then).
 
     Raises:
         UpdateFinishedTrialError: The trial was finished from outside meanwhile.
     """
-    if entry.status is not Status.READY or entry.request is not None:
+    if entry.status not in (Status.READY, Status.BUILDING) or entry.request is not None:
         return []
     frozen = _compat.storage(study).get_trial(entry.trial_id)
     if frozen.state.is_finished():
         raise UpdateFinishedTrialError(f"Trial {entry.number} was finished outside the executor.")
     commands = pending(study, frozen)
     return commands if commands and scheduler.hold(entry) else []
+
+
+def answer_saved(study: optuna.Study, trial_id: int, chunks: int) -> None:
+    """Answer the commands that came while a complete trial's adapter was being saved (it is still RUNNING).
+
+    Raises:
+        UpdateFinishedTrialError: The trial was finished from outside meanwhile.
+    """
+    for command in pending(study, _compat.storage(study).get_trial(trial_id)):
+        apply(study, trial_id, command, "saved", chunks)
 
 
 def retried(trial: FrozenTrial) -> list[int]:
@@ -194,7 +208,8 @@ def apply(
     Args:
         command: The command.
         where: Where the trial is: after a ``"chunk"`` (or its ``"last chunk"``), ``"waiting"`` between chunks
-            (at a rung, or for the device), ``"paused"``, or ``"saved"`` (complete, its adapter written).
+            (at a rung, or for the device), ``"queued"`` (not built yet), ``"paused"``, or ``"saved"`` (complete,
+            its adapter written).
         chunk: Chunks the trial has trained (for the record).
         pausing: A stop was already applied after this chunk.
 
@@ -202,12 +217,13 @@ def apply(
         What the trial must do now: ``"pause"``, ``"resume"`` or ``"delete"``; ``None``: carry on.
     """
     op, action = command.op, None
+    at = "while queued, before its first chunk" if where == "queued" else f"{_WHERE.get(where, 'after chunk')} {chunk}"
     if op == "delete" and where != "saved":
-        result, action = f"deleted {_WHERE.get(where, 'after chunk')} {chunk}", op
+        result, action = f"deleted {at}", op
     elif op == "stop" and (where == "paused" or pausing):
         result = "ignored: already paused"
-    elif op == "stop" and where in ("chunk", "waiting"):
-        result, action = f"paused {_WHERE[where]} {chunk}", "pause"
+    elif op == "stop" and where in ("chunk", "waiting", "queued"):
+        result, action = f"paused {at}", "pause"
     elif op in ("stop", "delete"):
         result = "ignored: the trial has trained its last chunk"
     elif op == "resume" and where == "paused":

@@ -232,7 +232,7 @@ class TrialDriver:
             return self._finished_elsewhere()
         if not commands:
             return None
-        deleted, asked = self._obey(commands, "waiting")
+        deleted, asked = self._obey(commands, "queued" if entry.held else "waiting")
         if deleted is not None:
             return deleted
         if asked == "pause" and (outcome := self._pause(entry.chunks_done)) is not None:
@@ -241,8 +241,7 @@ class TrialDriver:
         return None
 
     def _obey(self, commands: list[_commands.Command], where: str) -> tuple[float | None, str | None]:
-        """Apply ``commands`` to the trial ``where`` it is, up to a resume: ``(its value, _)`` if a delete ended
-        it, else ``(None, "pause" or "resume" if one was asked)``."""
+        """Apply ``commands`` ``where`` the trial is, up to a resume: (its value if deleted, "pause"/"resume")."""
         assert self.entry is not None
         asked, trial_id, chunks = None, _compat.trial_id(self.trial), self.entry.chunks_done
         for command in commands:
@@ -262,11 +261,7 @@ class TrialDriver:
         self._adapter_path = os.path.abspath(done.path)
         try:
             self.trial.set_user_attr(_attrs.ADAPTER_PATH, self._adapter_path)
-            # A request that came while the adapter was being saved: the trial is still RUNNING, so it is answered.
-            for command in _commands.pending(
-                self.study, _compat.storage(self.study).get_trial(_compat.trial_id(self.trial))
-            ):
-                _commands.apply(self.study, _compat.trial_id(self.trial), command, "saved", self._total_chunks)
+            _commands.answer_saved(self.study, _compat.trial_id(self.trial), self._total_chunks)
         except UpdateFinishedTrialError:  # optuna-dashboard's "Fail Trial" while the adapter was being saved
             return self._finished_elsewhere()
         return value
@@ -294,7 +289,8 @@ class TrialDriver:
         """Tell the device the trial is done (``FINISH``: save its adapter; ``STOP``: release it); wait until it is."""
         entry = self.entry
         assert entry is not None
-        self.device.scheduler.decide(entry, decision)
+        if self.device.scheduler.decide(entry, decision):  # a queued trial: nothing on the device to release
+            return Released()
         while True:
             event = entry.events.get()
             if isinstance(event, (Saved, Released, Failed)):
@@ -306,13 +302,16 @@ class TrialDriver:
         """Wait, off the device and without a slot, for a resume (``None`` once resumed), after ``chunks``."""
         trial, entry = self.trial, self.entry
         assert entry is not None
-        self.device.scheduler.decide(entry, Decision.PAUSE)
-        while True:  # the device moves the trial off, or fails it (then it is gone from the device)
+        built: list[Built] = []  # paused while it was being built: its Built is handled once it resumes
+        queued = self.device.scheduler.decide(entry, Decision.PAUSE)  # a queued trial pauses at once
+        while not queued:  # the device moves the trial off, or fails it (then it is gone from the device)
             event = entry.events.get()
             if isinstance(event, Failed):
                 return self._failed(event)
             if isinstance(event, Interrupted):
                 self._interrupted = event.cause
+            if isinstance(event, Built):
+                built.append(event)
             if isinstance(event, Paused):
                 break
         if self._interrupted:  # interrupted while it moved off: it ends as an interrupted trial, not a paused one
@@ -322,7 +321,7 @@ class TrialDriver:
         self._lease = None
         trial.set_user_attr(_attrs.STATUS, "paused")
         self.shared.progress.trial_paused(trial.number)
-        _logger.info("Trial %d paused after chunk %d.", trial.number, chunks)
+        _logger.info("Trial %d paused %s.", trial.number, f"after chunk {chunks}" if chunks else "before it trained")
         self.device.paused.add(entry)
         self.record.activity("paused")
         try:
@@ -344,6 +343,8 @@ class TrialDriver:
                     trial.set_user_attr(_attrs.STATUS, "running")
                     self.shared.progress.trial_resumed(trial.number)
                     _logger.info("Trial %d resumed after chunk %d.", trial.number, chunks)
+                    for event in built:
+                        entry.events.put(event)
                     return None
         finally:
             self.device.paused.discard(entry)

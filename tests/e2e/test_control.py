@@ -333,6 +333,43 @@ def test_commands_to_trials_waiting_between_chunks_apply_at_once(make_executor, 
     assert clone.state == TrialState.COMPLETE and clone.user_attrs[_attrs.BRANCH_STEP] == 1
 
 
+def test_commands_to_queued_trials_apply_before_they_are_built(make_executor, slow_chunks) -> None:
+    """Two hand clones queue while trial 0's chunk trains (held by the test): a stop and a delete reach them
+    within poll_seconds, before the device could build either; the stopped one resumes, is built and trains."""
+    holding = threading.Event()
+    holding.set()
+    slow_chunks(0.0, hold=holding.is_set)
+    executor = make_executor(num_chunks=4, max_concurrent_trials=3, poll_seconds=0.2)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    run = Background(lambda: executor.optimize(study, by_number(CONFIGS), n_trials=1))
+    try:
+        wait_until(lambda: _activity(study, 0) == "training", what="trial 0's first chunk")
+        first, second = (control.clone(study, 0, warm_start=False) for _ in range(2))
+        wait_until(lambda: all(_activity(study, n) == "queued" for n in (first, second)), what="the clones queued")
+        control.stop(study, first)
+        control.delete(study, second, reason="not needed")
+        wait_until(lambda: _status(study, first) == "paused", timeout=30, what="the stop of the queued trial")
+        wait_until(lambda: study.trials[second].state == TrialState.FAIL, timeout=30, what="the delete")
+        assert holding.is_set() and _activity(study, 0) == "training"  # the device never left trial 0's chunk
+        results = _command_results(study)
+        assert results == [f"{op} while queued, before its first chunk" for op in ("paused", "deleted")], results
+        control.resume(study, first)
+        wait_until(lambda: _status(study, first) == "running", timeout=30, what="the resume")
+    finally:
+        holding.clear()
+    run.join()
+    assert study.trials[0].state == TrialState.COMPLETE
+    resumed = study.trials[first]
+    assert resumed.state == TrialState.COMPLETE and sorted(resumed.intermediate_values) == [0, 1, 2, 3]
+    assert study.trials[second].user_attrs[_attrs.FAIL_REASON] == "deleted: not needed"
+    assert not study.trials[second].intermediate_values
+
+
+def _activity(study: optuna.Study, number: int) -> str | None:
+    trials = study.get_trials(deepcopy=False)
+    return trials[number].user_attrs.get(_attrs.ACTIVITY) if number < len(trials) else None
+
+
 def _command_results(study: optuna.Study) -> list[str]:
     from optuna_rapidfire import _compat
 

@@ -700,3 +700,35 @@ def test_members_ending_at_one_pass_boundary_are_mates_only_of_those_that_ended_
     refill.delivered([(runtime, object()) for runtime in runtimes])  # type: ignore[misc]
     assert delivered == {0: frozenset(), 1: frozenset({2}), 2: frozenset({1})}
     assert [e.chunks_done for e in entries] == [3, 4, 4] and refill.seated() == []
+
+
+def test_a_queued_trial_held_for_a_command_is_not_built_and_pauses_or_leaves_at_once() -> None:
+    scheduler, (kept, paused, dropped) = _scheduler(0, 1, 2)
+    assert all(scheduler.hold(e) for e in (paused, dropped))  # queued: held, not built meanwhile
+    task, (entry,) = scheduler.next_task()
+    assert (task, entry) == (Task.BUILD, kept)
+    scheduler.built(kept, runtime=object())
+    assert scheduler.side_task() is None  # nothing else to build while the two are held
+    # Nothing of theirs is on the device: the pause and the stop are done here, no task for the worker.
+    assert scheduler.decide(paused, Decision.PAUSE) and paused.status is Status.PAUSED
+    assert scheduler.decide(dropped, Decision.STOP) and dropped.gone
+    assert [e.number for e in scheduler.entries()] == [0, 1]
+    # Resumed, the paused one goes back to be built, then trains.
+    assert not scheduler.decide(paused, Decision.CONTINUE)
+    task, (entry,) = scheduler.next_task()
+    assert (task, entry, paused.status) == (Task.BUILD, paused, Status.BUILDING)
+
+
+def test_a_trial_held_while_being_built_waits_built_for_its_driver_s_decision() -> None:
+    scheduler, (entry,) = _scheduler(0)
+    task, _ = scheduler.next_task()
+    assert task is Task.BUILD
+    assert scheduler.hold(entry)
+    assert not scheduler.decide(entry, Decision.PAUSE)  # its build is under way: the device pauses it once built
+    assert entry.request is not None and entry.status is Status.BUILDING
+    scheduler.built(entry, runtime=object())
+    assert entry.status is Status.AWAITING  # not READY: nothing trains it before the pause
+    task, _ = scheduler.next_task()
+    assert (task, entry.status) == (Task.PAUSE, Status.PAUSED)
+    scheduler.decide(entry, Decision.CONTINUE)  # resumed: built already, it trains
+    assert entry.status is Status.READY and _train(scheduler) == [0]

@@ -101,11 +101,15 @@ class ScriptedScheduler(Scheduler):
         if done < total:
             self._train(entry)
 
-    def decide(self, entry: Entry, decision: Decision) -> None:
+    def decide(self, entry: Entry, decision: Decision) -> bool:
         self.decisions.append((entry.number, decision))
-        super().decide(entry, decision)
-        if entry.gone:
-            return
+        at_once = super().decide(entry, decision)  # a queued trial's pause or stop is carried out at once
+        if not at_once and not entry.gone:
+            self._carry_out(entry, decision)
+        return at_once
+
+    def _carry_out(self, entry: Entry, decision: Decision) -> None:
+        """What the worker does with the task the decision leaves."""
         if decision is Decision.CONTINUE:
             self._train(entry)
         elif decision is Decision.PAUSE:
