@@ -1,7 +1,7 @@
 """``RapidFireExecutor``: many Optuna trials trained chunk by chunk on one resident base model.
 
 The executor is a front, as ``Study.optimize`` is in Optuna: it validates its settings into an
-:class:`~optuna_rapidfire._config.ExecutorConfig`, builds a device runtime (model, engine, scheduler,
+:class:`~optuna_rapidfire._study._config.ExecutorConfig`, builds a device runtime (model, engine, scheduler,
 worker thread, slots) and the study services, and hands them to the functions of
 :mod:`optuna_rapidfire._study._optimize` (or, with several devices, to one worker process per device).
 """
@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING, Any
 from optuna.trial import TrialState
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._config import Configure, ExecutorConfig, takes_options_of
-from optuna_rapidfire._engines._base import EngineStats
+from optuna_rapidfire._engines._types import EngineStats
 from optuna_rapidfire._logging import get_logger, quiet_library_noise
 from optuna_rapidfire._processes import run_workers
 from optuna_rapidfire._resident._model import resolve_devices
 from optuna_rapidfire._runtime._device import DeviceRuntime
 from optuna_rapidfire._study import _attrs
-from optuna_rapidfire._study._optimize import Run, end_paused, make_objective, optimize
+from optuna_rapidfire._study._config import Configure, ExecutorConfig, takes_options_of
+from optuna_rapidfire._study._optimize import end_paused, make_objective, optimize
 from optuna_rapidfire._study._progress import Progress
+from optuna_rapidfire._study._run import Run
 from optuna_rapidfire._study._services import StudyServices
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ class RapidFireExecutor:
         self._devices = resolve_devices(devices)
         self._several_explicit = len(self._devices) > 1 and not (isinstance(devices, str) and devices == "auto")
         self._services = StudyServices(self.config)
-        self._device = DeviceRuntime(self.config, self._devices[0], self._services, label=str(self._devices[0]))
+        self._device = DeviceRuntime(self._services.device_settings(), self._devices[0], label=str(self._devices[0]))
         # The objective's trials (under a plain study.optimize) share one run with no pool and no display.
         self._objective_run = Run(self._device, self._services, Progress(False))
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from optuna_rapidfire._config import ExecutorConfig
+    from optuna_rapidfire._study._config import ExecutorConfig
 
 _logger = get_logger(__name__)
 
@@ -206,7 +206,7 @@ def _worker_main(index: int, job: dict[str, Any], tickets: Tickets | None, resul
         )
         config: ExecutorConfig = payload["config"]
         services = StudyServices(config)
-        device = DeviceRuntime(config, resolve_devices(job["device"])[0], services, label=job["label"])
+        device = DeviceRuntime(services.device_settings(), resolve_devices(job["device"])[0], label=job["label"])
         try:
             optimize(
                 device,

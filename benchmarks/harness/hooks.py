@@ -46,7 +46,6 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.harness.measure import sync
-from optuna_rapidfire._engines._base import ChunkResult
 from optuna_rapidfire._engines._fused_engine import FusedEngine
 from optuna_rapidfire._engines._gang_passes import PASS_TOKENS
 from optuna_rapidfire._engines._gang_stream import GangStream
@@ -54,6 +53,7 @@ from optuna_rapidfire._engines._gang_training import GangTraining
 from optuna_rapidfire._engines._placement import Placement
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 from optuna_rapidfire._engines._trials import DeviceTrials
+from optuna_rapidfire._engines._types import ChunkResult
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
 from optuna_rapidfire._resident._data import ChunkPlan
 from optuna_rapidfire._study import _attrs as attrs

@@ -1,170 +1,25 @@
 """The contract between the device's worker thread and a training engine, and what flows through it.
 
-The worker hands an :class:`Engine` a :class:`TrialSpec` to build and gets back the engine's runtime object,
-then asks it to :meth:`~Engine.run` groups of runtimes (one trial, or a gang when the engine fuses) and gets a
-:class:`ChunkResult` per trial. :class:`EngineStats` are the engine's counters, read from any thread.
+The worker hands an :class:`Engine` a :class:`~optuna_rapidfire._engines._types.TrialSpec` to build and gets back
+the engine's runtime object, then asks it to :meth:`~Engine.run` groups of runtimes (one trial, or a gang when
+the engine fuses) and gets a ``ChunkResult`` per trial. ``EngineStats`` are the engine's counters, read from any
+thread. Those types live in :mod:`optuna_rapidfire._engines._types`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     import torch
-    from peft import PeftConfig
-    from transformers import TrainingArguments
 
     from optuna_rapidfire._engines._gang_stream import Refill
-    from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
+    from optuna_rapidfire._engines._trials import DeviceTrials
+    from optuna_rapidfire._engines._types import Branch, ChunkResult, EngineStats, TrialRuntime, TrialSpec
     from optuna_rapidfire._resident._snapshot import TrialSnapshot
-    from optuna_rapidfire._trainers._base import TrainerKind
-
-
-@dataclass(frozen=True)
-class CloneOf:
-    """A trial that starts from another trial's state.
-
-    Attributes:
-        parent: Number of the trial to copy.
-        warm: Continue from the parent's state at chunk boundary ``step`` (else start cold, from
-            scratch, with the new params).
-        step: The parent's chunk boundary to branch from (the parent's chunks done when the clone was
-            asked for, or the one named); ``None``: the latest.
-        fetch: Loads the parent's kept state at ``step`` (the study's chunk states, or for a retry its
-            predecessor's checkpoint); raises when there is none or it is unusable.
-        resume: The trial is Optuna's retry of ``parent``, whose worker died: continue from its
-            checkpoint (and only from that).
-    """
-
-    parent: int
-    warm: bool = True
-    step: int | None = None
-    fetch: Callable[[], Any] | None = field(default=None, compare=False)
-    resume: bool = False
-
-
-@dataclass(frozen=True)
-class Branch:
-    """How a clone actually started.
-
-    Attributes:
-        parent: The parent's trial number.
-        step: Chunks the parent had trained when the clone was made: the clone's first step.
-        warm: Whether the clone continues from the parent's state.
-        reason: Why a requested warm clone started cold.
-        history: The parent's per-chunk metrics up to ``step`` (a warm clone inherits them).
-        resume: The trial is a retry resuming its dead predecessor ``parent``.
-    """
-
-    parent: int
-    step: int
-    warm: bool
-    reason: str | None = None
-    history: list[dict[str, float]] = field(default_factory=list)
-    resume: bool = False
-
-
-@dataclass(frozen=True)
-class TrialSpec:
-    """Everything an engine needs to build a trial.
-
-    Attributes:
-        number: Optuna trial number.
-        peft_config: The trial's adapter config (the user's own object, copied before use).
-        args: The trial's training args as the user wrote them.
-        kind: The TRL trainer type the args select.
-        adapter_dir: Where the trial's final adapter is written if it completes.
-        state_dir: Folder of the study's trial snapshots (``<state_dir>/trial-<number>``).
-        clone_of: Set when the trial is a clone.
-        checkpoint: Capture the trial's state after every chunk (:attr:`ChunkResult.snapshot`): what its
-            checkpoints and the chunk states clones branch from are made of.
-    """
-
-    number: int
-    peft_config: PeftConfig
-    args: TrainingArguments
-    kind: TrainerKind
-    adapter_dir: str
-    state_dir: str
-    clone_of: CloneOf | None = None
-    checkpoint: bool = False
-
-
-@dataclass
-class ChunkResult:
-    """What one chunk produced.
-
-    Attributes:
-        step: The Optuna step to report (the trial's global chunk count before this chunk).
-        metrics: Evaluation metrics (``eval_*``) and training metrics (``train_*``) of the chunk.
-        last: Whether this was the trial's final chunk.
-        train_seconds: Wall time of the training part.
-        eval_seconds: Wall time of the evaluation part.
-        snapshot: The trial's state after the chunk (CPU copies), when its spec asks for it.
-    """
-
-    step: int
-    metrics: dict[str, float]
-    last: bool
-    train_seconds: float = 0.0
-    eval_seconds: float = 0.0
-    snapshot: Any = None
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters of a device's engine at one moment, for benchmarks and tests.
-
-    Attributes:
-        switches: How many times the device switched from training one trial to training another alone.
-        switch_seconds: Host time of each of those switches.
-        offloads: How many times an idle trial's state was moved to CPU memory.
-        fused_steps: Steps of shared passes (the fused engine's gangs).
-        pass_tokens: The most tokens one shared pass takes now (lowered after a pass ran out of memory);
-            ``None`` for an engine without shared passes.
-        live_trials: Trials built and not yet released.
-        resident_trials: Live trials whose state is on the device.
-        state_bytes: Each live trial's state (adapter weights and optimizer moments), in the order built.
-        adapters: The adapters in the resident model (one per live trial, none once every trial left).
-        base_bytes: The base model's weights and buffers.
-        eval_rows: Rows of the evaluation set (after ``eval_samples``).
-        decodes: Decode batches run for trials that sample completions (GRPO).
-        decoded_requests: The trials' generation requests those batches served (more than ``decodes``
-            when the members of a gang decoded together).
-        launched_steps: Of ``fused_steps``, those that took the launched pass (compiled or not).
-        compiles: Graphs the launched pass compiled (per layout and shape; a trial joining a seen layout
-            adds none).
-        compile_failures: Layouts whose compilation failed (they run uncompiled).
-        gang_fill: How many passes of streamed gangs trained each number of members (index: members).
-        graphs_recorded: Shapes of streamed passes and optimizer steps recorded as CUDA graphs.
-        graph_replays: Passes and optimizer steps replayed from them.
-        graph_failures: Shapes that could not be recorded (they run kernel by kernel).
-    """
-
-    switches: int = 0
-    switch_seconds: tuple[float, ...] = ()
-    offloads: int = 0
-    fused_steps: int = 0
-    pass_tokens: int | None = None
-    live_trials: int = 0
-    resident_trials: int = 0
-    state_bytes: tuple[int, ...] = ()
-    adapters: tuple[str, ...] = ()
-    base_bytes: int = 0
-    eval_rows: int = 0
-    decodes: int = 0
-    decoded_requests: int = 0
-    launched_steps: int = 0
-    compiles: int = 0
-    compile_failures: int = 0
-    gang_fill: tuple[int, ...] = ()
-    graphs_recorded: int = 0
-    graph_replays: int = 0
-    graph_failures: int = 0
 
 
 class Engine(ABC):

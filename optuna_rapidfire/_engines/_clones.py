@@ -8,13 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._engines._base import Branch
+from optuna_rapidfire._engines._types import Branch
 from optuna_rapidfire._resident._snapshot import TrialSnapshot
 from optuna_rapidfire._resident._state import Position, RngState
 
 if TYPE_CHECKING:
-    from optuna_rapidfire._engines._base import CloneOf
-    from optuna_rapidfire._engines._trials import TrialRuntime
+    from optuna_rapidfire._engines._types import CloneOf, TrialRuntime
     from optuna_rapidfire._resident._model import ResidentModel
 
 

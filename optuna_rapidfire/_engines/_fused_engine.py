@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from optuna_rapidfire._engines._base import ChunkResult, Engine, EngineStats
+from optuna_rapidfire._engines._base import Engine
 from optuna_rapidfire._engines._fusion import generation_refusal, policy_refusal, train_refusal
 from optuna_rapidfire._engines._gang_evaluation import GangEvaluation
 from optuna_rapidfire._engines._gang_passes import GangPasses
@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from optuna_rapidfire._engines._gang_stream import Refill
-    from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
+    from optuna_rapidfire._engines._trials import DeviceTrials
+    from optuna_rapidfire._engines._types import ChunkResult, EngineStats, TrialRuntime
 
 _logger = get_logger(__name__)
 

@@ -17,7 +17,7 @@ from optuna_rapidfire._fused._fused_pass import lora_layers, unsupported
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from optuna_rapidfire._engines._trials import TrialRuntime
+    from optuna_rapidfire._engines._types import TrialRuntime
     from optuna_rapidfire._resident._model import ResidentModel
     from optuna_rapidfire._trainers._base import TrainerExtras
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from optuna_rapidfire._engines._gang_passes import GangPasses, MemberChunk, Pass
     from optuna_rapidfire._engines._launched import Layout
-    from optuna_rapidfire._engines._trials import TrialRuntime
+    from optuna_rapidfire._engines._types import TrialRuntime
     from optuna_rapidfire._trainers._fused_loss import FusedLoss
 
 _logger = get_logger(__name__)

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from optuna_rapidfire._engines._launched import LaunchedPasses, Layout
-    from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
+    from optuna_rapidfire._engines._trials import DeviceTrials
+    from optuna_rapidfire._engines._types import TrialRuntime
     from optuna_rapidfire._fused._dropout import DropoutStream
     from optuna_rapidfire._trainers._fused_loss import FusedLoss
 

@@ -30,19 +30,18 @@ from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._fusion import train_refusal
 from optuna_rapidfire._engines._gang_passes import chunk_width, row_bucket, split_passes, to_device_async
 from optuna_rapidfire._engines._pass_graphs import replayed
-from optuna_rapidfire._engines._trials import clips, train_metrics
+from optuna_rapidfire._engines._types import clips, train_metrics
 from optuna_rapidfire._fused._slots import rank_bucket
 from optuna_rapidfire._resident._state import RngState
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from optuna_rapidfire._engines._base import ChunkResult
     from optuna_rapidfire._engines._gang_evaluation import GangEvaluation
     from optuna_rapidfire._engines._gang_passes import MemberChunk
     from optuna_rapidfire._engines._gang_training import GangTraining
     from optuna_rapidfire._engines._launched import Layout, Member
-    from optuna_rapidfire._engines._trials import TrialRuntime
+    from optuna_rapidfire._engines._types import ChunkResult, TrialRuntime
     from optuna_rapidfire._fused._dropout import DropoutStream
     from optuna_rapidfire._trainers._fused_loss import FusedLoss
 

@@ -15,7 +15,7 @@ import torch
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._gang_passes import Layouts, StepTables, chunk_width, precision
 from optuna_rapidfire._engines._pass_graphs import replayed
-from optuna_rapidfire._engines._trials import clips, train_metrics
+from optuna_rapidfire._engines._types import clips, train_metrics
 from optuna_rapidfire._fused._fused_pass import clip_gang, fused_forward
 from optuna_rapidfire._resident._state import RngState
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from optuna_rapidfire._engines._gang_passes import GangPasses, MemberChunk, Pass
     from optuna_rapidfire._engines._launched import Layout
-    from optuna_rapidfire._engines._trials import TrialRuntime
+    from optuna_rapidfire._engines._types import TrialRuntime
 
 
 class GangTraining:

@@ -72,7 +72,7 @@ from optuna_rapidfire._logging import get_logger
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
-    from optuna_rapidfire._engines._trials import TrialRuntime
+    from optuna_rapidfire._engines._types import TrialRuntime
     from optuna_rapidfire._resident._model import ResidentModel
 
 _logger = get_logger(__name__)

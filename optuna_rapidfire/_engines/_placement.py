@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from optuna_rapidfire._engines._trials import TrialRuntime
+    from optuna_rapidfire._engines._types import TrialRuntime
     from optuna_rapidfire._resident._model import ResidentModel
     from optuna_rapidfire._resident._state import RngState
 

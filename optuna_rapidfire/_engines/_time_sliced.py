@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from optuna_rapidfire._engines._base import ChunkResult, Engine, EngineStats
-from optuna_rapidfire._engines._trials import clips, train_metrics
+from optuna_rapidfire._engines._base import Engine
+from optuna_rapidfire._engines._types import ChunkResult, EngineStats, clips, train_metrics
 from optuna_rapidfire._resident._data import rows_of
 from optuna_rapidfire._resident._state import RngState
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from optuna_rapidfire._engines._trials import TrialRuntime
+    from optuna_rapidfire._engines._types import TrialRuntime
 
 
 class TimeSlicedEngine(Engine):

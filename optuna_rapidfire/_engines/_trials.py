@@ -17,15 +17,14 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from optuna_rapidfire._engines._base import Branch, ChunkResult, EngineStats, TrialSpec
 from optuna_rapidfire._engines._clones import branch_from
 from optuna_rapidfire._engines._placement import Placement
+from optuna_rapidfire._engines._types import ChunkResult, EngineStats, TrialRuntime, TrialSpec
 from optuna_rapidfire._resident._data import rows_of
 from optuna_rapidfire._resident._snapshot import TrialSnapshot
 from optuna_rapidfire._resident._state import RngState, SwapState
@@ -33,55 +32,16 @@ from optuna_rapidfire._trainers._base import ACCELERATE_STATE
 from optuna_rapidfire._trainers.grpo._generation import Generation
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    from collections.abc import Sequence
 
     from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
+    from optuna_rapidfire._fused._dropout import DropoutStream
     from optuna_rapidfire._resident._data import ChunkPlan, PreparedData
     from optuna_rapidfire._resident._model import ResidentModel
     from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind
-
-
-@dataclass(eq=False)
-class TrialRuntime:
-    """A built trial: its spec, TRL trainer, swappable state and chunk plan."""
-
-    spec: TrialSpec
-    args: TrainingArguments
-    forward: Any
-    trainer: Trainer
-    state: SwapState
-    data_key: Hashable
-    steps_per_chunk: list[int]
-    total_chunks: int
-    history: list[dict[str, float]] = field(default_factory=list)
-    branch: Branch | None = None
-    last_used: float = field(default_factory=time.monotonic)
-    released: bool = False
-
-    def prepare(self, dataset: Dataset, split: str) -> Dataset:
-        return self.spec.kind.prepare(self.trainer, dataset, split)
-
-
-def clips(args: TrainingArguments) -> bool:
-    """Whether the trial clips its gradients (to ``max_grad_norm``) before each optimizer step."""
-    return args.max_grad_norm is not None and args.max_grad_norm > 0
-
-
-def train_metrics(
-    runtime: TrialRuntime, step_losses: list[torch.Tensor], grad_norm: torch.Tensor | None
-) -> dict[str, float]:
-    """A trained chunk's ``train_*`` metrics: what the trial's trainer collected since the last chunk (TRL's
-    token accuracy, entropy... when its own loss ran), the mean loss of its optimizer steps, the learning
-    rate now, and the last step's gradient norm before clipping (when the trial clips)."""
-    state = runtime.state
-    metrics = {f"train_{k}": v for k, v in runtime.spec.kind.drain_metrics(runtime.trainer, "train").items()}
-    metrics["train_loss"] = torch.stack(step_losses).mean().item()
-    metrics["train_learning_rate"] = float(state.lr_scheduler.get_last_lr()[0])
-    if grad_norm is not None:
-        metrics["train_grad_norm"] = float(grad_norm)
-    return metrics
+    from optuna_rapidfire._trainers._host import Member
 
 
 class DeviceTrials:
@@ -117,6 +77,17 @@ class DeviceTrials:
     @property
     def device(self) -> torch.device:
         return self.resident.device
+
+    # -- what a kind's gang code uses (:class:`~optuna_rapidfire._trainers._host.GangHost`) ----------------------
+
+    def keep_on_device(self, gang: Sequence[Member]) -> None:
+        self.placement.gang = [_runtime(m) for m in gang]
+
+    def resume_member(self, member: Member, gang: Sequence[Member], rng: RngState, training: bool) -> None:
+        self.placement.resume(_runtime(member), [_runtime(m) for m in gang], rng, training)
+
+    def dropout_stream(self, member: Member) -> DropoutStream:
+        return self.placement.dropout_stream(_runtime(member))
 
     def stats(self) -> EngineStats:
         """The counters kept here (an engine adds its own).
@@ -397,6 +368,12 @@ def chunk_steps(
             )
         steps.append(math.ceil(micro / args.gradient_accumulation_steps))
     return steps
+
+
+def _runtime(member: Member) -> TrialRuntime:
+    """A kind's member as what it is here (every member a kind is given is one of these trials)."""
+    assert isinstance(member, TrialRuntime), type(member)
+    return member
 
 
 def _cpu(value: Any) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,9 +25,15 @@ from optuna_rapidfire._runtime._slots import PausedTrials, Slots
 from optuna_rapidfire._runtime._worker import DeviceWorker
 
 if TYPE_CHECKING:
-    from optuna_rapidfire._config import ExecutorConfig
+    from collections.abc import Callable, Sequence
+
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
+
+    from optuna_rapidfire._budget import MemoryBudget
     from optuna_rapidfire._engines._base import Engine
-    from optuna_rapidfire._study._services import StudyServices
+    from optuna_rapidfire._resident._model import ModelSource
+    from optuna_rapidfire._runtime._schedule import BaseSchedule
     from optuna_rapidfire._trainers import TrainerExtras
 
 _logger = get_logger(__name__)
@@ -53,37 +60,79 @@ def records_graphs(setting: bool | str, device_type: str) -> bool:
     return setting == "auto" and device_type == "cuda"
 
 
-def engine_for(config: ExecutorConfig, device: torch.device) -> str:
-    """The engine ``config.engine`` means on ``device``: ``"auto"`` is fused on a GPU, time-sliced elsewhere."""
-    if config.engine != "auto":
-        return config.engine
+def engine_for(engine: str, device: torch.device) -> str:
+    """The engine ``engine`` means on ``device``: ``"auto"`` is fused on a GPU, time-sliced elsewhere."""
+    if engine != "auto":
+        return engine
     return "fused" if device.type == "cuda" else "time_sliced"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSettings:
+    """What a device's runtime needs of the executor's settings and study services, as values (the front
+    builds it: ``ExecutorConfig.for_device``).
+
+    Attributes:
+        model: The base model (a path, a hub id, a model, or a function that returns model and tokenizer).
+        tokenizer: The tokenizer (``None``: the model's).
+        model_kwargs: Keywords for ``from_pretrained``.
+        train_dataset: The training rows, chunked by ``num_chunks`` and ``seed``.
+        eval_dataset: The evaluation rows, of which ``eval_rows`` are used (``None``: all).
+        num_chunks: Chunks per epoch.
+        seed: The chunk plan's seed.
+        eval_rows: Evaluation rows used (``None``: all).
+        max_concurrent_trials: Live trials at a time.
+        schedule: Which ready trials train next.
+        engine: ``"auto"``, ``"fused"`` or ``"time_sliced"``.
+        compile: The fused engine's compile setting.
+        output_dir: The executor's output folder.
+        reward_funcs: GRPO reward functions, or paths of reward models to load once on the device.
+        memory_budget: Per-trial state kept on the device (``None``: ``"auto"``).
+        extras: Executor-wide arguments for the TRL trainers.
+        check_metrics: Raises when a trial's first evaluation lacks the study's metric.
+    """
+
+    model: ModelSource
+    tokenizer: PreTrainedTokenizerBase | None
+    model_kwargs: dict[str, Any]
+    train_dataset: Dataset
+    eval_dataset: Dataset
+    num_chunks: int
+    seed: int
+    eval_rows: int | None
+    max_concurrent_trials: int
+    schedule: BaseSchedule
+    engine: str
+    compile: bool | str
+    output_dir: str
+    reward_funcs: Sequence[Callable[..., list[float]] | str]
+    memory_budget: MemoryBudget | None
+    extras: TrainerExtras
+    check_metrics: Callable[[dict[str, float]], None]
 
 
 class DeviceRuntime:
     """The per-device half of an executor.
 
     Args:
-        config: The executor's settings.
+        config: What the device needs of the executor's settings.
         device: The device (``cuda:0``, ``cpu``...).
-        services: The executor's study services (metric check, trainer extras).
         label: How the trial attributes name this device (a worker process sees its GPU as ``cuda:0``).
     """
 
-    def __init__(self, config: ExecutorConfig, device: torch.device, services: StudyServices, label: str) -> None:
+    def __init__(self, config: DeviceSettings, device: torch.device, label: str) -> None:
         self.config = config
         self.device = device
-        self.services = services
         self.label = label
         self.plan = ChunkPlan(num_rows=len(config.train_dataset), num_chunks=config.num_chunks, seed=config.seed)
-        self.engine_name = engine_for(config, device)
+        self.engine_name = engine_for(config.engine, device)
         if config.engine == "auto" and self.engine_name == "time_sliced":
             _logger.info(
                 "engine='auto' on %s: time-sliced (a shared pass pays where one small trial leaves a GPU idle).",
                 device,
             )
         self.slots = Slots(config.max_concurrent_trials)
-        self.scheduler = Scheduler(schedule=config.policy)
+        self.scheduler = Scheduler(schedule=config.schedule)
         self.scheduler.lender = self.slots
         self.scheduler.expect(config.max_concurrent_trials)
         self.paused = PausedTrials(self.slots)
@@ -100,15 +149,13 @@ class DeviceRuntime:
             if self._worker is not None:
                 return
             config = self.config
-            model, tokenizer = load_model(
-                config.model, tokenizer=config.tokenizer, model_kwargs=config.model_kwargs or {}
-            )
+            model, tokenizer = load_model(config.model, tokenizer=config.tokenizer, model_kwargs=config.model_kwargs)
             resident = ResidentModel(model, tokenizer, self.device)
             data = PreparedData(config.train_dataset, config.eval_dataset, self.plan, config.eval_rows)
             trials = DeviceTrials(
                 resident=resident,
                 data=data,
-                extras=self._with_reward_models(self.services.extras),
+                extras=self._with_reward_models(config.extras),
                 output_dir=os.path.join(config.output_dir, ".trainer"),
                 state_budget=self._state_budget(),
             )
@@ -122,7 +169,7 @@ class DeviceRuntime:
                 self.engine,
                 self.scheduler,
                 adapter_dir=lambda entry: entry.spec.adapter_dir,
-                check_metrics=self.services.check_metrics,
+                check_metrics=config.check_metrics,
             )
             self._worker.start()
 

@@ -20,7 +20,8 @@ from optuna_rapidfire._runtime._scheduler import Entry, Scheduler, Task
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from optuna_rapidfire._engines._base import Branch, ChunkResult, Engine
+    from optuna_rapidfire._engines._base import Engine
+    from optuna_rapidfire._engines._types import Branch, ChunkResult
 
 _logger = get_logger(__name__)
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     import optuna
 
-    from optuna_rapidfire._engines._base import Branch, ChunkResult
+    from optuna_rapidfire._engines._types import Branch, ChunkResult
 
 _logger = get_logger(__name__)
 

@@ -1,8 +1,7 @@
 """The body of ``executor.optimize`` and of its objective, as free functions over their parts.
 
-A :class:`Run` is what the trial drivers of one ``optimize`` call (or of the objective handed to
-``study.optimize``) share: the device, the study services, the progress display, the pool that starts
-trials, and what happened to them. :func:`optimize` runs trials of a study on one device;
+A :class:`~optuna_rapidfire._study._run.Run` is what the trial drivers of one ``optimize`` call (or of the
+objective handed to ``study.optimize``) share. :func:`optimize` runs trials of a study on one device;
 :func:`make_objective` makes the objective a plain ``study.optimize`` calls. The executor's front only
 builds the parts and calls these.
 """
@@ -15,6 +14,7 @@ from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._runtime._scheduler import Entry, Status
 from optuna_rapidfire._study._pool import TrialPool
 from optuna_rapidfire._study._progress import Progress
+from optuna_rapidfire._study._run import Run
 from optuna_rapidfire._study._trial_driver import EndPaused, Interrupted, StorageWasLost, TrialDriver
 
 if TYPE_CHECKING:
@@ -24,59 +24,11 @@ if TYPE_CHECKING:
     from optuna.trial import TrialState
 
     from optuna_rapidfire._runtime._device import DeviceRuntime
-    from optuna_rapidfire._runtime._slots import Lease
     from optuna_rapidfire._study._services import StudyServices
     from optuna_rapidfire._study._trial_driver import Configure
 
 
 _logger = get_logger(__name__)
-
-
-class Run:
-    """What the trial drivers of one ``optimize`` call share (see the module docstring).
-
-    Attributes:
-        device: The device the trials train on.
-        services: The executor's study services.
-        progress: The progress display (disabled off a terminal).
-        pool: The pool that starts trials (``None`` under a plain ``study.optimize``).
-        externally_finished: Numbers of trials finished from outside (optuna-dashboard's "Fail Trial").
-        error: A config error no trial can get past; ``optimize`` raises it at the end.
-    """
-
-    def __init__(
-        self, device: DeviceRuntime, services: StudyServices, progress: Progress, pool: TrialPool | None = None
-    ) -> None:
-        self.device = device
-        self.services = services
-        self.progress = progress
-        self.pool = pool
-        self.externally_finished: set[int] = set()
-        self.error: BaseException | None = None
-
-    def lease(self, trial_number: int, *, resume: bool = False, by_hand: bool = False) -> Lease:
-        """A live-trial slot for ``trial_number``: the one the pool took for this thread, else a new one
-        (``resume``: a resumed trial, before any new trial; ``by_hand``: a clone a person asked for, which the
-        pool does not count toward ``n_trials``)."""
-        pool = self.pool
-        if pool is not None and not resume:
-            lease = pool.take_lease(trial_number, by_hand=by_hand)
-            pool.asked()
-            if lease is not None:
-                return lease
-        return self.device.slots.acquire(resume=resume)
-
-    def stop_study(self, study: optuna.Study, error: BaseException | None = None) -> None:
-        """Stop the study at once for a mistake no trial can get past (``error`` is raised at the end).
-
-        ``study.stop()`` alone takes effect when the failing trial is told; by then its slot is free and
-        the pool could have started another trial that would fail the same way.
-        """
-        if error is not None and self.error is None:
-            self.error = error
-        if self.pool is not None:
-            self.pool.stop()
-        study.stop()
 
 
 def end_paused(device: DeviceRuntime) -> None:
@@ -149,7 +101,7 @@ def optimize(
     workers together. ``take_ticket``: with several worker processes, takes one of the trials they have left
     to start (``False``: none is left).
     """
-    config = device.config
+    config = services.config
     device.start()
     budget = n_trials if n_trials is not None else (None if target is None else target[0])
     first_wave = config.max_concurrent_trials if budget is None else min(budget, config.max_concurrent_trials)

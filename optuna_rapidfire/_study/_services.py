@@ -17,6 +17,7 @@ from optuna.study import StudyDirection
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._runtime._device import DeviceSettings
 from optuna_rapidfire._study._checkpoints import MEMORY, Checkpoints, default_store
 from optuna_rapidfire._study._commands import register_dashboard_form
 from optuna_rapidfire._trainers import TrainerExtras, TrainerKind, kind_for
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from transformers import TrainingArguments
 
     from optuna_rapidfire._compat import ArtifactStore
-    from optuna_rapidfire._config import ExecutorConfig
+    from optuna_rapidfire._study._config import ExecutorConfig
     from optuna_rapidfire._study._mlflow import MlflowTracker
 
 _logger = get_logger(__name__)
@@ -107,6 +108,29 @@ class StudyServices:
                 )
         check_direction(self.metric, study.direction)
         return peft_config, args, kind
+
+    def device_settings(self) -> DeviceSettings:
+        """What a device's runtime needs of the settings and of these services."""
+        config = self.config
+        return DeviceSettings(
+            model=config.model,
+            tokenizer=config.tokenizer,
+            model_kwargs=config.model_kwargs or {},
+            train_dataset=config.train_dataset,
+            eval_dataset=config.eval_dataset,
+            num_chunks=config.num_chunks,
+            seed=config.seed,
+            eval_rows=config.eval_rows,
+            max_concurrent_trials=config.max_concurrent_trials,
+            schedule=config.policy,
+            engine=config.engine,
+            compile=config.compile,
+            output_dir=str(config.output_dir),
+            reward_funcs=tuple(config.reward_funcs or ()),
+            memory_budget=config.memory_budget,
+            extras=self.extras,
+            check_metrics=self.check_metrics,
+        )
 
     def check_metrics(self, metrics: dict[str, float]) -> None:
         """The first evaluation's metrics must hold the metric (raises ``SetupError``, which ends the study)."""

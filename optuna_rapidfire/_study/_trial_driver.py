@@ -19,7 +19,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._engines._base import ChunkResult, TrialSpec
+from optuna_rapidfire._engines._types import ChunkResult, TrialSpec
 from optuna_rapidfire._logging import explained, get_logger
 from optuna_rapidfire._runtime._scheduler import Decision, Entry, Status, Stopped
 from optuna_rapidfire._runtime._worker import Built, Failed, Paused, Released, Saved
@@ -29,9 +29,9 @@ from optuna_rapidfire._study._trial_record import TrialRecord
 from optuna_rapidfire._trainers._base import ACCELERATE_STATE
 
 if TYPE_CHECKING:
-    from optuna_rapidfire._config import Configure
     from optuna_rapidfire._runtime._slots import Lease
-    from optuna_rapidfire._study._optimize import Run
+    from optuna_rapidfire._study._config import Configure
+    from optuna_rapidfire._study._run import Run
 
 _logger = get_logger(__name__)
 

@@ -15,13 +15,13 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._engines._base import CloneOf
+from optuna_rapidfire._engines._types import CloneOf
 from optuna_rapidfire._logging import explained, get_logger
 from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._study._storages import StorageUnavailableError
 
 if TYPE_CHECKING:
-    from optuna_rapidfire._engines._base import Branch, ChunkResult
+    from optuna_rapidfire._engines._types import Branch, ChunkResult
     from optuna_rapidfire._study._services import StudyServices
 
 _logger = get_logger(__name__)

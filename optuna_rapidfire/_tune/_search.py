@@ -537,7 +537,7 @@ def _space(value: Any, fixed: dict[str, dict[str, Any]]) -> dict[str, BaseDistri
 
 
 def _executor(value: Any) -> dict[str, Any]:
-    from optuna_rapidfire._config import ExecutorConfig
+    from optuna_rapidfire._study._config import ExecutorConfig
 
     settings = _mapping(value, "executor")
     allowed = tuple(name for name in ExecutorConfig.options() if name not in _EXECUTOR_ELSEWHERE)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from optuna_rapidfire._engines._base import EngineStats
+from optuna_rapidfire._engines._types import EngineStats
 from optuna_rapidfire._trainers._dpo import DPOKind
 from optuna_rapidfire._trainers._sft import SFTKind
 from optuna_rapidfire._trainers.grpo._kind import GRPOKind

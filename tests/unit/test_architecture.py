@@ -15,22 +15,16 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
-    """Package modules imported at run time (``if TYPE_CHECKING:`` blocks left out), deferred imports too."""
+    """Package modules imported, for typing (``if TYPE_CHECKING:``) too, deferred imports too: a module that
+    names another's type depends on it as much as one that calls it."""
     found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
-            if isinstance(child, ast.ImportFrom) and child.module:
-                for alias in child.names:
-                    name = f"{child.module}.{alias.name}"
-                    found.add(name if name in modules else child.module)
-            elif isinstance(child, ast.Import):
-                found.update(alias.name for alias in child.names)
-            visit(child)
-
-    visit(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                found.add(name if name in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
     return found & modules
 
 
@@ -69,7 +63,7 @@ def test_other_libraries_private_modules_are_imported_only_in_compat() -> None:
 # The package's floors, top to bottom: the front (what users call), the Optuna side of a trial's life, one
 # device's runtime, the engines, the trainer kinds, then what lives on the device and the kernels, then leaves.
 FLOORS = {"_study": 5, "_runtime": 4, "_engines": 3, "_trainers": 2, "_fused": 1, "_resident": 1}
-LEAVES = {"optuna_rapidfire._compat", "optuna_rapidfire._logging"}
+LEAVES = {"optuna_rapidfire._compat", "optuna_rapidfire._logging", "optuna_rapidfire._budget"}
 
 
 def _floor(module: str) -> int | None:

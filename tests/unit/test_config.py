@@ -9,8 +9,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from optuna_rapidfire._config import ExecutorConfig, MemoryBudget
 from optuna_rapidfire._executor import study_target
+from optuna_rapidfire._study._config import ExecutorConfig, MemoryBudget
 from optuna_rapidfire.demo import load_gsm8k
 
 

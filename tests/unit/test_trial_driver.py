@@ -28,15 +28,16 @@ from peft import LoraConfig
 from trl import SFTConfig
 
 from optuna_rapidfire import _compat, control
-from optuna_rapidfire._config import ExecutorConfig
-from optuna_rapidfire._engines._base import Branch, ChunkResult
+from optuna_rapidfire._engines._types import Branch, ChunkResult
 from optuna_rapidfire._runtime._device import DeviceRuntime
 from optuna_rapidfire._runtime._scheduler import Decision, Entry, Scheduler, Task
 from optuna_rapidfire._runtime._slots import PausedTrials, Slots
 from optuna_rapidfire._runtime._worker import Built, DivergedError, Failed, Paused, Released, Saved, SetupError
 from optuna_rapidfire._study import _attrs
-from optuna_rapidfire._study._optimize import Run, end_paused, interrupt
+from optuna_rapidfire._study._config import ExecutorConfig
+from optuna_rapidfire._study._optimize import end_paused, interrupt
 from optuna_rapidfire._study._progress import Progress
+from optuna_rapidfire._study._run import Run
 from optuna_rapidfire._study._services import StudyServices
 from optuna_rapidfire._study._trial_driver import FinishedElsewhere, StorageWasLost, TrialDriver
 from optuna_rapidfire.schedules import LockstepSchedule, Status

@@ -21,7 +21,7 @@ generates as TRL does, alone, and the log says why once.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -36,9 +36,12 @@ from optuna_rapidfire._trainers.grpo._turns import Turns
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
+    from optuna_rapidfire._trainers._host import GangHost, Member
 
 _logger = get_logger(__name__)
+
+M = TypeVar("M", bound="Member")
+R = TypeVar("R")
 
 _SEED_OFFSET = 0x5A3B
 """Added to a trial's ``seed`` for its sampling generator (so its draws differ from its dropout's)."""
@@ -79,18 +82,18 @@ def refusal(trainer: Any) -> str | None:
 class Generation:
     """Generates the completions of the GRPO trials on ``trials``' device (see the module's docstring)."""
 
-    def __init__(self, trials: DeviceTrials) -> None:
+    def __init__(self, trials: GangHost) -> None:
         self.trials = trials
         self.policy = PolicyPasses(trials)
         self._turns: Turns[Any, Any] | None = None
-        self._gang: list[TrialRuntime] = []
+        self._gang: list[Member] = []
         self._share_policy = False
-        self._shared_forward: set[TrialRuntime] = set()  # members whose next backward is shared
+        self._shared_forward: set[Member] = set()  # members whose next backward is shared
         self._said: set[str] = set()
         self.decodes = 0  # decode batches run
         self.requests = 0  # requests they served (more than the batches when gangs decode together)
 
-    def install(self, runtime: TrialRuntime) -> None:
+    def install(self, runtime: Member) -> None:
         """Make the trial's GRPO trainer generate through here (or as TRL does, where :func:`refusal` says so),
         and, in a gang that shares its policy passes, score and backpropagate its steps in them."""
         self._install_policy(runtime)
@@ -116,8 +119,8 @@ class Generation:
         _compat.set_grpo_generation(trainer, generate)
 
     def run_gang(
-        self, runtimes: Sequence[TrialRuntime], work: Callable[[TrialRuntime], Any], share_policy: bool = True
-    ) -> list[Any]:
+        self, runtimes: Sequence[M], work: Callable[[M], R], share_policy: bool = True
+    ) -> list[R | BaseException]:
         """Run ``work`` for each trial in turns, the trials waiting to generate decoding together and, with
         ``share_policy``, those taking a policy step sharing its forward and backward passes.
 
@@ -129,16 +132,16 @@ class Generation:
         setup = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
         self._turns = Turns(self._shared, name="generating-gang", setup=setup)
         self._gang, self._share_policy = list(runtimes), share_policy
-        self.trials.placement.gang = self._gang  # a member paused at a meeting keeps its state on the device
+        self.trials.keep_on_device(self._gang)  # a member paused at a meeting keeps its state on the device
         try:
             return self._turns.run([functools.partial(self._member, work, runtime) for runtime in runtimes])
         finally:
             self._turns, self._gang, self._share_policy = None, [], False
-            self.trials.placement.gang = []
+            self.trials.keep_on_device([])
             self._shared_forward.clear()
             self.policy.close()
 
-    def _member(self, work: Callable[[TrialRuntime], Any], runtime: TrialRuntime) -> Any:
+    def _member(self, work: Callable[[M], R], runtime: M) -> R:
         """A member's work in the gang; afterwards (or after its failure) no open pass waits for it."""
         try:
             return work(runtime)
@@ -148,7 +151,7 @@ class Generation:
 
     # -- a gang's policy steps -------------------------------------------------------------------
 
-    def _install_policy(self, runtime: TrialRuntime) -> None:
+    def _install_policy(self, runtime: Member) -> None:
         """Route the trial's grad-enabled log-probabilities and its backward through the gang's shared passes
         while it trains in a gang that shares them; as TRL computes them otherwise."""
         trainer: Any = runtime.trainer
@@ -208,7 +211,7 @@ class Generation:
         """Whether the calling thread is a member of a gang running in turns."""
         return self._turns is not None and self._turns.inside()
 
-    def _meet(self, runtime: TrialRuntime, request: Any) -> Any:
+    def _meet(self, runtime: Member, request: Any) -> Any:
         """Hand the trial's ``request`` to the gang's shared step and wait for its answer. Other members run
         meanwhile: afterwards the model is set up for the trial again, with its global RNG and train or eval
         mode as it left them."""
@@ -217,9 +220,9 @@ class Generation:
         try:
             return self._turns.meet(request)
         finally:
-            self.trials.placement.resume(runtime, self._gang, rng, training)
+            self.trials.resume_member(runtime, self._gang, rng, training)
 
-    def generate(self, runtime: TrialRuntime, prompt_ids: list[list[int]]) -> Completions:
+    def generate(self, runtime: Member, prompt_ids: list[list[int]]) -> Completions:
         """The trial's completions of ``prompt_ids``: decoded alone, or with the gang members waiting too."""
         generator = torch.Generator(device=self.trials.device)
         if runtime.state.sample_rng is None:
@@ -231,7 +234,7 @@ class Generation:
         runtime.state.sample_rng = generator.get_state()
         return completions
 
-    def _request(self, runtime: TrialRuntime, prompt_ids: list[list[int]], generator: torch.Generator) -> DecodeRequest:
+    def _request(self, runtime: Member, prompt_ids: list[list[int]], generator: torch.Generator) -> DecodeRequest:
         trainer: Any = runtime.trainer
         config = trainer.generation_config
         return DecodeRequest(
@@ -250,7 +253,7 @@ class Generation:
 
     # -- decoding --------------------------------------------------------------------------------
 
-    def decode(self, requests: Sequence[DecodeRequest], first: TrialRuntime) -> list[Completions]:
+    def decode(self, requests: Sequence[DecodeRequest], first: Member) -> list[Completions]:
         """One decode batch for ``requests``, in the precision of ``first``'s trial (a gang's members share it)."""
         self.decodes += 1
         self.requests += len(requests)

@@ -38,7 +38,7 @@ from optuna_rapidfire._fused._token_stats import token_stats
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from optuna_rapidfire._engines._trials import DeviceTrials, TrialRuntime
+    from optuna_rapidfire._trainers._host import GangHost, Member
 
 
 @dataclass(eq=False)
@@ -46,7 +46,7 @@ class LogpsRequest:
     """A member's rows to score: token ids and attention (prompt then completion), and the completion's
     last ``logits_to_keep`` positions to score; ``entropy``: whether it needs each position's entropy."""
 
-    runtime: TrialRuntime
+    runtime: Member
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     logits_to_keep: int
@@ -57,17 +57,17 @@ class LogpsRequest:
 class BackwardRequest:
     """A member's loss, computed from the log-probabilities of a shared pass."""
 
-    runtime: TrialRuntime
+    runtime: Member
     loss: torch.Tensor
 
 
 class PolicyPasses:
     """Runs the shared forward and backward passes of a gang's GRPO steps on ``trials``' device."""
 
-    def __init__(self, trials: DeviceTrials) -> None:
+    def __init__(self, trials: GangHost) -> None:
         self.trials = trials
         self.passes = 0
-        self._open: set[TrialRuntime] = set()  # members of passes whose backward has not run yet
+        self._open: set[Member] = set()  # members of passes whose backward has not run yet
         self._trainable: set[str] = set()
 
     def forward(self, requests: Sequence[LogpsRequest]) -> list[tuple[torch.Tensor, torch.Tensor | None, None]]:
@@ -81,7 +81,7 @@ class PolicyPasses:
         pad = pad_token_id(first.trainer)
         input_ids = torch.cat([pad_right(request.input_ids, length, pad) for request in requests])
         attention = torch.cat([pad_right(request.attention_mask, length, 0) for request in requests])
-        streams = [trials.placement.dropout_stream(request.runtime) for request in requests]
+        streams = [trials.dropout_stream(request.runtime) for request in requests]
         gang = Gang(names, rows, [stream.next_key() for stream in streams])
         base = resident.base
         backbone, head = backbone_and_head(base)
@@ -137,7 +137,7 @@ class PolicyPasses:
             self.close()
         return [None] * len(requests)
 
-    def leave(self, runtime: TrialRuntime) -> None:
+    def leave(self, runtime: Member) -> None:
         """The trial's work in the gang ended (a failure between its forward and backward passes included):
         later backwards need not keep the graph for it."""
         self._open.discard(runtime)
