@@ -39,18 +39,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import torch
 
 from optuna_rapidfire._engines._base import Engine
-from optuna_rapidfire._engines._fusion import generation_refusal, policy_refusal, train_refusal
+from optuna_rapidfire._engines._fusion import train_refusal
 from optuna_rapidfire._engines._gang_evaluation import GangEvaluation
 from optuna_rapidfire._engines._gang_passes import GangPasses
 from optuna_rapidfire._engines._gang_stream import GangStream
 from optuna_rapidfire._engines._gang_training import GangTraining
 from optuna_rapidfire._engines._launched import LaunchedPasses
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+from optuna_rapidfire._engines._types import runtime_of
 from optuna_rapidfire._logging import get_logger
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from optuna_rapidfire._engines._gang_stream import Refill
     from optuna_rapidfire._engines._trials import DeviceTrials
     from optuna_rapidfire._engines._types import ChunkResult, EngineStats, TrialRuntime
+    from optuna_rapidfire._trainers._host import Member
 
 _logger = get_logger(__name__)
 
@@ -84,10 +86,9 @@ class FusedEngine(Engine):
         self._said: set[str] = set()
         self.launched = LaunchedPasses(trials.resident, compile, capacity, graphs=graphs)
         self.passes = GangPasses(trials, self.launched)
-        self.training = GangTraining(self.passes, self._say)
-        self.evaluation = GangEvaluation(self.passes, self._say)
+        self.training = GangTraining(self.passes, self.say)
+        self.evaluation = GangEvaluation(self.passes, self.say)
         self.streaming = GangStream(self.training, self.evaluation)
-        self._generated_steps = 0  # GRPO policy passes shared by gangs
 
     @classmethod
     def create(cls, trials: DeviceTrials, *, compile: str | bool, capacity: int, graphs: bool = False) -> Engine:
@@ -102,9 +103,10 @@ class FusedEngine(Engine):
 
     def stats(self) -> EngineStats:
         graphs = self.launched.graphs
+        base = self.trials.stats()
         return dataclasses.replace(
-            self.trials.stats(),
-            fused_steps=self.training.fused_steps + self._generated_steps,
+            base,
+            fused_steps=self.training.fused_steps + base.fused_steps,  # base: a kind's own shared passes (GRPO's)
             pass_tokens=self.passes.pass_tokens,
             launched_steps=self.training.launched_steps,
             compiles=self.launched.compiles,
@@ -116,7 +118,7 @@ class FusedEngine(Engine):
         )
 
     def stream_refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:
-        if runtimes[0].spec.kind.gang != "shared_passes":
+        if not runtimes[0].spec.kind.gang.streams:
             return "its trials sample completions (they train in turns)"
         return self.streaming.refusal(runtimes)
 
@@ -139,14 +141,28 @@ class FusedEngine(Engine):
             its own chunk after a shared pass failed before any member stepped). An error after members
             stepped is raised: it fails the whole gang.
         """
-        strategy = runtimes[0].spec.kind.gang  # the one place a kind's gangs branch (checked exhaustive)
-        if strategy == "shared_passes":
-            return self._shared_passes(runtimes)
-        if strategy == "generation_turns":
-            return self._generation_turns(runtimes)
-        if strategy == "alone":
-            return self._alone.run(runtimes)
-        _unknown(strategy)
+        return list(runtimes[0].spec.kind.gang.run(self, runtimes))  # the kind's strategy chooses how
+
+    # -- what a kind's gang strategy may ask (:class:`~optuna_rapidfire._trainers._host.GangEngine`) -------------
+
+    @property
+    def host(self) -> DeviceTrials:
+        return self.trials
+
+    def shared_passes(self, members: Sequence[Member]) -> list[ChunkResult | BaseException]:
+        return self._shared_passes([runtime_of(m) for m in members])
+
+    def alone(self, members: Sequence[Member]) -> list[ChunkResult | BaseException]:
+        return self._alone.run([runtime_of(m) for m in members])
+
+    def run_chunk(self, member: Member) -> ChunkResult:
+        return self._alone.run_chunk(runtime_of(member))
+
+    def say(self, text: str) -> None:
+        """Log ``text`` once per engine (why a gang does not share its passes)."""
+        if text not in self._said:
+            self._said.add(text)
+            _logger.info(text)
 
     def _shared_passes(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
         """A gang of kinds with a fused loss (SFT, DPO): every step in one forward/backward pass, then the
@@ -154,7 +170,7 @@ class FusedEngine(Engine):
         reason = train_refusal(self.trials.resident, self.trials.extras, runtimes)
         if reason is not None:
             if len(runtimes) > 1:
-                self._say(f"Training time-sliced, not fused: {reason}.")
+                self.say(f"Training time-sliced, not fused: {reason}.")
             return self._alone.run(runtimes)
         start = time.perf_counter()
         try:
@@ -172,31 +188,6 @@ class FusedEngine(Engine):
             except Exception as error:  # this member's evaluation only
                 results.append(error)
         return results
-
-    def _generation_turns(self, runtimes: Sequence[TrialRuntime]) -> list[ChunkResult | BaseException]:
-        """A gang of trials that sample completions (GRPO): each trains its chunk and evaluates as alone,
-        in turns, and the members waiting to generate decode together, in one batch
-        (:class:`~optuna_rapidfire._trainers.grpo._generation.Generation`)."""
-        reason = generation_refusal(runtimes)
-        if reason is not None:
-            self._say(f"Generating trial by trial, not together: {reason}.")
-            return self._alone.run(runtimes)
-        # A lone trial goes through the same turns and shared passes: its values do not depend on its gang.
-        policy = policy_refusal(self.trials.resident, runtimes)
-        if policy is not None:
-            self._say(f"Scoring each GRPO step alone, not in shared passes: {policy}.")
-        self.trials.placement.on_device(runtimes)
-        generation = self.trials.generation
-        before = generation.policy.passes
-        results = generation.run_gang(runtimes, self._alone.run_chunk, share_policy=policy is None)
-        self._generated_steps += generation.policy.passes - before
-        return results
-
-    def _say(self, text: str) -> None:
-        """Log ``text`` once per engine (why a gang does not share its passes)."""
-        if text not in self._said:
-            self._said.add(text)
-            _logger.info(text)
 
     def _one_by_one(self, runtimes: Sequence[TrialRuntime], error: Exception) -> list[ChunkResult | BaseException]:
         """After a shared pass failed before any member stepped: train each member alone, so that only a
@@ -222,8 +213,3 @@ class FusedEngine(Engine):
             except Exception as own:
                 results.append(own)
         return results
-
-
-def _unknown(strategy: NoReturn) -> NoReturn:
-    """Reached by no ``TrainerKind.gang`` value: the type checker proves the strategies above cover them all."""
-    raise AssertionError(f"unknown gang strategy {strategy!r}")

@@ -14,25 +14,25 @@ Everything here runs on the device's worker thread, except :meth:`DeviceTrials.s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import torch
 
 from optuna_rapidfire._engines._clones import branch_from
 from optuna_rapidfire._engines._placement import Placement
-from optuna_rapidfire._engines._types import ChunkResult, EngineStats, TrialRuntime, TrialSpec
+from optuna_rapidfire._engines._types import ChunkResult, EngineStats, TrialRuntime, TrialSpec, runtime_of
 from optuna_rapidfire._resident._data import rows_of
 from optuna_rapidfire._resident._snapshot import TrialSnapshot
 from optuna_rapidfire._resident._state import RngState, SwapState
 from optuna_rapidfire._trainers._base import ACCELERATE_STATE
-from optuna_rapidfire._trainers.grpo._generation import Generation
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from datasets import Dataset
     from transformers import TrainingArguments
@@ -41,7 +41,10 @@ if TYPE_CHECKING:
     from optuna_rapidfire._resident._data import ChunkPlan, PreparedData
     from optuna_rapidfire._resident._model import ResidentModel
     from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind
-    from optuna_rapidfire._trainers._host import Member
+    from optuna_rapidfire._trainers._host import DevicePart, Member
+
+
+P = TypeVar("P", bound="DevicePart")
 
 
 class DeviceTrials:
@@ -72,7 +75,7 @@ class DeviceTrials:
         self._runtimes: list[TrialRuntime] = []
         self.placement = Placement(resident, self._runtimes, state_budget)
         self._base_bytes = resident.base_nbytes()  # before any adapter is injected into the base
-        self.generation = Generation(self)  # GRPO trials' completions
+        self._parts: dict[str, DevicePart] = {}  # the kinds' per-device state (GRPO's decode), made when needed
 
     @property
     def device(self) -> torch.device:
@@ -80,14 +83,22 @@ class DeviceTrials:
 
     # -- what a kind's gang code uses (:class:`~optuna_rapidfire._trainers._host.GangHost`) ----------------------
 
+    def part(self, key: str, make: Callable[[], P]) -> P:
+        if key not in self._parts:
+            self._parts[key] = make()
+        return cast("P", self._parts[key])
+
+    def on_device(self, members: Sequence[Member]) -> None:
+        self.placement.on_device([runtime_of(m) for m in members])
+
     def keep_on_device(self, gang: Sequence[Member]) -> None:
-        self.placement.gang = [_runtime(m) for m in gang]
+        self.placement.gang = [runtime_of(m) for m in gang]
 
     def resume_member(self, member: Member, gang: Sequence[Member], rng: RngState, training: bool) -> None:
-        self.placement.resume(_runtime(member), [_runtime(m) for m in gang], rng, training)
+        self.placement.resume(runtime_of(member), [runtime_of(m) for m in gang], rng, training)
 
     def dropout_stream(self, member: Member) -> DropoutStream:
-        return self.placement.dropout_stream(_runtime(member))
+        return self.placement.dropout_stream(runtime_of(member))
 
     def stats(self) -> EngineStats:
         """The counters kept here (an engine adds its own).
@@ -97,7 +108,7 @@ class DeviceTrials:
         """
         runtimes = list(self._runtimes)
         peft = self.resident.peft
-        return EngineStats(
+        stats = EngineStats(
             switches=self.placement.switches,
             switch_seconds=tuple(self.placement.switch_seconds),
             offloads=self.placement.offloads,
@@ -107,9 +118,12 @@ class DeviceTrials:
             adapters=() if peft is None else tuple(peft.peft_config),
             base_bytes=self._base_bytes,
             eval_rows=len(self.data.eval),
-            decodes=self.generation.decodes,
-            decoded_requests=self.generation.requests,
         )
+        counters: dict[str, Any] = {}
+        for part in list(self._parts.values()):
+            for name, count in part.counters().items():
+                counters[name] = counters.get(name, 0) + count
+        return dataclasses.replace(stats, **counters)
 
     # -- building and releasing ------------------------------------------------------------------
 
@@ -162,8 +176,7 @@ class DeviceTrials:
         )
         if spec.clone_of is not None:
             runtime.branch = branch_from(self.resident, runtime, spec.clone_of, parent)
-        if kind.samples_completions:
-            self.generation.install(runtime)
+        kind.gang.install(self, runtime)
         self._runtimes.append(runtime)
         self.placement.fit_budget(keep=[runtime])
         return runtime
@@ -287,59 +300,64 @@ class DeviceTrials:
 
     # -- evaluation ------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self, runtime: TrialRuntime, max_batches: int | None = None) -> dict[str, float]:
         """Evaluate the trial's adapter on the (prepared) eval set, as TRL's ``evaluate`` would.
 
         ``max_batches``: evaluate on the first batches only (a check of the metrics' names), which leaves
         the trial's sampling generator where it was: the check changes none of the trial's values.
         """
-        from transformers import EvalPrediction
-        from transformers.trainer_pt_utils import nested_concat, nested_numpify
+        return _evaluate(self, runtime, max_batches)
 
-        kind, trainer, args = runtime.spec.kind, runtime.trainer, runtime.args
-        self.placement.use(runtime)
-        dataset = self.data.eval_set(runtime.data_key, runtime.prepare)
-        model = self.resident.module
-        was_training = model.training
-        model.eval()
-        compute_metrics = self.extras.compute_metrics
-        preprocess = self.extras.preprocess_logits_for_metrics
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
-        count = 0
-        predictions: Any = None
-        labels: Any = None
-        batches = kind.eval_batches(args, len(dataset))
-        sample_rng = runtime.state.sample_rng
-        if max_batches is not None:
-            batches = batches[:max_batches]
-        try:
-            for indices in batches:
-                loss, size, logits, batch_labels = kind.eval_batch(
-                    trainer, model, rows_of(dataset, indices), self.device, compute_metrics is not None
-                )
-                total += loss.detach().double() * size
-                count += size
-                if compute_metrics is not None and logits is not None:
-                    if preprocess is not None:
-                        logits = preprocess(logits, batch_labels)
-                    logits, batch_labels = _cpu(logits), _cpu(batch_labels)
-                    predictions = logits if predictions is None else nested_concat(predictions, logits, -100)
-                    labels = batch_labels if labels is None else nested_concat(labels, batch_labels, -100)
-        finally:
-            if was_training:
-                model.train()
-            if max_batches is not None:
-                runtime.state.sample_rng = sample_rng
-        metrics = {"eval_loss": (total / max(count, 1)).item()}
-        metrics.update({f"eval_{k}": v for k, v in kind.drain_metrics(trainer, "eval").items()})
-        if compute_metrics is not None:
-            user = compute_metrics(
-                EvalPrediction(predictions=nested_numpify(predictions), label_ids=nested_numpify(labels))
+
+@torch.no_grad()
+def _evaluate(trials: DeviceTrials, runtime: TrialRuntime, max_batches: int | None) -> dict[str, float]:
+    """:meth:`DeviceTrials.evaluate`."""
+    from transformers import EvalPrediction
+    from transformers.trainer_pt_utils import nested_concat, nested_numpify
+
+    kind, trainer, args = runtime.spec.kind, runtime.trainer, runtime.args
+    trials.placement.use(runtime)
+    dataset = trials.data.eval_set(runtime.data_key, runtime.prepare)
+    model = trials.resident.module
+    was_training = model.training
+    model.eval()
+    compute_metrics = trials.extras.compute_metrics
+    preprocess = trials.extras.preprocess_logits_for_metrics
+    total = torch.zeros((), device=trials.device, dtype=torch.float64)
+    count = 0
+    predictions: Any = None
+    labels: Any = None
+    batches = kind.eval_batches(args, len(dataset))
+    sample_rng = runtime.state.sample_rng
+    if max_batches is not None:
+        batches = batches[:max_batches]
+    try:
+        for indices in batches:
+            loss, size, logits, batch_labels = kind.eval_batch(
+                trainer, model, rows_of(dataset, indices), trials.device, compute_metrics is not None
             )
-            for key, value in user.items():
-                metrics[key if key.startswith("eval_") else f"eval_{key}"] = float(value)
-        return metrics
+            total += loss.detach().double() * size
+            count += size
+            if compute_metrics is not None and logits is not None:
+                if preprocess is not None:
+                    logits = preprocess(logits, batch_labels)
+                logits, batch_labels = _cpu(logits), _cpu(batch_labels)
+                predictions = logits if predictions is None else nested_concat(predictions, logits, -100)
+                labels = batch_labels if labels is None else nested_concat(labels, batch_labels, -100)
+    finally:
+        if was_training:
+            model.train()
+        if max_batches is not None:
+            runtime.state.sample_rng = sample_rng
+    metrics = {"eval_loss": (total / max(count, 1)).item()}
+    metrics.update({f"eval_{k}": v for k, v in kind.drain_metrics(trainer, "eval").items()})
+    if compute_metrics is not None:
+        user = compute_metrics(
+            EvalPrediction(predictions=nested_numpify(predictions), label_ids=nested_numpify(labels))
+        )
+        for key, value in user.items():
+            metrics[key if key.startswith("eval_") else f"eval_{key}"] = float(value)
+    return metrics
 
 
 def chunk_steps(
@@ -368,12 +386,6 @@ def chunk_steps(
             )
         steps.append(math.ceil(micro / args.gradient_accumulation_steps))
     return steps
-
-
-def _runtime(member: Member) -> TrialRuntime:
-    """A kind's member as what it is here (every member a kind is given is one of these trials)."""
-    assert isinstance(member, TrialRuntime), type(member)
-    return member
 
 
 def _cpu(value: Any) -> Any:

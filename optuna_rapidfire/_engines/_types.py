@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from optuna_rapidfire._resident._state import SwapState
     from optuna_rapidfire._trainers._base import TrainerKind
+    from optuna_rapidfire._trainers._host import Member
 
 
 @dataclass(frozen=True)
@@ -205,3 +206,10 @@ def train_metrics(
     if grad_norm is not None:
         metrics["train_grad_norm"] = float(grad_norm)
     return metrics
+
+
+def runtime_of(member: Member) -> TrialRuntime:
+    """A kind's member (:class:`~optuna_rapidfire._trainers._host.Member`) as what it is on the device: every
+    member a kind is handed is one of the device's trials."""
+    assert isinstance(member, TrialRuntime), type(member)
+    return member

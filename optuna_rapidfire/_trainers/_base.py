@@ -16,11 +16,12 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from optuna_rapidfire import _compat
+from optuna_rapidfire._trainers._gangs import ALONE, GangStrategy
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Hashable, Iterator
@@ -104,10 +105,6 @@ def _is_default(args: TrainingArguments, name: str) -> bool:
     return bool(value == default)
 
 
-GangStrategy = Literal["shared_passes", "generation_turns", "alone"]
-"""How the fused engine trains a gang of one kind's trials (see :attr:`TrainerKind.gang`)."""
-
-
 class TrainerKind(ABC):
     """Glue between the executor and one TRL trainer type (SFT, DPO, GRPO)."""
 
@@ -117,19 +114,13 @@ class TrainerKind(ABC):
     default_metric: str = "eval_loss"
     #: Whether trials of this kind need the executor's ``reward_funcs``.
     needs_rewards: bool = False
-    #: How the fused engine trains a gang of the kind's trials, by the name of its strategy (the engine holds
-    #: one of each, as it holds its engines): ``"shared_passes"``, one forward/backward pass per step for
-    #: the gang, each member's loss through :attr:`fused_loss`; ``"generation_turns"``, each member's TRL
-    #: steps in turns, the members waiting to generate decoding in one batch and their policy steps sharing
-    #: passes (:class:`~optuna_rapidfire._trainers.grpo._generation.Generation`); ``"alone"``, time-sliced.
-    gang: GangStrategy = "alone"
-    #: What the kind's trials compute in the fused engine's shared passes (for ``gang="shared_passes"``).
+    #: How the fused engine trains a gang of the kind's trials (:mod:`optuna_rapidfire._trainers._gangs`):
+    #: :data:`~optuna_rapidfire._trainers._gangs.SHARED_PASSES`, one forward/backward pass per step for the gang,
+    #: each member's loss through :attr:`fused_loss`; GRPO's own (:mod:`optuna_rapidfire._trainers.grpo._gang`);
+    #: by default each member alone, in turn.
+    gang: GangStrategy = ALONE
+    #: What the kind's trials compute in the fused engine's shared passes (for :data:`SHARED_PASSES`).
     fused_loss: FusedLoss | None = None
-
-    @property
-    def samples_completions(self) -> bool:
-        """Whether the kind's trainers sample completions (GRPO): they generate through the shared decode."""
-        return self.gang == "generation_turns"
 
     @classmethod
     @abstractmethod

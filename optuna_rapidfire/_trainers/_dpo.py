@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from optuna_rapidfire import _compat
 from optuna_rapidfire._trainers._base import CollatedKind, TrainerExtras, reference_is_the_base
 from optuna_rapidfire._trainers._fused_loss import EvalRows, FusedLoss, mean, ratio
+from optuna_rapidfire._trainers._gangs import SHARED_PASSES
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Hashable
@@ -156,7 +157,7 @@ class DPOKind(CollatedKind):
 
     name = "dpo"
     default_metric = "eval_loss"
-    gang = "shared_passes"
+    gang = SHARED_PASSES
     fused_loss = DPOFusedLoss()
 
     @classmethod

@@ -9,6 +9,7 @@ import torch
 from optuna_rapidfire import _compat
 from optuna_rapidfire._trainers._base import CollatedKind, TrainerExtras
 from optuna_rapidfire._trainers._fused_loss import EvalRows, FusedLoss, mean, ratio
+from optuna_rapidfire._trainers._gangs import SHARED_PASSES
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Hashable
@@ -93,7 +94,7 @@ class SFTKind(CollatedKind):
 
     name = "sft"
     default_metric = "eval_loss"
-    gang = "shared_passes"
+    gang = SHARED_PASSES
     fused_loss = SFTFusedLoss()
 
     @classmethod

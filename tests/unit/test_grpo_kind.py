@@ -84,6 +84,6 @@ def test_rows_need_a_prompt_column_and_every_trial_shares_the_raw_prompts() -> N
 
 def test_grpo_trials_need_rewards_sample_completions_report_the_mean_reward_and_train_in_turns() -> None:
     kind = GRPOKind()
-    assert kind.needs_rewards and kind.samples_completions and kind.default_metric == "eval_reward"
+    assert kind.needs_rewards and kind.default_metric == "eval_reward"
     assert kind.fused_loss is None
     assert kind.fused_refusal(None, _args()) == "is a GRPO trial (SFT and DPO trials are fused)"  # type: ignore[arg-type]

@@ -178,19 +178,43 @@ def test_base_dropout_is_off_only_for_args_that_disable_it() -> None:
     assert SFTKind().base_dropout_off(sft_args()) is False  # SFTConfig has no such field
 
 
-def test_each_kind_names_its_gang_strategy_and_a_shared_passes_kind_has_a_fused_loss() -> None:
-    import typing
-
-    from optuna_rapidfire._trainers._base import GangStrategy
+def test_each_kind_brings_its_gang_strategy_and_a_shared_passes_kind_has_a_fused_loss() -> None:
+    from optuna_rapidfire._trainers._gangs import SHARED_PASSES, GangStrategy
+    from optuna_rapidfire._trainers.grpo._gang import GENERATION_TURNS
 
     assert {type(kind).__name__: kind.gang for kind in (SFTKind(), DPOKind(), GRPOKind())} == {
-        "SFTKind": "shared_passes",
-        "DPOKind": "shared_passes",
-        "GRPOKind": "generation_turns",
+        "SFTKind": SHARED_PASSES,
+        "DPOKind": SHARED_PASSES,
+        "GRPOKind": GENERATION_TURNS,
     }
-    assert set(typing.get_args(GangStrategy)) == {"shared_passes", "generation_turns", "alone"}
+    assert all(isinstance(kind.gang, GangStrategy) for kind in (SFTKind(), DPOKind(), GRPOKind()))
+    assert SHARED_PASSES.streams and not GENERATION_TURNS.streams  # only shared-pass gangs stream
     assert SFTKind().fused_loss is not None and DPOKind().fused_loss is not None and GRPOKind().fused_loss is None
-    assert GRPOKind().samples_completions and not SFTKind().samples_completions
+
+
+def test_a_kind_s_per_device_state_is_made_once_per_device_and_only_for_its_trials() -> None:
+    """GRPO's decode is a part of the device, made the first time a GRPO trial needs it there: an SFT trial's
+    install makes none, and each device has its own."""
+    from optuna_rapidfire._trainers._gangs import SHARED_PASSES
+    from optuna_rapidfire._trainers.grpo._gang import generation
+    from optuna_rapidfire._trainers.grpo._generation import Generation
+
+    class Host:  # the part store of a device (DeviceTrials.part)
+        def __init__(self) -> None:
+            self.parts: dict[str, object] = {}
+
+        def part(self, key, make):
+            if key not in self.parts:
+                self.parts[key] = make()
+            return self.parts[key]
+
+    first, second = Host(), Host()
+    SHARED_PASSES.install(first, object())  # type: ignore[arg-type]
+    assert first.parts == {}
+    made = generation(first)  # type: ignore[arg-type]
+    assert isinstance(made, Generation) and made.trials is first
+    assert generation(first) is made and generation(second) is not made  # type: ignore[arg-type]
+    assert made.counters() == {"decodes": 0, "decoded_requests": 0, "fused_steps": 0}
 
 
 def test_only_kinds_without_a_fused_loss_refuse_a_shared_pass_by_kind() -> None:

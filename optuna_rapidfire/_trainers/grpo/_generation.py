@@ -93,6 +93,10 @@ class Generation:
         self.decodes = 0  # decode batches run
         self.requests = 0  # requests they served (more than the batches when gangs decode together)
 
+    def counters(self) -> dict[str, int]:
+        """Decode batches, the requests they served, and the gangs' shared policy passes (fused steps)."""
+        return {"decodes": self.decodes, "decoded_requests": self.requests, "fused_steps": self.policy.passes}
+
     def install(self, runtime: Member) -> None:
         """Make the trial's GRPO trainer generate through here (or as TRL does, where :func:`refusal` says so),
         and, in a gang that shares its policy passes, score and backpropagate its steps in them."""

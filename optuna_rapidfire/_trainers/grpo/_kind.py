@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind, reference_is_the_base
+from optuna_rapidfire._trainers.grpo._gang import GENERATION_TURNS
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Hashable
@@ -34,7 +35,7 @@ class GRPOKind(TrainerKind):
     # Generation dominates a GRPO step: the fused engine's GRPO gangs generate together, in one decode
     # batch, and share the forward and backward passes of their policy steps, each member computing TRL's
     # own loss (no fused loss of its own: see _trainers/grpo/_generation.py and _trainers/grpo/_policy_pass.py).
-    gang = "generation_turns"
+    gang = GENERATION_TURNS
 
     @classmethod
     def args_type(cls) -> type[TrainingArguments]:
