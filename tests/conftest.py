@@ -89,50 +89,54 @@ def rapidfire_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptu
 
 
 @pytest.fixture
-def chunk_log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Record ``(trial number, step)`` of every chunk the device trains, in order."""
-    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+def listen() -> Iterator[Callable[[Callable[[Any], object]], None]]:
+    """Register a listener of the package's events (:mod:`optuna_rapidfire.events`) for the rest of the test."""
+    from optuna_rapidfire import events
 
-    log: list[tuple[int, int]] = []
-    original = TimeSlicedEngine.run_chunk
-
-    def run_chunk(self: TimeSlicedEngine, runtime: Any) -> Any:
-        log.append((runtime.spec.number, runtime.state.position.chunks_done))
-        return original(self, runtime)
-
-    monkeypatch.setattr(TimeSlicedEngine, "run_chunk", run_chunk)
-    return log
+    registrations: list[Callable[[], None]] = []
+    yield lambda listener: registrations.append(events.listen(listener))
+    for remove in registrations:
+        remove()
 
 
 @pytest.fixture
-def slow_chunks(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
-    """Make every chunk take at least ``seconds`` (so a test can act while trials run); with ``hold``, a
-    chunk also waits (up to 120 s) while ``hold()`` is true, so that a test acting from outside (a browser)
-    is never overtaken by the trials, however slow the machine."""
+def chunk_log() -> Iterator[list[tuple[int, int]]]:
+    """Record ``(trial number, step)`` of every chunk the device starts to train, in order (a gang's members in
+    the gang's order), from the package's events."""
+    from optuna_rapidfire import events
+
+    log: list[tuple[int, int]] = []
+
+    def record(event: events.Event) -> None:
+        if isinstance(event, events.ChunkStarting):
+            log.extend(zip(event.trials, event.steps, strict=True))
+
+    with events.listen(record):
+        yield log
+
+
+@pytest.fixture
+def slow_chunks() -> Iterator[Callable[..., None]]:
+    """Make every chunk (or fused gang, or member joining a stream) wait ``seconds`` before it starts (so a test
+    can act while trials run); with ``hold``, it also waits (up to 120 s) while ``hold()`` is true, so that a
+    test acting from outside (a browser) is never overtaken by the trials, however slow the machine."""
+    import time
+
+    from optuna_rapidfire import events
+
+    registrations: list[Callable[[], None]] = []
 
     def apply(seconds: float, hold: Callable[[], bool] | None = None) -> None:
-        import time
-
-        from optuna_rapidfire._engines._fused_engine import FusedEngine
-        from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
-
-        original, original_gang = TimeSlicedEngine.run_chunk, FusedEngine.run
-
-        def wait() -> None:
+        def wait(event: events.Event) -> None:
+            if not isinstance(event, events.ChunkStarting):
+                return
             time.sleep(seconds)
             deadline = time.monotonic() + 120
             while hold is not None and hold() and time.monotonic() < deadline:
                 time.sleep(0.05)
 
-        def slow(self: TimeSlicedEngine, runtime: Any) -> Any:
-            wait()
-            return original(self, runtime)
+        registrations.append(events.listen(wait))
 
-        def slow_gang(self: FusedEngine, runtimes: Any) -> Any:
-            wait()
-            return original_gang(self, runtimes)
-
-        monkeypatch.setattr(TimeSlicedEngine, "run_chunk", slow)
-        monkeypatch.setattr(FusedEngine, "run", slow_gang)
-
-    return apply
+    yield apply
+    for remove in registrations:
+        remove()

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from optuna_rapidfire import events
 from optuna_rapidfire._engines._base import Engine
 from optuna_rapidfire._engines._fusion import train_refusal
 from optuna_rapidfire._engines._gang_evaluation import GangEvaluation
@@ -172,6 +173,9 @@ class FusedEngine(Engine):
             if len(runtimes) > 1:
                 self.say(f"Training time-sliced, not fused: {reason}.")
             return self._alone.run(runtimes)
+        if events.listening():
+            chunks = tuple(r.state.position.chunks_done for r in runtimes)
+            events.emit(events.ChunkStarting(tuple(r.spec.number for r in runtimes), chunks))
         start = time.perf_counter()
         try:
             metrics = self.training.train(runtimes)

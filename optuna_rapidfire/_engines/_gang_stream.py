@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from optuna_rapidfire import _compat
+from optuna_rapidfire import _compat, events
 from optuna_rapidfire._engines._fusion import train_refusal
 from optuna_rapidfire._engines._gang_passes import chunk_width, row_bucket, split_passes, to_device_async
 from optuna_rapidfire._engines._pass_graphs import replayed
@@ -197,6 +197,8 @@ class GangStream:
 
     def _seat(self, runtime: TrialRuntime, slot: int, layout: Layout, loss: FusedLoss, *, loaded: bool) -> Seat:
         """Put a member in ``slot``: its state on the device and in the slot, its next chunk laid out."""
+        if events.listening():
+            events.emit(events.ChunkStarting((runtime.spec.number,), (runtime.state.position.chunks_done,)))
         placement = self.trials.placement
         if not loaded:
             placement.gang = [*placement.gang, runtime]

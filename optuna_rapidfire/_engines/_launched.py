@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optuna_rapidfire import _compat
+from optuna_rapidfire import _compat, events
 from optuna_rapidfire._engines import _warm
 from optuna_rapidfire._engines._pass_graphs import CudaGraphs, PassGraphs
 from optuna_rapidfire._fused._decoder import (
@@ -377,6 +377,8 @@ class LaunchedPasses:
                 layout.first_pass_seconds,
                 layout.compiles,
             )
+            if events.listening():
+                events.emit(events.Compiled(layout.key.describe(), layout.first_pass_seconds))
 
     def fall_back(self, layout: Layout, error: BaseException) -> None:
         """Run ``layout`` uncompiled from now on, and say why."""

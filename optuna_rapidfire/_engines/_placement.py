@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from optuna_rapidfire import events
 from optuna_rapidfire._fused._dropout import DropoutStream
 
 if TYPE_CHECKING:
@@ -103,9 +104,12 @@ class Placement:
         self.resident.set_checkpointing(enabled, kwargs)
         state.rng.restore(self.device)
         if self.current is not runtime:
+            previous = None if self.current is None else self.current.spec.number
             self.switches += 1
             self.current = runtime
             self.switch_seconds.append(time.perf_counter() - start)
+            if events.listening():
+                events.emit(events.Switched(runtime.spec.number, previous, self.switch_seconds[-1]))
 
     def resume(self, runtime: TrialRuntime, gang: Sequence[TrialRuntime], rng: RngState, training: bool) -> None:
         """Set the model up again for a trial whose chunk paused midway while other members of its ``gang``

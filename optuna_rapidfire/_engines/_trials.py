@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import numpy as np
 import torch
 
+from optuna_rapidfire import events
 from optuna_rapidfire._engines._clones import branch_from
 from optuna_rapidfire._engines._placement import Placement
 from optuna_rapidfire._engines._types import ChunkResult, EngineStats, TrialRuntime, TrialSpec, runtime_of
@@ -290,13 +291,17 @@ class DeviceTrials:
             full, eval_seconds = dict(evaluated[0]), evaluated[1]
         full.update(metrics)
         runtime.history.append(dict(full))
-        return ChunkResult(
+        result = ChunkResult(
             step=runtime.state.position.chunks_done - 1,
             metrics=full,
             last=runtime.state.position.chunks_done >= runtime.total_chunks,
             train_seconds=train_seconds,
             eval_seconds=eval_seconds,
         )
+        if events.listening():
+            step, last = result.step, result.last
+            events.emit(events.ChunkTrained(runtime.spec.number, step, dict(full), train_seconds, eval_seconds, last))
+        return result
 
     # -- evaluation ------------------------------------------------------------------------------
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from optuna_rapidfire import events
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._runtime._scheduler import Entry, Scheduler, Task
 
@@ -131,12 +133,16 @@ class DeviceWorker(threading.Thread):
             self._stream(entries)
             return
         if task is Task.TRAIN:  # one trial, or a gang
+            start = time.perf_counter()
             results = self.engine.run([e.runtime for e in entries])
+            if events.listening():
+                events.emit(events.PassTrained(tuple(e.number for e in entries), time.perf_counter() - start))
             for member, result in zip(entries, results, strict=True):
                 self.deliver(member, result)  # an error fails this member alone
             return
         [entry] = entries
         if task is Task.BUILD:
+            start = time.perf_counter()
             runtime = self.engine.build(entry.spec)
             entry.runtime = runtime
             if not self._checked:
@@ -145,6 +151,10 @@ class DeviceWorker(threading.Thread):
             branch = self.engine.branch(runtime)
             done, total = (branch.step if branch is not None else 0), self.engine.total_chunks(runtime)
             self.scheduler.built(entry, runtime, chunks_done=done, finished=done >= total)
+            if events.listening():
+                warm = branch is not None and (branch.warm or branch.resume)
+                seconds = time.perf_counter() - start
+                events.emit(events.TrialBuilt(entry.number, str(self.engine.device), seconds, done if warm else None))
             entry.events.put(Built(total, branch))
         elif task is Task.PAUSE:
             self.engine.pause(entry.runtime)
@@ -168,11 +178,14 @@ class DeviceWorker(threading.Thread):
         """Train a gang as a stream (:meth:`Engine.stream`): members join between passes and leave as their
         chunks end. An error that fails the stream fails the members seated then."""
         refill = _Refill(self, entries)
+        start = time.perf_counter()
         try:
             self.engine.stream([e.runtime for e in entries], refill)
         except BaseException as error:
             for victim in refill.seated():
                 self._fail(victim, error)
+        if events.listening():  # the chunks the stream trained, whoever joined it
+            events.emit(events.PassTrained(tuple(refill.trained), time.perf_counter() - start))
 
     def side_tasks(self) -> None:
         """Carry out the housekeeping and builds waiting now (between two passes of a stream)."""
@@ -224,6 +237,7 @@ class _Refill:
     def __init__(self, worker: DeviceWorker, entries: list[Entry]) -> None:
         self.worker = worker
         self._active = {id(e.runtime): e for e in entries}
+        self.trained: list[int] = []  # the numbers of the members whose chunk ended, in order
 
     def joiners(self, room: int, fits: Callable[[Any], bool]) -> list[Any]:
         self.worker.side_tasks()
@@ -234,6 +248,7 @@ class _Refill:
 
     def delivered(self, done: Sequence[tuple[Any, ChunkResult | BaseException]]) -> None:
         entries = [(self._active.pop(id(runtime)), result) for runtime, result in done]
+        self.trained.extend(entry.number for entry, _ in entries)
         # Each member's step before any delivery moves one on: a member delivered first would otherwise count as
         # the mate of a member one chunk ahead, whose decision then waits for a report that never comes.
         steps = [entry.chunks_done for entry, _ in entries]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 
-from optuna_rapidfire import _compat
+from optuna_rapidfire import _compat, events
 from optuna_rapidfire._engines._types import CloneOf
 from optuna_rapidfire._logging import explained, get_logger
 from optuna_rapidfire._study import _attrs, _commands
@@ -160,7 +160,10 @@ class TrialRecord:
         if event.snapshot is None:
             return
         try:
-            checkpoints.save(self.study, _compat.trial_id(self.trial), event.snapshot, previous)
+            link = checkpoints.save(self.study, _compat.trial_id(self.trial), event.snapshot, previous)
+            if events.listening():
+                where = "memory" if not checkpoints.shared else "artifact store"
+                events.emit(events.Checkpointed(self.trial.number, event.step, int(link["bytes"]), where))
         except (UpdateFinishedTrialError, StorageUnavailableError):  # the trial's end, told by the caller
             raise
         except Exception as error:  # the trial goes on; a retry would resume from an older checkpoint

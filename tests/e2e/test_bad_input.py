@@ -121,20 +121,17 @@ def test_a_bad_config_fails_alone(make_executor, bad, reason) -> None:
     assert executor.stats().adapters == ()
 
 
-def test_out_of_memory_fails_that_trial_only_and_keeps_its_reports(make_executor, monkeypatch) -> None:
-    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+def test_out_of_memory_fails_that_trial_only_and_keeps_its_reports(make_executor) -> None:
+    from optuna_rapidfire import events
 
-    original = TimeSlicedEngine.train_chunk
-
-    def train_chunk(self, runtime):
-        if runtime.spec.number == 1 and runtime.state.position.chunks_done == 2:
+    def out_of_memory(event: events.Event) -> None:  # as trial 1's third chunk would
+        if isinstance(event, events.ChunkStarting) and (event.trials, event.steps) == ((1,), (2,)):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return original(self, runtime)
 
-    monkeypatch.setattr(TimeSlicedEngine, "train_chunk", train_chunk)
     executor = make_executor(num_chunks=4, max_concurrent_trials=3)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-    executor.optimize(study, by_number([(lora(), sft_args())] * 4), n_trials=4)
+    with events.listen(out_of_memory):
+        executor.optimize(study, by_number([(lora(), sft_args())] * 4), n_trials=4)
 
     states = [t.state for t in study.trials]
     assert states == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]

@@ -85,18 +85,16 @@ def test_warm_clone_takes_its_new_learning_rate_and_weight_decay(make_executor, 
         assert clone.intermediate_values[step] == parent.intermediate_values[step]
 
 
-def test_warm_clone_moves_its_own_schedule_to_the_parents_position(make_executor, monkeypatch) -> None:
-    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+def test_warm_clone_moves_its_own_schedule_to_the_parents_position(make_executor, listen) -> None:
+    from optuna_rapidfire import events
 
-    rates: dict[int, dict[int, float]] = {}
-    original = TimeSlicedEngine.train_chunk
+    rates: dict[int, dict[int, float]] = {}  # trial -> chunks done -> learning rate after that chunk
 
-    def record(self, runtime):
-        metrics = original(self, runtime)
-        rates.setdefault(runtime.spec.number, {})[runtime.state.position.chunks_done] = metrics["train_learning_rate"]
-        return metrics
+    def record(event: events.Event) -> None:
+        if isinstance(event, events.ChunkTrained):
+            rates.setdefault(event.trial, {})[event.step + 1] = event.metrics["train_learning_rate"]
 
-    monkeypatch.setattr(TimeSlicedEngine, "train_chunk", record)
+    listen(record)
 
     def scheduled(trial: optuna.Trial):
         lr = trial.suggest_float("learning_rate", 1e-4, 1e-1, log=True)

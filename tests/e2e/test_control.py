@@ -14,7 +14,7 @@ import pytest
 from helpers import Background, by_number, lora, sft_args, wait_until
 from optuna.trial import TrialState
 
-from optuna_rapidfire import control
+from optuna_rapidfire import control, events
 from optuna_rapidfire._study import _attrs
 
 CONFIGS = [(lora(r=4, lora_dropout=0.1), sft_args(learning_rate=1e-2 * (i + 1), seed=i)) for i in range(4)]
@@ -70,20 +70,16 @@ def test_stop_and_resume_from_another_process(make_executor, chunk_log, slow_chu
     assert _values(trial) == _values(alone.trials[0])
 
 
-def test_a_command_waits_for_the_chunk_in_progress(make_executor, monkeypatch) -> None:
-    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
-
+def test_a_command_waits_for_the_chunk_in_progress(make_executor, listen) -> None:
     in_chunk = threading.Event()
     proceed = threading.Event()
-    original = TimeSlicedEngine.run_chunk
 
-    def gated(self, runtime):
-        if runtime.spec.number == 0 and runtime.state.position.chunks_done == 1:
+    def gated(event: events.Event) -> None:
+        if isinstance(event, events.ChunkStarting) and (event.trials, event.steps) == ((0,), (1,)):
             in_chunk.set()
             proceed.wait(60)
-        return original(self, runtime)
 
-    monkeypatch.setattr(TimeSlicedEngine, "run_chunk", gated)
+    listen(gated)
     executor = make_executor(num_chunks=4, max_concurrent_trials=1)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     run = Background(lambda: executor.optimize(study, by_number(CONFIGS[:1]), n_trials=1))

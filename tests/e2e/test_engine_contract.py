@@ -35,3 +35,42 @@ def test_each_trainer_kind_says_whether_its_trial_can_share_a_pass(kind, trainer
 
 def test_stats_are_zeros_before_the_model_is_loaded(make_executor) -> None:
     assert make_executor().stats() == EngineStats()
+
+
+@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+def test_a_study_tells_its_listeners_what_happens_on_the_device(make_executor, listen, engine: str) -> None:
+    """Each trial is built once, each chunk starts before it is trained and reported with the values Optuna
+    gets, every pass names its trials, switches name the trial switched to."""
+    import optuna
+    from helpers import by_number, lora, sft_args
+
+    from optuna_rapidfire import events
+
+    seen: list[events.Event] = []
+    listen(seen.append)
+    executor = make_executor(num_chunks=2, max_concurrent_trials=2, engine=engine)
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    executor.optimize(study, by_number([(lora(r=4), sft_args(seed=i)) for i in range(2)]), n_trials=2)
+
+    built = [e.trial for e in seen if isinstance(e, events.TrialBuilt)]
+    started = [
+        (t, s) for e in seen if isinstance(e, events.ChunkStarting) for t, s in zip(e.trials, e.steps, strict=True)
+    ]
+    trained = [e for e in seen if isinstance(e, events.ChunkTrained)]
+    assert sorted(built) == [0, 1]
+    assert sorted(started) == sorted((e.trial, e.step) for e in trained) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for event in trained:  # what the listener saw is what Optuna got
+        assert study.trials[event.trial].intermediate_values[event.step] == event.metrics["eval_loss"]
+        assert event.last == (event.step == 1) and event.train_seconds > 0
+    passes = [e for e in seen if isinstance(e, events.PassTrained)]
+    assert sorted(t for e in passes for t in e.trials) == [0, 0, 1, 1]
+    for event in seen:
+        if isinstance(event, events.ChunkStarting):
+            trained_before = [
+                (e.trial, e.step) for e in seen[: seen.index(event)] if isinstance(e, events.ChunkTrained)
+            ]
+            assert not set(zip(event.trials, event.steps, strict=True)) & set(
+                trained_before
+            )  # a chunk starts before it ends
+    if engine == "time_sliced":
+        assert {e.trial for e in seen if isinstance(e, events.Switched)} == {0, 1}

@@ -86,15 +86,13 @@ def test_dashboard_shows_per_chunk_curves_while_trials_run(make_executor, tmp_pa
 
 
 @pytest.fixture(autouse=True)
-def _slow_chunks(monkeypatch, request) -> None:
+def _slow_chunks(request) -> None:
     # The dashboard test polls while trials run: make each chunk take long enough to be seen.
     if request.node.name.startswith("test_dashboard"):
-        from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+        from optuna_rapidfire import events
 
-        original = TimeSlicedEngine.run_chunk
+        def slow(event: events.Event) -> None:
+            if isinstance(event, events.ChunkStarting):
+                time.sleep(0.3)
 
-        def slow(self, runtime):
-            time.sleep(0.3)
-            return original(self, runtime)
-
-        monkeypatch.setattr(TimeSlicedEngine, "run_chunk", slow)
+        request.addfinalizer(events.listen(slow))

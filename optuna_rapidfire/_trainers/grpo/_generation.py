@@ -21,11 +21,12 @@ generates as TRL does, alone, and the log says why once.
 from __future__ import annotations
 
 import functools
+import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from optuna_rapidfire import _compat
+from optuna_rapidfire import _compat, events
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
 from optuna_rapidfire._fused._fused_pass import pad_token_id
 from optuna_rapidfire._logging import get_logger
@@ -90,6 +91,7 @@ class Generation:
         self._share_policy = False
         self._shared_forward: set[Member] = set()  # members whose next backward is shared
         self._said: set[str] = set()
+        self._numbers: dict[str, int] = {}  # adapter -> trial number (for the Decoded events)
         self.decodes = 0  # decode batches run
         self.requests = 0  # requests they served (more than the batches when gangs decode together)
 
@@ -101,6 +103,7 @@ class Generation:
         """Make the trial's GRPO trainer generate through here (or as TRL does, where :func:`refusal` says so),
         and, in a gang that shares its policy passes, score and backpropagate its steps in them."""
         self._install_policy(runtime)
+        self._numbers[runtime.state.adapter_name] = runtime.spec.number
         trainer = runtime.trainer
         reason = refusal(trainer)
         if reason is not None:
@@ -261,8 +264,15 @@ class Generation:
         """One decode batch for ``requests``, in the precision of ``first``'s trial (a gang's members share it)."""
         self.decodes += 1
         self.requests += len(requests)
+        start = time.perf_counter()
         with torch.no_grad(), first.spec.kind.autocast(first.args, self.trials.device):
-            return decode(self.trials.resident.module, requests, pad_token_id(first.trainer))
+            completions = decode(self.trials.resident.module, requests, pad_token_id(first.trainer))
+        if events.listening():
+            trials = tuple(self._numbers.get(r.adapter, -1) for r in requests)
+            rows = sum(len(c) for c in completions)
+            tokens = sum(len(row) for c in completions for row in c)
+            events.emit(events.Decoded(trials, rows, tokens, time.perf_counter() - start))
+        return completions
 
     def _shared(self, requests: list[Any]) -> list[Any]:
         """What the members waiting asked for, by kind: one decode, one policy forward, one backward."""

@@ -1,0 +1,171 @@
+"""What happens inside a study, as events delivered to listeners: the package's observation seam.
+
+A listener is any callable that takes an event; :func:`listen` registers one for this process (as a
+``logging`` handler is) and returns the function that removes it, which is also a context manager::
+
+    from optuna_rapidfire import events
+
+    def show(event: events.Event) -> None:
+        if isinstance(event, events.ChunkTrained):
+            print(f"trial {event.trial} chunk {event.step}: {event.train_seconds:.1f} s")
+
+    with events.listen(show):
+        executor.optimize(study, configure, n_trials=16)
+
+Listeners are called synchronously, in the thread where the event happens (mostly the device's worker
+thread, between and inside passes), in the order they were registered: keep them quick. Like a TRL
+``TrainerCallback``, a listener that raises fails what it was listening to (the trial, or the gang whose
+pass it watched): that is how tests inject a failure at a given point. Nothing is built or timed for an
+event while nobody listens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Union
+
+__all__ = [
+    "Checkpointed",
+    "ChunkStarting",
+    "ChunkTrained",
+    "Compiled",
+    "Decoded",
+    "Event",
+    "Listener",
+    "PassTrained",
+    "Switched",
+    "TrialBuilt",
+    "listen",
+]
+
+
+@dataclass(frozen=True)
+class TrialBuilt:
+    """A trial's state exists on a device: its adapter, trainer, optimizer (a warm clone's from its parent)."""
+
+    trial: int
+    device: str
+    seconds: float
+    branch_step: int | None  # the parent's chunk a warm clone or a retry continued from (``None``: fresh)
+
+
+@dataclass(frozen=True)
+class ChunkStarting:
+    """The device is about to train these trials' next chunks, together (a fused gang) or one trial alone.
+
+    ``steps[i]`` is the chunk (Optuna step) ``trials[i]`` trains. A listener that waits here delays the chunks.
+    """
+
+    trials: tuple[int, ...]
+    steps: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Switched:
+    """The device's model was set up for another trial trained alone (its adapter, forward, RNG, mode)."""
+
+    trial: int
+    previous: int | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ChunkTrained:
+    """A trial trained and evaluated a chunk: the result its driver reports to Optuna."""
+
+    trial: int
+    step: int
+    metrics: dict[str, float]
+    train_seconds: float
+    eval_seconds: float
+    last: bool
+
+
+@dataclass(frozen=True)
+class PassTrained:
+    """The device trained what the scheduler handed it, in ``seconds``: one trial's chunk, a fused gang's chunks
+    (each member its own), or a stream's (the members that joined it between its passes, in the order their
+    chunks ended)."""
+
+    trials: tuple[int, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A decode batch of GRPO trials' generation requests ran (one trial's alone, or a gang's together)."""
+
+    trials: tuple[int, ...]
+    rows: int
+    new_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The fused engine compiled its launched pass for a gang layout (``seconds``: the first pass's)."""
+
+    layout: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """A trial's state after a chunk was kept (for retries and clones), ``bytes`` long, in ``where``."""
+
+    trial: int
+    step: int
+    bytes: int
+    where: str
+
+
+Event = Union[TrialBuilt, ChunkStarting, Switched, ChunkTrained, PassTrained, Decoded, Compiled, Checkpointed]  # noqa: UP007
+"""Any event of this module."""
+
+Listener = Callable[[Event], object]
+"""A function called with every event."""
+
+_listeners: tuple[Listener, ...] = ()
+_lock = threading.Lock()
+
+
+class _Registration:
+    """Removes its listener when called, or on leaving a ``with`` block."""
+
+    def __init__(self, listener: Listener) -> None:
+        self._listener = listener
+
+    def __call__(self) -> None:
+        global _listeners
+        with _lock:
+            _listeners = tuple(other for other in _listeners if other is not self._listener)
+
+    def __enter__(self) -> _Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self()
+
+
+def listen(listener: Listener) -> _Registration:
+    """Call ``listener`` with every event in this process from now on; the result removes it (call it, or use it
+    as a context manager)."""
+    if not callable(listener):
+        raise TypeError(f"listener must be a callable taking an event, but got {listener!r}.")
+    global _listeners
+    with _lock:
+        _listeners = (*_listeners, listener)
+    return _Registration(listener)
+
+
+def listening() -> bool:
+    """Whether anyone listens (so that an event's data is gathered only then)."""
+    return bool(_listeners)
+
+
+def emit(event: Event) -> None:
+    """Deliver ``event`` to every listener, in order; a listener's exception propagates."""
+    for listener in _listeners:
+        listener(event)
