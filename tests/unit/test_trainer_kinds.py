@@ -217,6 +217,32 @@ def test_a_kind_s_per_device_state_is_made_once_per_device_and_only_for_its_tria
     assert made.counters() == {"decodes": 0, "decoded_requests": 0, "fused_steps": 0}
 
 
+def test_a_strategy_of_one_s_own_chooses_what_the_engine_does_with_the_gang() -> None:
+    """README's "Extending" example: a strategy is one class; the engine's offer is all it needs."""
+    from optuna_rapidfire._trainers._gangs import GangStrategy
+
+    class PairsOfTwo(GangStrategy):
+        streams = False
+
+        def run(self, engine, members):
+            results = []
+            for first in range(0, len(members), 2):
+                results += engine.shared_passes(members[first : first + 2])
+            return results
+
+    class Engine:  # records what a strategy asks of the fused engine
+        def __init__(self) -> None:
+            self.asked: list[tuple[str, list[int]]] = []
+
+        def shared_passes(self, members):
+            self.asked.append(("shared_passes", list(members)))
+            return [f"chunk of {m}" for m in members]
+
+    engine = Engine()
+    assert PairsOfTwo().run(engine, [0, 1, 2]) == ["chunk of 0", "chunk of 1", "chunk of 2"]  # type: ignore[arg-type]
+    assert engine.asked == [("shared_passes", [0, 1]), ("shared_passes", [2])]
+
+
 def test_only_kinds_without_a_fused_loss_refuse_a_shared_pass_by_kind() -> None:
     assert GRPOKind().fused_refusal(None, _grpo_args()) == "is a GRPO trial (SFT and DPO trials are fused)"  # type: ignore[arg-type]
     assert SFTKind().fused_refusal(None, sft_args()) is None  # type: ignore[arg-type]
