@@ -191,8 +191,8 @@ class GangStream:
             return not blocked
 
         for slot, runtime in zip(free, refill.joiners(len(free), fits), strict=False):
-            seats[slot] = self._seat(runtime, slot, layout, loss, loaded=False)
-            seated.append(seats[slot])  # type: ignore[arg-type]
+            seat = seats[slot] = self._seat(runtime, slot, layout, loss, loaded=False)
+            seated.append(seat)
         return not blocked
 
     def _seat(self, runtime: TrialRuntime, slot: int, layout: Layout, loss: FusedLoss, *, loaded: bool) -> Seat:

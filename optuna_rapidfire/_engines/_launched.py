@@ -315,7 +315,7 @@ class LaunchedPasses:
         self.release()
         self._layouts.clear()
         self._members, self._named, self._decoder = {}, [], None
-        self.resident = None  # type: ignore[assignment]
+        del self.resident
 
     def storage_bytes(self) -> int:
         """Bytes of the active layout's slot storage."""

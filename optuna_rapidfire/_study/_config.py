@@ -211,7 +211,8 @@ def takes_options_of(
 
     def decorate(init: Callable[Concatenate[_S, ...], None]) -> Callable[Concatenate[_S, _P], None]:
         self = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        init.__signature__ = inspect.Signature([self, *inspect.signature(config).parameters.values()])  # type: ignore[attr-defined]
+        signature = inspect.Signature([self, *inspect.signature(config).parameters.values()])
+        vars(init)["__signature__"] = signature  # what inspect.signature reads
         return init
 
     return decorate

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from optuna.exceptions import StorageInternalError, UpdateFinishedTrialError
 from optuna.storages import BaseStorage
@@ -284,6 +284,6 @@ def retrying(storage: BaseStorage, retry_seconds: float) -> BaseStorage:
     """``storage`` with retries (itself when already wrapped)."""
     if isinstance(storage, _Retrying):
         return storage
-    if isinstance(storage, BaseHeartbeat):
-        return RetryingHeartbeatStorage(storage, retry_seconds)  # type: ignore[abstract]
-    return RetryingStorage(storage, retry_seconds)  # type: ignore[abstract]
+    # Their abstract methods forward to ``storage`` (set on the classes above), which the type checker cannot see.
+    wrapper = RetryingHeartbeatStorage if isinstance(storage, BaseHeartbeat) else RetryingStorage
+    return cast("Callable[[BaseStorage, float], BaseStorage]", wrapper)(storage, retry_seconds)

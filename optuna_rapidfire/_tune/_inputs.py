@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from optuna_rapidfire._logging import quiet_library_noise
 from optuna_rapidfire._tune._search import (
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from transformers import TrainingArguments
 
     from optuna_rapidfire._tune._search import DataSource, Search
+    from optuna_rapidfire.demo._data import DemoFormat
 
 HEARTBEAT_INTERVAL_S = 10
 """Seconds between a running trial's heartbeats in a tuning step's storage: a step that was killed leaves its
@@ -50,10 +51,11 @@ def load_data(source: DataSource, trainer: str, where: str) -> Dataset:
     if source.demo is not None:
         from optuna_rapidfire.demo import load_gsm8k
 
+        # The search's validation allows only the demo's own splits and formats here.
         dataset = load_gsm8k(
-            source.split,  # type: ignore[arg-type]
+            cast("Literal['train', 'test']", source.split),
             num_rows=source.rows,
-            format=source.format or DEMO_FORMATS[trainer],  # type: ignore[arg-type]
+            format=cast("DemoFormat", source.format or DEMO_FORMATS[trainer]),
         )
     elif source.path is not None:
         path = Path(source.path)

@@ -644,11 +644,12 @@ def check_config_fields(search: Search) -> None:
 
 def first_value(distribution: BaseDistribution) -> Any:
     """A value of ``distribution`` (its low, or its first choice), to try the config classes with."""
-    from optuna.distributions import CategoricalDistribution
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     if isinstance(distribution, CategoricalDistribution):
         return distribution.choices[0]
-    return distribution.low  # type: ignore[attr-defined]
+    assert isinstance(distribution, (FloatDistribution, IntDistribution)), distribution
+    return distribution.low
 
 
 def training_values(search: Search) -> dict[str, Any]:

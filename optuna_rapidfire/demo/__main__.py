@@ -11,11 +11,18 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import optuna
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
-def _configure(bf16: bool):  # type: ignore[no-untyped-def]
+    from peft import LoraConfig
+    from trl import SFTConfig
+
+
+def _configure(bf16: bool) -> Callable[[optuna.Trial], tuple[LoraConfig, SFTConfig]]:
     from peft import LoraConfig
     from trl import SFTConfig
 

@@ -26,11 +26,15 @@ def final_answer(answer: str) -> str | None:
     return None if match is None else match.group(1).replace(",", "")
 
 
+DemoFormat = Literal["prompt_completion", "text", "preference", "prompt_only", "raw"]
+"""The shapes :func:`load_gsm8k` gives the rows."""
+
+
 def load_gsm8k(
     split: Literal["train", "test"] = "train",
     *,
     num_rows: int | None = None,
-    format: Literal["prompt_completion", "text", "preference", "prompt_only", "raw"] = "prompt_completion",
+    format: DemoFormat = "prompt_completion",
 ) -> Dataset:
     """Load the bundled GSM8K split as a :class:`datasets.Dataset`.
 

@@ -128,6 +128,7 @@ class GRPOKind(TrainerKind):
         with_outputs: bool,
     ) -> tuple[torch.Tensor, int, Any, Any]:
         with self.autocast(trainer.args, device):
-            loss, _, _ = trainer.prediction_step(model, rows, prediction_loss_only=True)  # type: ignore[arg-type]
+            inputs = cast("dict[str, Any]", rows)  # GRPO's prediction step takes the rows themselves
+            loss, _, _ = trainer.prediction_step(model, inputs, prediction_loss_only=True)
         assert loss is not None
         return loss, len(rows), None, None
