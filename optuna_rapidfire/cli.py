@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from optuna_rapidfire import _compat, control
 from optuna_rapidfire._study import _attrs, _commands
-from optuna_rapidfire._study._storages import hide_password
+from optuna_rapidfire._study._storages import RDB_BACKENDS, hide_password
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
     from sqlalchemy.engine import URL
 
-_RDB_BACKENDS = {"sqlite", "postgresql", "mysql", "oracle", "mssql"}
 _DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "oracle": 1521, "mssql": 1433}
 # A server that drops packets would otherwise keep the command waiting for the operating system's timeout.
 _CONNECT_TIMEOUT_S = 10
@@ -182,7 +181,7 @@ def _open_storage(url: str, **rdb_kwargs: Any) -> optuna.storages.RDBStorage:
         parsed = make_url(url)
     except ArgumentError:
         parsed = None
-    if parsed is None or parsed.get_backend_name() not in _RDB_BACKENDS:
+    if parsed is None or parsed.get_backend_name() not in RDB_BACKENDS:
         raise ValueError(f"--storage must be an RDB URL (postgresql://..., sqlite:///...), but got {shown!r}.")
     backend = parsed.get_backend_name()
     connect_args: dict[str, Any] = {}
@@ -271,7 +270,7 @@ def _table(study: optuna.Study) -> str:
         if state == "RUNNING" and status:
             state = f"RUNNING ({status})"
         if not trial.state.is_finished():
-            waiting = [c.op for c in _commands.pending(study, trial) if c.op in ("stop", "resume", "delete")]
+            waiting = [c.op for c in _commands.pending(study, trial) if c.op in _commands.TRIAL_OPS]
             if waiting:
                 state += f" [pending: {', '.join(waiting)}]"
         if trial.state == TrialState.WAITING:
@@ -308,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         study = _load_study(options.storage, options.study_name)
         if options.command == "ls":
             print(_table(study))
-        elif options.command in ("stop", "resume", "delete"):
+        elif options.command in _commands.TRIAL_OPS:
             act = {"stop": control.stop, "resume": control.resume, "delete": control.delete}[options.command]
             key = act(study, options.trial, **({"reason": options.reason} if options.command == "delete" else {}))
             print(f"trial {options.trial}: {options.command} {_applied(study, key, options.wait)}")

@@ -38,7 +38,10 @@ if TYPE_CHECKING:
 
 _logger = get_logger(__name__)
 
-OPS = ("stop", "resume", "delete", "clone")
+TRIAL_OPS = ("stop", "resume", "delete")
+"""The commands that act on a trial itself (a clone makes another)."""
+OPS = (*TRIAL_OPS, "clone")
+"""Every command a person can give a running study (``control``, the CLI, the dashboard's form)."""
 # How a command's result says where the trial was, before its chunk count.
 _WHERE = {
     "chunk": "after chunk",

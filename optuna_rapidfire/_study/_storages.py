@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
 
 _logger = get_logger(__name__)
+
+RDB_BACKENDS = ("sqlite", "postgresql", "mysql", "oracle", "mssql")
+"""The database backends an RDB storage URL may name (SQLAlchemy's, as Optuna's ``RDBStorage`` takes them)."""
 _FIRST_DELAY = 0.5
 _MAX_DELAY = 8.0
 

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from optuna_rapidfire._runtime._scheduler import SCHEDULES
+from optuna_rapidfire._study._storages import RDB_BACKENDS
+
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
 
@@ -87,8 +90,7 @@ _EXECUTOR_ELSEWHERE = frozenset(
         "artifact_store",
     }
 )
-_SCHEDULES = ("default", "promote", "promote_all", "lockstep")
-_RDB_BACKENDS = ("sqlite", "postgresql", "mysql", "oracle", "mssql")
+_SCHEDULES = ("default", *SCHEDULES)
 _SPACE_SECTIONS = ("training", "lora")
 _DISTRIBUTION_KEYS: dict[str, tuple[str, ...]] = {
     "float": ("type", "low", "high", "log", "step"),
@@ -548,9 +550,9 @@ def _executor(value: Any) -> dict[str, Any]:
 def _storage(value: Any) -> str:
     url = _string(value, "storage")
     backend = url.split(":", 1)[0].split("+", 1)[0]
-    if "://" not in url or backend not in _RDB_BACKENDS:
+    if "://" not in url or backend not in RDB_BACKENDS:
         raise ValueError(
-            f"storage must be an RDB URL ({', '.join(b + '://...' for b in _RDB_BACKENDS)}), but got {url!r}."
+            f"storage must be an RDB URL ({', '.join(b + '://...' for b in RDB_BACKENDS)}), but got {url!r}."
         )
     return url
 

@@ -10,6 +10,7 @@ from helpers import lora, sft_args, until_the_clone_is_taken, wait_until
 from optuna.trial import TrialState
 
 from optuna_rapidfire import control
+from optuna_rapidfire._engines import ENGINES
 from optuna_rapidfire._study import _attrs
 
 NUM_CHUNKS = 6
@@ -42,7 +43,7 @@ def _study_with_parent(make_executor, slow_chunks, clone_after_step: int, engine
     return study, study.trials[0], study.trials[child]
 
 
-@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_warm_clone_without_change_continues_exactly(make_executor, slow_chunks, engine: str) -> None:
     _study, parent, clone = _study_with_parent(make_executor, slow_chunks, clone_after_step=1, engine=engine)
     assert parent.state == clone.state == TrialState.COMPLETE

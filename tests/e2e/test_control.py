@@ -15,6 +15,7 @@ from helpers import Background, by_number, lora, sft_args, wait_until
 from optuna.trial import TrialState
 
 from optuna_rapidfire import control, events
+from optuna_rapidfire._engines import ENGINES
 from optuna_rapidfire._study import _attrs
 
 CONFIGS = [(lora(r=4, lora_dropout=0.1), sft_args(learning_rate=1e-2 * (i + 1), seed=i)) for i in range(4)]
@@ -93,7 +94,7 @@ def test_a_command_waits_for_the_chunk_in_progress(make_executor, listen) -> Non
     assert study.trials[0].state == TrialState.COMPLETE
 
 
-@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_delete_ends_the_trial_as_fail_and_frees_its_state(make_executor, engine) -> None:
     executor = make_executor(num_chunks=4, max_concurrent_trials=2, engine=engine)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
@@ -110,7 +111,7 @@ def test_delete_ends_the_trial_as_fail_and_frees_its_state(make_executor, engine
     assert executor.stats().adapters == ()
 
 
-@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_a_trial_still_paused_at_the_end_is_pruned_and_can_be_continued(make_executor, tmp_path, engine) -> None:
     executor = make_executor(num_chunks=4, max_concurrent_trials=2, pause_grace_seconds=0.5, engine=engine)
     study = optuna.create_study(study_name="end", pruner=optuna.pruners.NopPruner())
@@ -199,7 +200,7 @@ def test_concurrent_commands_are_applied_exactly_once(make_executor, slow_chunks
     assert study.trials[0].state == TrialState.COMPLETE
 
 
-@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_fail_trial_from_outside_ends_it_cleanly_and_the_study_goes_on(
     make_executor, slow_chunks, tmp_path, engine
 ) -> None:

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from trl import DPOConfig, DPOTrainer, GRPOConfig, SFTConfig
 
 from optuna_rapidfire import control
+from optuna_rapidfire._engines import ENGINES
 from optuna_rapidfire._resident._data import ChunkPlan
 from optuna_rapidfire._study import _attrs
 from optuna_rapidfire.demo import gsm8k_reward, load_gsm8k
@@ -257,7 +258,7 @@ def test_one_study_does_not_mix_trainer_types(make_executor, preference) -> None
         executor.optimize(study, by_number([None, (lora(), sft)]), n_trials=1)
 
 
-@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_grpo_warm_clone_continues_exactly_and_pauses_like_any_trial(make_executor, prompts, engine) -> None:
     """A paused GRPO trial's warm clone continues exactly as the trial does (its sampling and dropout
     generators included), alone or in a fused gang with it; a reward that varies makes training move."""

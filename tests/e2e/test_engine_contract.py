@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from optuna_rapidfire._engines import ENGINES
 from optuna_rapidfire._engines._types import EngineStats
 from optuna_rapidfire._trainers._dpo import DPOKind
 from optuna_rapidfire._trainers._sft import SFTKind
@@ -37,7 +38,7 @@ def test_stats_are_zeros_before_the_model_is_loaded(make_executor) -> None:
     assert make_executor().stats() == EngineStats()
 
 
-@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_a_study_tells_its_listeners_what_happens_on_the_device(make_executor, listen, engine: str) -> None:
     """Each trial is built once, each chunk starts before it is trained and reported with the values Optuna
     gets, every pass names its trials, switches name the trial switched to."""

@@ -11,6 +11,7 @@ from helpers import lora, sft_args
 from optuna.trial import TrialState
 from transformers import AutoConfig
 
+from optuna_rapidfire._engines import ENGINES
 from optuna_rapidfire._study import _attrs
 from optuna_rapidfire.schedules import LockstepSchedule, PromoteSchedule
 
@@ -85,7 +86,7 @@ class _Witness(optuna.pruners.BasePruner):
         return False
 
 
-@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_under_promote_a_decision_sees_every_trial_that_reported_its_step_and_only_at_that_step(
     make_executor, engine: str
 ) -> None:

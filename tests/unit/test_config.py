@@ -117,3 +117,21 @@ def test_a_max_trials_callback_sets_the_study_wide_target() -> None:
     assert study_target(both) == (5, (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL))
     with pytest.raises(ValueError, match="must count finished trials"):
         study_target([optuna.study.MaxTrialsCallback(8, states=(TrialState.RUNNING,))])
+
+
+def test_each_list_of_names_is_its_registry_s() -> None:
+    """The names the config, tune, the CLI and errors accept are their registries' (one place each); the
+    tuning step's light first pass keeps copies of two, checked here."""
+    import typing
+
+    from optuna_rapidfire._engines import ENGINES
+    from optuna_rapidfire._runtime._scheduler import SCHEDULES
+    from optuna_rapidfire._study._config import EngineName
+    from optuna_rapidfire._trainers import TRAINER_KINDS
+    from optuna_rapidfire._tune import _search
+
+    assert set(typing.get_args(EngineName)) == {"auto", *ENGINES}
+    assert typing.get_args(_search.TrainerName) == tuple(TRAINER_KINDS)
+    assert {name: kind.args_type().__name__ for name, kind in TRAINER_KINDS.items()} == _search.TRAINERS
+    assert {name: kind.default_metric for name, kind in TRAINER_KINDS.items()} == _search.DEFAULT_METRIC
+    assert ("default", *SCHEDULES) == _search._SCHEDULES
