@@ -132,7 +132,7 @@ def test_a_valid_search_becomes_optuna_distributions_and_defaults(tmp_path: Path
             {"pruner": {"name": "PatientPruner", "wrapped_pruner": {"name": "Median"}, "patience": 1}},
             r"^pruner.wrapped_pruner.name must be one of .*MedianPruner",
         ),
-        ({"schedule": "fifo"}, r"^schedule must be one of default, promote, promote_all, lockstep, but got 'fifo'"),
+        ({"schedule": "fifo"}, r"^schedule must be one of default, lockstep, promote, promote_all, but got 'fifo'"),
         ({"storage": "journal.log"}, r"^storage must be an RDB URL"),
         ({"executor": {"num_chunk": 4}}, r"^executor.num_chunk: unknown key \(did you mean 'num_chunks'\?\)"),
         ({"executor": {"reward_funcs": []}}, r"^executor.reward_funcs: unknown key"),
