@@ -64,7 +64,8 @@ class ChunkStarting:
 
 @dataclass(frozen=True)
 class Switched:
-    """The device's model was set up for another trial trained alone (its adapter, forward, RNG, mode)."""
+    """The device's model was set up for another trial trained alone (its adapter, forward, RNG, mode); on a GPU
+    ``seconds`` is the device's time too (synchronized before and after while anyone listens)."""
 
     trial: int
     previous: int | None
@@ -81,16 +82,20 @@ class ChunkTrained:
     train_seconds: float
     eval_seconds: float
     last: bool
+    tokens: int  # the training tokens of the chunk (TRL's count, which it reports as ``num_tokens``)
 
 
 @dataclass(frozen=True)
 class PassTrained:
-    """The device trained what the scheduler handed it, in ``seconds``: one trial's chunk, a fused gang's chunks
-    (each member its own), or a stream's (the members that joined it between its passes, in the order their
-    chunks ended)."""
+    """The device trained, in ``seconds``: what the scheduler handed an engine (``engine`` ``"time_sliced"``: one
+    trial's chunk; ``"fused"``: a gang's chunks, each member its own, in shared passes or in turns), or one
+    shared pass of a stream (``"stream"``: one step of each seated member, members joining and leaving between
+    passes). ``steps[i]`` is the chunk ``trials[i]`` was in."""
 
     trials: tuple[int, ...]
+    steps: tuple[int, ...]
     seconds: float
+    engine: str
 
 
 @dataclass(frozen=True)

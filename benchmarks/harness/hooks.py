@@ -6,28 +6,27 @@ parts import only its public names. (The standalone probes, ``benchmarks/fused_*
 ``benchmarks/compile_probe.py``, call the fused pass's functions themselves: that is what they measure.)
 Every patch is a context manager that puts the original back on exit.
 
-Patched:
+Listened to (the package's events, :mod:`optuna_rapidfire.events`, no patch):
 
-- ``TimeSlicedEngine.run_chunk`` (:class:`Recorder`): a time-sliced trial's chunk (switch, training,
-  evaluation): its tokens, training and evaluation seconds;
-- ``FusedEngine.run`` (:class:`Recorder`, :class:`ChunkLog`): a fused gang's chunk, each member's result;
-- ``Placement.switch_to`` (:class:`Recorder`): a switch to another trial's state, the device synchronized
-  before and after;
+- :class:`Recorder`: ``ChunkTrained`` (each chunk's tokens, training and evaluation seconds, whatever engine
+  trained it) and ``Switched`` (the switch to another trial's state, synchronized on a GPU while listened to);
+- :class:`PassLog`: ``PassTrained`` (every chunk an engine trains for the scheduler, and every shared pass of a
+  stream: its members, steps and seconds).
+
+Still patched (the events do not carry this yet):
+
 - ``GangTraining.train`` (:class:`GangTrainingWindows`): the training phase of a fused gang's chunk, its
   wall-clock window;
 - ``Generation.decode`` (:class:`DecodeLog`): every GRPO decode (a trial's alone or a gang's), timed and
-  its generated tokens counted;
+  its generated tokens counted, with its requests' widest prompt and sampling settings;
 - ``DeviceTrials.evaluate`` (:class:`DecodeLog`): whether a decode serves an evaluation or the metric-name
-  check of the first trial built;
-- ``FusedEngine.run`` and ``TimeSlicedEngine.run`` (:class:`PassLog`): every chunk an engine trains for the
-  scheduler (a gang's on the fused engine, a trial's on the time-sliced one): its members and seconds.
+  check of the first trial built.
 
 Listened to (the package's own log, no patch): :class:`PackageLog` keeps the package's log lines and reads the
 seconds of each compiled layout's first pass from the launched pass's "Compiled the launched pass" line.
 
-The patches read these attributes of the package's objects: a runtime's ``trainer._total_train_tokens`` (TRL's
-count), ``spec.number`` and ``state.adapter_name``; ``Placement.current``; a chunk result's ``step``,
-``train_seconds`` and ``eval_seconds``; a decode request's ``adapter``, ``prompts`` and sampling settings.
+The patches read these attributes of the package's objects: a runtime's ``state.adapter_name``; a decode
+request's ``adapter``, ``prompts`` and sampling settings.
 
 Read as they are:
 
@@ -40,20 +39,14 @@ Read as they are:
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from benchmarks.harness.measure import sync
-from optuna_rapidfire._engines._fused_engine import FusedEngine
+from optuna_rapidfire import events
 from optuna_rapidfire._engines._gang_passes import PASS_TOKENS
-from optuna_rapidfire._engines._gang_stream import GangStream
 from optuna_rapidfire._engines._gang_training import GangTraining
-from optuna_rapidfire._engines._placement import Placement
-from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
 from optuna_rapidfire._engines._trials import DeviceTrials
-from optuna_rapidfire._engines._types import ChunkResult
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
 from optuna_rapidfire._resident._data import ChunkPlan
 from optuna_rapidfire._study import _attrs as attrs
@@ -61,7 +54,6 @@ from optuna_rapidfire._trainers.grpo._generation import Generation
 
 __all__ = [
     "PASS_TOKENS",
-    "ChunkLog",
     "ChunkPlan",
     "DecodeLog",
     "DecodeRequest",
@@ -75,7 +67,7 @@ __all__ = [
 
 
 class Recorder:
-    """Hooks into the engine: chunk timings, tokens, evaluation time, switch latency (synchronized)."""
+    """Listens to the engine's events: chunk timings, tokens, evaluation time, switch latency (synchronized)."""
 
     def __init__(self) -> None:
         self.first_report: dict[int, float] = {}
@@ -84,60 +76,21 @@ class Recorder:
         self.tokens = 0
         self.switches: list[float] = []
         self.chunks: list[dict[str, float]] = []  # per chunk: step, tokens, train seconds
-        self._originals: dict[str, Any] = {}
-        self._in_gang = False  # a fused engine's run: it records its members' chunks itself
+        self._registration: Any = None
+
+    def _hear(self, event: events.Event) -> None:
+        if isinstance(event, events.ChunkTrained):
+            self.tokens += event.tokens
+            self.eval_seconds += event.eval_seconds
+            self.train_seconds += event.train_seconds
+            self.chunks.append({"step": event.step, "tokens": event.tokens, "train_seconds": event.train_seconds})
+            if event.step == 0:
+                self.first_report.setdefault(event.trial, time.perf_counter())
+        elif isinstance(event, events.Switched):
+            self.switches.append(event.seconds)
 
     def __enter__(self) -> Recorder:
-        recorder = self
-        run_chunk, switch_to = TimeSlicedEngine.run_chunk, Placement.switch_to
-        run_gang = FusedEngine.run
-        self._originals = {"run_chunk": run_chunk, "switch_to": switch_to, "run_gang": run_gang}
-
-        def tokens(runtime: Any) -> int:
-            return int(getattr(runtime.trainer, "_total_train_tokens", 0))
-
-        def record(runtime: Any, before: int, result: Any) -> None:
-            if not isinstance(result, ChunkResult):  # that trial failed alone (its own out of memory...)
-                return
-            recorder.tokens += tokens(runtime) - before
-            recorder.eval_seconds += result.eval_seconds
-            recorder.train_seconds += result.train_seconds
-            recorder.chunks.append(
-                {"step": result.step, "tokens": tokens(runtime) - before, "train_seconds": result.train_seconds}
-            )
-            if result.step == 0:
-                recorder.first_report.setdefault(runtime.spec.number, time.perf_counter())
-
-        def timed_run_chunk(engine: TimeSlicedEngine, runtime: Any) -> Any:
-            before = tokens(runtime)
-            result = run_chunk(engine, runtime)
-            if not recorder._in_gang:
-                record(runtime, before, result)
-            return result
-
-        def timed_run_gang(engine: FusedEngine, runtimes: Any) -> Any:
-            before = [tokens(runtime) for runtime in runtimes]
-            recorder._in_gang = True
-            try:
-                results = run_gang(engine, runtimes)
-            finally:
-                recorder._in_gang = False
-            for runtime, count, result in zip(runtimes, before, results, strict=True):
-                record(runtime, count, result)
-            return results
-
-        def timed_switch(placement: Placement, runtime: Any) -> None:
-            changes = placement.current is not runtime
-            sync()
-            start = time.perf_counter()
-            switch_to(placement, runtime)
-            sync()
-            if changes:
-                recorder.switches.append(time.perf_counter() - start)
-
-        TimeSlicedEngine.run_chunk = timed_run_chunk  # type: ignore[method-assign, assignment]
-        Placement.switch_to = timed_switch  # type: ignore[method-assign, assignment]
-        FusedEngine.run = timed_run_gang  # type: ignore[method-assign, assignment]
+        self._registration = events.listen(self._hear)
         return self
 
     def steady_tokens_per_second(self) -> float:
@@ -146,9 +99,7 @@ class Recorder:
         return sum(c["tokens"] for c in later) / max(sum(c["train_seconds"] for c in later), 1e-9)
 
     def __exit__(self, *exc: object) -> None:
-        TimeSlicedEngine.run_chunk = self._originals["run_chunk"]  # type: ignore[method-assign]
-        Placement.switch_to = self._originals["switch_to"]  # type: ignore[method-assign]
-        FusedEngine.run = self._originals["run_gang"]  # type: ignore[method-assign]
+        self._registration()
 
 
 class GangTrainingWindows:
@@ -177,41 +128,6 @@ class GangTrainingWindows:
 
     def __exit__(self, *exc: object) -> None:
         GangTraining.train = self._original  # type: ignore[method-assign]
-
-
-class ChunkLog:
-    """Per trial and chunk, the fused engine's training and evaluation seconds (hooks its ``run``);
-    ``on_gang(members, steps, seconds)`` hears of every gang's chunk as it ends."""
-
-    def __init__(self, on_gang: Callable[[int, list[int], float], None] | None = None) -> None:
-        self.chunks: dict[int, dict[int, tuple[float, float]]] = {}
-        self._on_gang = on_gang
-        self._original: Any = None
-
-    def __enter__(self) -> ChunkLog:
-        original = self._original = FusedEngine.run
-        log = self
-
-        def run(engine: FusedEngine, runtimes: Any) -> Any:
-            start = time.perf_counter()
-            results = original(engine, runtimes)
-            steps = sorted({r.step for r in results if isinstance(r, ChunkResult)})
-            if log._on_gang is not None:
-                log._on_gang(len(runtimes), steps, time.perf_counter() - start)
-            for runtime, result in zip(runtimes, results, strict=True):
-                if isinstance(result, ChunkResult):
-                    times = (result.train_seconds, result.eval_seconds)
-                    log.chunks.setdefault(runtime.spec.number, {})[result.step] = times
-            return results
-
-        FusedEngine.run = run  # type: ignore[method-assign, assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        FusedEngine.run = self._original  # type: ignore[method-assign]
-
-    def count(self) -> int:
-        return sum(len(chunks) for chunks in self.chunks.values())
 
 
 class DecodeLog:
@@ -277,50 +193,23 @@ class PassLog:
     steps]`` (``time.time()`` at its start; ``steps``: the members' chunk indices). A fused gang's chunk is one
     entry (its members train in shared passes); a fused engine's gang that trains time-sliced is one entry too.
     A streamed gang (members at any step, joining and leaving between passes) has one entry per shared pass,
-    engine ``"stream"``, its ``steps`` the chunk each member is in."""
+    engine ``"stream"``, its ``steps`` the chunk each member is in. From the package's ``PassTrained`` events."""
 
     def __init__(self) -> None:
         self.passes: list[list[Any]] = []
-        self._originals: tuple[Any, Any, Any] | None = None
-        self._depth = threading.local()  # the fused engine's gangs it cannot fuse go through the time-sliced one
+        self._registration: Any = None
+
+    def _hear(self, event: events.Event) -> None:
+        if isinstance(event, events.PassTrained):
+            end = time.time()
+            self.passes.append([end - event.seconds, event.seconds, event.engine, len(event.trials), list(event.steps)])
 
     def __enter__(self) -> PassLog:
-        log = self
-        fused, sliced, streamed = self._originals = (FusedEngine.run, TimeSlicedEngine.run, GangStream._pass)
-
-        def stream_pass(stream: Any, seated: Any, *args: Any) -> Any:
-            start = time.time()
-            try:
-                return streamed(stream, seated, *args)
-            finally:
-                steps = [seat.runtime.state.position.chunks_done for seat in seated]
-                log.passes.append([start, time.time() - start, "stream", len(seated), steps])
-
-        GangStream._pass = stream_pass  # type: ignore[method-assign]
-
-        def logged(original: Any) -> Any:
-            def run(engine: Any, runtimes: Any) -> Any:
-                depth = getattr(log._depth, "value", 0)
-                log._depth.value = depth + 1
-                start = time.time()
-                try:
-                    results = original(engine, runtimes)
-                finally:
-                    log._depth.value = depth
-                if depth == 0:
-                    steps = [r.step for r in results if isinstance(r, ChunkResult)]
-                    log.passes.append([start, time.time() - start, engine.name, len(runtimes), steps])
-                return results
-
-            return run
-
-        FusedEngine.run = logged(fused)  # type: ignore[method-assign]
-        TimeSlicedEngine.run = logged(sliced)  # type: ignore[method-assign]
+        self._registration = events.listen(self._hear)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self._originals is not None
-        FusedEngine.run, TimeSlicedEngine.run, GangStream._pass = self._originals  # type: ignore[method-assign]
+        self._registration()
 
 
 class PackageLog(logging.Handler):

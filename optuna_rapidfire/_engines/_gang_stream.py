@@ -169,7 +169,12 @@ class GangStream:
             self.seated = [seat.runtime for seat in seated]
             if not seated:
                 break
+            start = time.perf_counter()
             self._pass(seated, layout, loss, unit, layout.width)
+            if events.listening():
+                numbers = tuple(seat.runtime.spec.number for seat in seated)
+                steps = tuple(seat.runtime.state.position.chunks_done for seat in seated)
+                events.emit(events.PassTrained(numbers, steps, time.perf_counter() - start, "stream"))
             ended = [seat for seat in seated if seat.index >= len(seat.plan.inputs)]
             if ended:
                 for seat in ended:

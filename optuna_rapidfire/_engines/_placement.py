@@ -12,13 +12,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from optuna_rapidfire import events
 from optuna_rapidfire._fused._dropout import DropoutStream
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-    import torch
 
     from optuna_rapidfire._engines._types import TrialRuntime
     from optuna_rapidfire._resident._model import ResidentModel
@@ -96,6 +96,9 @@ class Placement:
     def switch_to(self, runtime: TrialRuntime) -> None:
         """Set the model up to train the trial alone: its state on the device, its forward, activation
         checkpointing and RNG; counted as a switch when the model was set up for another trial."""
+        timed = events.listening() and self.device.type == "cuda"  # a listener gets the device's time too
+        if timed:
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         state = runtime.state
         self.on_device([runtime])
@@ -103,6 +106,8 @@ class Placement:
         enabled, kwargs = runtime.spec.kind.checkpointing(runtime.args)
         self.resident.set_checkpointing(enabled, kwargs)
         state.rng.restore(self.device)
+        if timed:
+            torch.cuda.synchronize(self.device)
         if self.current is not runtime:
             previous = None if self.current is None else self.current.spec.number
             self.switches += 1

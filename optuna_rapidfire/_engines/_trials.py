@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import numpy as np
 import torch
 
-from optuna_rapidfire import events
+from optuna_rapidfire import _compat, events
 from optuna_rapidfire._engines._clones import branch_from
 from optuna_rapidfire._engines._placement import Placement
 from optuna_rapidfire._engines._types import ChunkResult, EngineStats, TrialRuntime, TrialSpec, runtime_of
@@ -298,9 +298,12 @@ class DeviceTrials:
             train_seconds=train_seconds,
             eval_seconds=eval_seconds,
         )
+        tokens = _compat.train_tokens(runtime.trainer)
+        chunk_tokens, runtime.tokens_at_last_chunk = tokens - runtime.tokens_at_last_chunk, tokens
         if events.listening():
-            step, last = result.step, result.last
-            events.emit(events.ChunkTrained(runtime.spec.number, step, dict(full), train_seconds, eval_seconds, last))
+            number, step, last = runtime.spec.number, result.step, result.last
+            chunk = events.ChunkTrained(number, step, dict(full), train_seconds, eval_seconds, last, chunk_tokens)
+            events.emit(chunk)
         return result
 
     # -- evaluation ------------------------------------------------------------------------------

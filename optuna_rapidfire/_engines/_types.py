@@ -182,6 +182,7 @@ class TrialRuntime:
     history: list[dict[str, float]] = field(default_factory=list)
     branch: Branch | None = None
     last_used: float = field(default_factory=time.monotonic)
+    tokens_at_last_chunk: int = 0  # the trainer's count of training tokens when its last chunk ended
     released: bool = False
 
     def prepare(self, dataset: Dataset, split: str) -> Dataset:

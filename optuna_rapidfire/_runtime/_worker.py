@@ -134,9 +134,11 @@ class DeviceWorker(threading.Thread):
             return
         if task is Task.TRAIN:  # one trial, or a gang
             start = time.perf_counter()
+            steps = tuple(e.chunks_done for e in entries)
             results = self.engine.run([e.runtime for e in entries])
             if events.listening():
-                events.emit(events.PassTrained(tuple(e.number for e in entries), time.perf_counter() - start))
+                numbers, seconds = tuple(e.number for e in entries), time.perf_counter() - start
+                events.emit(events.PassTrained(numbers, steps, seconds, self.engine.name))
             for member, result in zip(entries, results, strict=True):
                 self.deliver(member, result)  # an error fails this member alone
             return
@@ -178,14 +180,11 @@ class DeviceWorker(threading.Thread):
         """Train a gang as a stream (:meth:`Engine.stream`): members join between passes and leave as their
         chunks end. An error that fails the stream fails the members seated then."""
         refill = _Refill(self, entries)
-        start = time.perf_counter()
         try:
             self.engine.stream([e.runtime for e in entries], refill)
         except BaseException as error:
             for victim in refill.seated():
                 self._fail(victim, error)
-        if events.listening():  # the chunks the stream trained, whoever joined it
-            events.emit(events.PassTrained(tuple(refill.trained), time.perf_counter() - start))
 
     def side_tasks(self) -> None:
         """Carry out the housekeeping and builds waiting now (between two passes of a stream)."""
@@ -237,7 +236,6 @@ class _Refill:
     def __init__(self, worker: DeviceWorker, entries: list[Entry]) -> None:
         self.worker = worker
         self._active = {id(e.runtime): e for e in entries}
-        self.trained: list[int] = []  # the numbers of the members whose chunk ended, in order
 
     def joiners(self, room: int, fits: Callable[[Any], bool]) -> list[Any]:
         self.worker.side_tasks()
@@ -248,7 +246,6 @@ class _Refill:
 
     def delivered(self, done: Sequence[tuple[Any, ChunkResult | BaseException]]) -> None:
         entries = [(self._active.pop(id(runtime)), result) for runtime, result in done]
-        self.trained.extend(entry.number for entry, _ in entries)
         # Each member's step before any delivery moves one on: a member delivered first would otherwise count as
         # the mate of a member one chunk ahead, whose decision then waits for a report that never comes.
         steps = [entry.chunks_done for entry, _ in entries]

@@ -62,9 +62,13 @@ def test_a_study_tells_its_listeners_what_happens_on_the_device(make_executor, l
     assert sorted(started) == sorted((e.trial, e.step) for e in trained) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for event in trained:  # what the listener saw is what Optuna got
         assert study.trials[event.trial].intermediate_values[event.step] == event.metrics["eval_loss"]
-        assert event.last == (event.step == 1) and event.train_seconds > 0
+        assert event.last == (event.step == 1) and event.train_seconds > 0 and event.tokens > 0
     passes = [e for e in seen if isinstance(e, events.PassTrained)]
-    assert sorted(t for e in passes for t in e.trials) == [0, 0, 1, 1]
+    if engine == "time_sliced":  # one pass a chunk
+        assert sorted((t, s) for e in passes for t, s in zip(e.trials, e.steps, strict=True)) == sorted(started)
+    else:  # gangs, or streams: one entry a shared pass, each member at its chunk
+        assert {(t, s) for e in passes for t, s in zip(e.trials, e.steps, strict=True)} == set(started)
+    assert {e.engine for e in passes} <= ({"time_sliced"} if engine == "time_sliced" else {"fused", "stream"})
     for event in seen:
         if isinstance(event, events.ChunkStarting):
             trained_before = [
