@@ -135,3 +135,53 @@ def test_each_list_of_names_is_its_registry_s() -> None:
     assert {name: kind.args_type().__name__ for name, kind in TRAINER_KINDS.items()} == _search.TRAINERS
     assert {name: kind.default_metric for name, kind in TRAINER_KINDS.items()} == _search.DEFAULT_METRIC
     assert ("default", *SCHEDULES) == _search._SCHEDULES
+
+
+def _readme_options() -> dict[str, str]:
+    """README's API table: each option named in its first column, with its default cell."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = text[text.index("| option | default | meaning |") : text.index("- `executor.optimize(")]
+    options: dict[str, str] = {}
+    for row in table.splitlines()[2:]:
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        for name in re.findall(r"`(\w+)`", cells[0]):
+            options[name] = cells[1].strip("`")
+    return options
+
+
+# Defaults README writes as what they resolve to, not as the field's value.
+_RESOLVED_IN_README = {
+    "model_kwargs": "{}",  # None becomes {}
+    "metric": '"eval_loss"',  # None: the trainer kind's default metric (eval_loss for SFT and DPO)
+    "output_dir": "rapidfire-output",  # a folder name, unquoted
+}
+
+
+def test_readme_and_the_executor_docstring_document_every_option_with_its_default() -> None:
+    """The options are written once, as ExecutorConfig's fields: README's table and RapidFireExecutor's
+    docstring name each of them (and nothing else), README with the field's default."""
+    import dataclasses
+
+    from optuna_rapidfire import RapidFireExecutor
+
+    fields = {f.name: f for f in dataclasses.fields(ExecutorConfig) if f.init}
+    readme = _readme_options()
+    assert set(readme) == set(fields)
+    for name, cell in readme.items():
+        field = fields[name]
+        if name in _RESOLVED_IN_README:
+            assert cell == _RESOLVED_IN_README[name], name
+        elif field.default is dataclasses.MISSING or field.default is None:
+            assert cell in ("", "`None`", "None"), (name, cell)
+        elif isinstance(field.default, str):
+            assert cell == f'"{field.default}"', (name, cell)
+        else:
+            assert cell == str(field.default) or float(cell) == field.default, (name, cell)
+    doc = RapidFireExecutor.__doc__ or ""
+    documented = {
+        line.strip().split(":")[0] for line in doc.splitlines() if line.startswith("        ") and ":" in line
+    }
+    assert set(fields) <= documented, sorted(set(fields) - documented)
