@@ -31,6 +31,7 @@ completed, 1 when none did, 2 for bad input, 130 when interrupted (Ctrl-C or SIG
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -38,19 +39,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from optuna_rapidfire import _compat, control
+from optuna_rapidfire._cli_storage import check_study, load_study, open_storage, unreachable
 from optuna_rapidfire._study import _attrs, _commands
-from optuna_rapidfire._study._storages import RDB_BACKENDS, hide_password
+from optuna_rapidfire._study._storages import hide_password
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     import optuna
     from optuna.trial import FrozenTrial
-    from sqlalchemy.engine import URL
-
-_DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "oracle": 1521, "mssql": 1433}
-# A server that drops packets would otherwise keep the command waiting for the operating system's timeout.
-_CONNECT_TIMEOUT_S = 10
 
 
 def _version() -> str:
@@ -143,102 +140,6 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
 # -- opening a study that exists ---------------------------------------------------------------------
 
 
-def _unreachable(url: str, error: Exception) -> str:
-    """One line saying which server (or file) could not be reached and why, without the password."""
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    lines = str(getattr(error, "orig", None) or error).strip().splitlines()  # the driver's words, no SQL
-    reason = lines[0] if lines else type(error).__name__
-    if parsed.password:
-        reason = reason.replace(str(parsed.password), "***")
-    if parsed.get_backend_name() == "sqlite":
-        return f"cannot open {hide_password(url)}: {reason}"
-    port = parsed.port or _DEFAULT_PORTS.get(parsed.get_backend_name()) or "default port"
-    return f"cannot connect to {parsed.host or 'localhost'}:{port} ({hide_password(url)}): {reason}"
-
-
-def _sqlite_path(parsed: URL) -> str | None:
-    database = parsed.database or ""
-    if parsed.query.get("uri") == "true":
-        database = database.removeprefix("file:")
-    return None if database in ("", ":memory:") else database
-
-
-def _open_storage(url: str, **rdb_kwargs: Any) -> optuna.storages.RDBStorage:
-    """The RDB storage at ``url``, which must already hold Optuna's tables.
-
-    Opening an SQLite path creates the file and Optuna's ``RDBStorage`` creates its tables, so a typo in a
-    read-only command would leave an empty database behind: the file and the tables are checked first.
-    """
-    import optuna
-    import sqlalchemy
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
-
-    shown = hide_password(url)
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        parsed = None
-    if parsed is None or parsed.get_backend_name() not in RDB_BACKENDS:
-        raise ValueError(f"--storage must be an RDB URL (postgresql://..., sqlite:///...), but got {shown!r}.")
-    backend = parsed.get_backend_name()
-    connect_args: dict[str, Any] = {}
-    if backend == "sqlite":
-        path = _sqlite_path(parsed)
-        if path is None:
-            raise ValueError(f"{shown} is an in-memory database, which holds no study: give the study's file.")
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"no SQLite database at {os.path.abspath(path)} ({shown}): check the path, or create the study "
-                f"first (optuna create-study --storage {shown} --study-name NAME)."
-            )
-    elif backend in ("postgresql", "mysql"):
-        connect_args["connect_timeout"] = _CONNECT_TIMEOUT_S
-    try:
-        engine = sqlalchemy.create_engine(parsed, connect_args=connect_args)
-    except ImportError as error:
-        hint = " (pip install 'optuna-rapidfire[postgresql]')" if backend == "postgresql" else ""
-        raise ValueError(f"no database driver for {shown}: {error}{hint}.") from None
-    try:
-        with engine.connect() as connection:
-            tables = set(sqlalchemy.inspect(connection).get_table_names())
-    except SQLAlchemyError as error:
-        raise ValueError(_unreachable(url, error)) from None
-    finally:
-        engine.dispose()
-    if "studies" not in tables:
-        raise ValueError(
-            f"{shown} holds no Optuna study (it has no Optuna tables): create the study first "
-            f"(optuna create-study --storage {shown} --study-name NAME)."
-        )
-    try:
-        return optuna.storages.RDBStorage(url, skip_table_creation=True, **rdb_kwargs)
-    except RuntimeError as error:  # Optuna's "the table schema is too old: run optuna storage upgrade"
-        raise ValueError(str(error)) from None
-
-
-def _check_study(storage: optuna.storages.BaseStorage, study_name: str, url: str) -> None:
-    try:
-        storage.get_study_id_from_name(study_name)
-    except KeyError:
-        names = sorted(study.study_name for study in storage.get_all_studies())
-        there = f"studies there: {', '.join(names)}" if names else "it holds no study yet"
-        raise ValueError(f"no study {study_name!r} in {hide_password(url)}; {there}") from None
-
-
-def _load_study(url: str, study_name: str) -> optuna.Study:
-    import optuna
-
-    storage = _open_storage(url)
-    _check_study(storage, study_name, url)
-    return optuna.load_study(study_name=study_name, storage=storage)
-
-
-# -- ls ----------------------------------------------------------------------------------------------
-
-
 def _lineage(trial: FrozenTrial, chunks_done: dict[int, int]) -> str:
     """``parent@step warm|cold`` for a clone: where it branched, or for one that has not started yet, where it
     will branch (the chunk it was asked for at)."""
@@ -293,37 +194,64 @@ def _table(study: optuna.Study) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``optuna-rapidfire`` command."""
-    import optuna
+    """Entry point of the ``optuna-rapidfire`` command: the command's function from :data:`COMMANDS`."""
+    options = _parser().parse_args(argv)
+    try:
+        return COMMANDS[options.command](options)
+    except _Refused:
+        return 2
+
+
+class _Refused(Exception):
+    """Bad input, already said on stderr: the command exits with status 2."""
+
+
+@contextlib.contextmanager
+def _refusing(storage: str | None) -> Iterator[None]:
+    """Say bad input (a ``ValueError``, ``TypeError`` or ``KeyError``) or a failing storage in one line and refuse
+    (:class:`_Refused`): the one place the commands do. ``storage``: the URL the command opened, if any."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    options = _parser().parse_args(argv)
-    if options.command == "worker":
-        return _worker(options)
-    if options.command == "tune":
-        return _tune(options)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = _load_study(options.storage, options.study_name)
-        if options.command == "ls":
-            print(_table(study))
-        elif options.command in _commands.TRIAL_OPS:
-            act = {"stop": control.stop, "resume": control.resume, "delete": control.delete}[options.command]
-            key = act(study, options.trial, **({"reason": options.reason} if options.command == "delete" else {}))
-            print(f"trial {options.trial}: {options.command} {_applied(study, key, options.wait)}")
-        elif options.command == "clone":
-            child = control.clone(
-                study,
-                options.trial,
-                _overrides(options.set),
-                warm_start=not options.cold,
-                from_chunk=options.from_chunk,
-            )
-            print(f"trial {options.trial}: {_started(study, child, options.wait)}")
+        yield
     except SQLAlchemyError as error:  # the server went away after the study was opened
-        return _error(_unreachable(options.storage, error))
+        failed = str(getattr(error, "orig", None) or error).splitlines()[0]
+        _error(unreachable(storage, error) if storage is not None else f"the study's storage failed: {failed}")
+        raise _Refused from None
     except (ValueError, TypeError, KeyError) as error:
-        return _error(error.args[0] if isinstance(error, KeyError) and error.args else error)
+        _error(error.args[0] if isinstance(error, KeyError) and error.args else error)
+        raise _Refused from None
+
+
+def _study(options: argparse.Namespace) -> optuna.Study:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return load_study(options.storage, options.study_name)
+
+
+def _ls(options: argparse.Namespace) -> int:
+    with _refusing(options.storage):
+        print(_table(_study(options)))
+    return 0
+
+
+def _trial_command(options: argparse.Namespace) -> int:
+    """``stop``, ``resume`` or ``delete`` one trial, and say what the executor did."""
+    act = {"stop": control.stop, "resume": control.resume, "delete": control.delete}[options.command]
+    with _refusing(options.storage):
+        study = _study(options)
+        key = act(study, options.trial, **({"reason": options.reason} if options.command == "delete" else {}))
+        print(f"trial {options.trial}: {options.command} {_applied(study, key, options.wait)}")
+    return 0
+
+
+def _clone(options: argparse.Namespace) -> int:
+    with _refusing(options.storage):
+        study = _study(options)
+        params = _overrides(options.set)
+        child = control.clone(study, options.trial, params, warm_start=not options.cold, from_chunk=options.from_chunk)
+        print(f"trial {options.trial}: {_started(study, child, options.wait)}")
     return 0
 
 
@@ -394,7 +322,6 @@ def _load_app(spec: str) -> Any:
 def _worker(options: argparse.Namespace) -> int:
     """``optuna-rapidfire worker``: one executor joined to a shared study, with heartbeats."""
     import optuna
-    from sqlalchemy.exc import SQLAlchemyError
 
     from optuna_rapidfire._executor import RapidFireExecutor
     from optuna_rapidfire._logging import get_logger
@@ -404,10 +331,10 @@ def _worker(options: argparse.Namespace) -> int:
         value = getattr(options, name)
         if value is not None and value < (0 if name == "max_retry" else 1):
             return _error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    try:
+    with _refusing(options.storage):
         app = _load_app(options.app)
         # The storage and the study are checked before app() builds the executor (it may load a model).
-        storage = _open_storage(
+        storage = open_storage(
             options.storage,
             heartbeat_interval=options.heartbeat_interval,
             grace_period=options.grace_period,
@@ -415,17 +342,13 @@ def _worker(options: argparse.Namespace) -> int:
                 max_retry=options.max_retry
             ),
         )
-        _check_study(storage, options.study_name, options.storage)
+        check_study(storage, options.study_name, options.storage)
         made = app(devices=options.devices)
         if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], RapidFireExecutor)):
             raise TypeError(f"--app {options.app!r} must return (executor, configure[, study_kwargs]).")
         executor, configure = made[0], made[1]
         study_kwargs = dict(made[2]) if len(made) == 3 else {}
         study = optuna.load_study(study_name=options.study_name, storage=storage, **study_kwargs)
-    except SQLAlchemyError as error:
-        return _error(_unreachable(options.storage, error))
-    except (ValueError, TypeError, KeyError) as error:
-        return _error(error.args[0] if isinstance(error, KeyError) and error.args else error)
     logger.info("Worker %s joined study %r on %s.", os.getpid(), options.study_name, hide_password(options.storage))
     callbacks = []
     if options.study_trials is not None:
@@ -446,8 +369,6 @@ def _tune(options: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from sqlalchemy.exc import SQLAlchemyError
-
     from optuna_rapidfire._study._optimize import Terminated
     from optuna_rapidfire._tune import NoCompleteTrialError, tune
 
@@ -458,7 +379,8 @@ def _tune(options: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        result = tune(options.search, merge=options.merge)
+        with _refusing(None):
+            result = tune(options.search, merge=options.merge)
     except NoCompleteTrialError as error:
         print(f"optuna-rapidfire: {error}", file=sys.stderr)
         return 1
@@ -469,10 +391,6 @@ def _tune(options: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
-    except SQLAlchemyError as error:
-        return _error(f"the study's storage failed: {str(getattr(error, 'orig', None) or error).splitlines()[0]}")
-    except (ValueError, TypeError, KeyError) as error:
-        return _error(error.args[0] if isinstance(error, KeyError) and error.args else error)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -483,6 +401,16 @@ def _tune(options: argparse.Namespace) -> int:
         print(f"merged model: {result.merged}")
     print(f"summary: {result.summary_path}")
     return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "tune": _tune,
+    "ls": _ls,
+    **dict.fromkeys(_commands.TRIAL_OPS, _trial_command),
+    "clone": _clone,
+    "worker": _worker,
+}
+"""Each command of ``optuna-rapidfire`` and its function."""
 
 
 if __name__ == "__main__":
