@@ -36,147 +36,20 @@ Rules:
 
 from __future__ import annotations
 
-import enum
-import functools
-import inspect
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from optuna_rapidfire._runtime._lockstep import LockstepSchedule
+from optuna_rapidfire._runtime._entry import Decision, Entry, Request, Stopped, Task
 from optuna_rapidfire._runtime._promote import PromoteSchedule
-from optuna_rapidfire._runtime._schedule import BaseSchedule, Reports, Status, Stop, TrialView
+from optuna_rapidfire._runtime._schedule import BaseSchedule, Reports, Status, Stop
+from optuna_rapidfire._runtime._schedules import takes_reports
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection
 
 
-class Decision(enum.Enum):
-    """What a trial's driver decided after a chunk (as Ray Tune's schedulers answer a result)."""
-
-    CONTINUE = "continue"  # train the next chunk
-    PAUSE = "pause"  # a person stopped it: move its state off the device, keep it
-    FINISH = "finish"  # complete: save its adapter, then release it
-    STOP = "stop"  # pruned, failed or deleted: release its state
-
-
-class Request(enum.Enum):
-    """Housekeeping a decision leaves for the device's worker."""
-
-    PAUSE = "pause"
-    FINISH = "finish"
-    RELEASE = "release"
-
-
-class Task(enum.Enum):
-    """What the worker is asked to do, for the list of entries the task carries (one, except a fused TRAIN)."""
-
-    BUILD = "build"
-    TRAIN = "train"  # one trial, or a group for an engine that fuses (which trials: the schedule's choice)
-    PAUSE = "pause"
-    FINISH = "finish"
-    RELEASE = "release"
-
-
-@dataclass(frozen=True)
-class Stopped:
-    """Event for a READY trial its schedule stopped (a :class:`Stop`): end it as PRUNED, for ``reason``."""
-
-    reason: str
-
-
 _REQUESTED = {Decision.PAUSE: Request.PAUSE, Decision.FINISH: Request.FINISH, Decision.STOP: Request.RELEASE}
-_LIVE = (Status.BUILDING, Status.READY, Status.TRAINING, Status.AWAITING)
-
-
-@dataclass(eq=False)
-class Entry:
-    """One trial as the scheduler sees it.
-
-    Attributes:
-        number: Optuna trial number (unique within the study).
-        trial_id: Optuna trial id (unique within the storage).
-        spec: What the engine needs to build the trial.
-        status: What the trial is doing.
-        request: Housekeeping asked for and not done yet.
-        chunks_done: Chunks trained so far.
-        reported: Highest step the trial has reported to Optuna (-1: none).
-        screened: Highest step for which the trial's first pruning pass ran (-1: none).
-        awaiting_since: When the trial last became AWAITING (``time.monotonic()``).
-        mates: Numbers of the trials that trained the same step in the same pass (a fused gang's
-            members at equal progress): under a schedule without barriers they decide together.
-        held: A queued trial its driver acts on (a person's command, :meth:`Scheduler.hold`): not built
-            meanwhile, and not READY once built, until its driver decides.
-        taken: The device's worker took the trial's build.
-        events: What the worker tells the trial's Optuna thread, in order.
-        runtime: The engine's per-trial object, owned by the worker thread.
-    """
-
-    number: int
-    trial_id: int
-    spec: Any
-    status: Status = Status.BUILDING
-    request: Request | None = None
-    chunks_done: int = 0
-    reported: int = -1
-    screened: int = -1
-    awaiting_since: float = 0.0
-    mates: frozenset[int] = frozenset()
-    held: bool = False
-    taken: bool = False
-    events: queue.Queue[Any] = field(default_factory=queue.Queue)
-    runtime: Any = None
-
-    @property
-    def live(self) -> bool:
-        """Counts in the lock-step rounds: registered, not paused, not leaving."""
-        return self.status in _LIVE and self.request is None
-
-    @property
-    def gone(self) -> bool:
-        return self.status is Status.GONE
-
-    @property
-    def buildable(self) -> bool:
-        """Registered, not built nor being built, not held."""
-        return self.status is Status.BUILDING and not self.taken and not self.held
-
-    def view(self) -> TrialView:
-        """What a schedule sees of the trial now."""
-        return TrialView(self.number, self.status, self.chunks_done, self.reported, self.awaiting_since, self.mates)
-
-
-SCHEDULES: dict[str, Callable[[], BaseSchedule]] = {
-    "lockstep": LockstepSchedule,
-    "promote": PromoteSchedule,
-    "promote_all": functools.partial(PromoteSchedule, when_exhausted="promote"),
-}
-"""The schedules ``RapidFireExecutor(schedule=...)`` knows by name (``"promote_all"``: promote, training the
-waiting trials on once the budget is spent, instead of ASHA's stop); ``"default"`` names :data:`DEFAULT_SCHEDULE`."""
-
-DEFAULT_SCHEDULE = "promote"
-"""The schedule ``"default"`` means: ASHA's promotion rule, chosen by a CPU simulation over learning curves
-(tests/unit/test_scheduler.py) and measured against "lockstep" by the search part of benchmarks/README.md."""
-
-
-def _takes_reports(schedule: BaseSchedule) -> bool:
-    """Whether the schedule's ``choose`` takes ``reports`` (one written before it existed does not)."""
-    parameters = inspect.signature(schedule.choose).parameters
-    return "reports" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-
-
-def schedule_from(setting: str | BaseSchedule) -> BaseSchedule:
-    """A schedule from its name or itself; the error names the bad value and the choices."""
-    if isinstance(setting, BaseSchedule):
-        return setting
-    if isinstance(setting, str) and (setting in SCHEDULES or setting == "default"):
-        return SCHEDULES[DEFAULT_SCHEDULE if setting == "default" else setting]()
-    raise ValueError(
-        f"schedule must be one of 'default' ({DEFAULT_SCHEDULE!r}), {', '.join(repr(n) for n in SCHEDULES)} or a "
-        f"BaseSchedule instance (e.g. PromoteSchedule()), but got schedule={setting!r}."
-    )
 
 
 def _reports(scheduler: Scheduler, live: int, streaming: bool) -> Reports:
@@ -435,7 +308,7 @@ class Scheduler:
         until a change). A :class:`Stop` is carried out here (its trials' drivers hear it)."""
         views = [e.view() for e in live]
         extra: dict[str, Any] = {}
-        if _takes_reports(self.schedule):
+        if takes_reports(self.schedule):
             reports = _reports(self, len(live), streaming)
             extra["reports"] = reports
             self._promotion_waits = self.schedule.waiting(views, reports)

@@ -17,13 +17,14 @@ import torch
 
 from optuna_rapidfire import events
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._runtime._scheduler import Entry, Scheduler, Task
+from optuna_rapidfire._runtime._entry import Entry, Task
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from optuna_rapidfire._engines._base import Engine
     from optuna_rapidfire._engines._types import Branch, ChunkResult
+    from optuna_rapidfire._runtime._scheduler import Scheduler
 
 _logger = get_logger(__name__)
 

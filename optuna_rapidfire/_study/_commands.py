@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
-    from optuna_rapidfire._runtime._scheduler import Entry, Scheduler
+    from optuna_rapidfire._runtime._entry import Entry
+    from optuna_rapidfire._runtime._scheduler import Scheduler
 
 _logger = get_logger(__name__)
 

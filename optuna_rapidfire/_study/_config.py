@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 import optuna
 
 from optuna_rapidfire._budget import MemoryBudget
-from optuna_rapidfire._runtime._scheduler import schedule_from
+from optuna_rapidfire._runtime._schedules import schedule_from
 
 if TYPE_CHECKING:
     import torch

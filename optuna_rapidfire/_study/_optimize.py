@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from optuna_rapidfire._logging import get_logger
-from optuna_rapidfire._runtime._scheduler import Entry, Status
+from optuna_rapidfire._runtime._schedule import Status
 from optuna_rapidfire._study._pool import TrialPool
 from optuna_rapidfire._study._progress import Progress
 from optuna_rapidfire._study._run import Run
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from optuna.trial import TrialState
 
     from optuna_rapidfire._runtime._device import DeviceRuntime
+    from optuna_rapidfire._runtime._entry import Entry
     from optuna_rapidfire._study._services import StudyServices
     from optuna_rapidfire._study._trial_driver import Configure
 

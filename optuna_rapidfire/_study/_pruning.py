@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
     from optuna.pruners import BasePruner
 
-    from optuna_rapidfire._runtime._scheduler import Entry, Scheduler
+    from optuna_rapidfire._runtime._entry import Entry
+    from optuna_rapidfire._runtime._scheduler import Scheduler
 
 _logger = get_logger(__name__)
 

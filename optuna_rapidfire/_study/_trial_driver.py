@@ -21,7 +21,8 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna_rapidfire import _compat
 from optuna_rapidfire._engines._types import ChunkResult, TrialSpec
 from optuna_rapidfire._logging import explained, get_logger
-from optuna_rapidfire._runtime._scheduler import Decision, Entry, Status, Stopped
+from optuna_rapidfire._runtime._entry import Decision, Entry, Stopped
+from optuna_rapidfire._runtime._schedule import Status
 from optuna_rapidfire._runtime._worker import Built, Failed, Paused, Released, Saved
 from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._study._pruning import resolve_auto_resources, should_prune

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from optuna_rapidfire._runtime._scheduler import SCHEDULES
+from optuna_rapidfire._runtime._schedules import SCHEDULES
 from optuna_rapidfire._study._storages import RDB_BACKENDS
 
 if TYPE_CHECKING:

@@ -125,7 +125,7 @@ def test_each_list_of_names_is_its_registry_s() -> None:
     import typing
 
     from optuna_rapidfire._engines import ENGINES
-    from optuna_rapidfire._runtime._scheduler import SCHEDULES
+    from optuna_rapidfire._runtime._schedules import SCHEDULES
     from optuna_rapidfire._study._config import EngineName
     from optuna_rapidfire._trainers import TRAINER_KINDS
     from optuna_rapidfire._tune import _search

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from optuna_rapidfire._runtime._scheduler import Decision, Entry, Scheduler, Stopped, Task, schedule_from
+from optuna_rapidfire._runtime._entry import Decision, Entry, Stopped, Task
+from optuna_rapidfire._runtime._scheduler import Scheduler
+from optuna_rapidfire._runtime._schedules import schedule_from
 from optuna_rapidfire._runtime._slots import Slots
 from optuna_rapidfire.schedules import (
     BaseSchedule,

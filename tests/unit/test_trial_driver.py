@@ -30,7 +30,8 @@ from trl import SFTConfig
 from optuna_rapidfire import _compat, control
 from optuna_rapidfire._engines._types import Branch, ChunkResult
 from optuna_rapidfire._runtime._device import DeviceRuntime
-from optuna_rapidfire._runtime._scheduler import Decision, Entry, Scheduler, Task
+from optuna_rapidfire._runtime._entry import Decision, Entry, Task
+from optuna_rapidfire._runtime._scheduler import Scheduler
 from optuna_rapidfire._runtime._slots import PausedTrials, Slots
 from optuna_rapidfire._runtime._worker import Built, DivergedError, Failed, Paused, Released, Saved, SetupError
 from optuna_rapidfire._study import _attrs
