@@ -31,6 +31,8 @@ from optuna_rapidfire._runtime._schedule import Status
 from optuna_rapidfire._study import _attrs
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import optuna
     from optuna.trial import FrozenTrial
 
@@ -369,7 +371,7 @@ def enqueue_clone(
     request: dict[str, Any] = {"parent": trial_number, "warm": bool(warm_start)}
     if warm_start:
         _check_warm_parent(parent)
-        request["from_chunk"] = _branch_chunk(study, parent, from_chunk, changed=bool(params))
+        request["from_chunk"] = _branch_chunk(study, parent, from_chunk, changed=bool(params), params=merged)
     elif from_chunk is not None:
         raise ValueError(f"from_chunk={from_chunk} names a state to branch from, but a cold clone starts from none.")
     # The token finds this clone among others enqueued at the same moment by other clients.
@@ -379,7 +381,20 @@ def enqueue_clone(
     return next(t.number for t in waiting if t.user_attrs.get(_attrs.CLONE_OF) == request)
 
 
-def _branch_chunk(study: optuna.Study, parent: FrozenTrial, from_chunk: int | None, *, changed: bool) -> int:
+_RUN_LENGTHS: dict[str, Callable[[dict[str, Any]], int | None]] = {}
+"""Per study name, how many chunks a trial of these params runs, as the executor running that study in this process
+computes it from the user's ``configure`` (``None``: it cannot tell)."""
+
+
+def learn_run_length(study_name: str, run_length: Callable[[dict[str, Any]], int | None]) -> None:
+    """Say how long a run of given params is in study ``study_name`` (the executor does, once it runs it here), so
+    that a warm clone with nothing left to train is refused when it is asked for."""
+    _RUN_LENGTHS[study_name] = run_length
+
+
+def _branch_chunk(
+    study: optuna.Study, parent: FrozenTrial, from_chunk: int | None, *, changed: bool, params: dict[str, Any]
+) -> int:
     """The chunk boundary a warm clone of ``parent`` branches from: ``from_chunk``, or the parent's chunks done
     now (what the person asking saw). Refused at once when there is nothing to branch from (no chunk trained, or
     the named one's state no longer kept), or nothing left to train (the parent's last chunk by default, and no
@@ -410,6 +425,14 @@ def _branch_chunk(study: optuna.Study, parent: FrozenTrial, from_chunk: int | No
             f"Trial {parent.number} had trained all {total} chunks at chunk {step}: a warm clone from there would "
             "have nothing left to train. Name an earlier chunk (from_chunk, --from-chunk), clone it cold, or, for "
             f"a run your configure makes longer, name chunk {step} itself."
+        )
+    run_length = _RUN_LENGTHS.get(study.study_name)
+    length = None if run_length is None or not (isinstance(total, int) and step >= total) else run_length(params)
+    if length is not None and step >= length:
+        raise ValueError(
+            f"Trial {parent.number} had trained all {total} chunks at chunk {step}, and a run with these params is "
+            f"{length} chunks: a warm clone from there would have nothing left to train. Name an earlier chunk "
+            "(from_chunk, --from-chunk), or clone it cold."
         )
     return step
 

@@ -13,7 +13,7 @@ import os
 import queue
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
@@ -27,9 +27,12 @@ from optuna_rapidfire._runtime._worker import Built, Failed, Paused, Released, S
 from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._study._pruning import resolve_auto_resources, should_prune
 from optuna_rapidfire._study._trial_record import TrialRecord
+from optuna_rapidfire._trainers import kind_for
 from optuna_rapidfire._trainers._base import ACCELERATE_STATE
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from optuna_rapidfire._runtime._slots import Lease
     from optuna_rapidfire._study._config import Configure
     from optuna_rapidfire._study._run import Run
@@ -360,6 +363,21 @@ class TrialDriver:
         self.record.paused_at_end(chunks)
 
 
+def _run_length(configure: Configure, num_chunks: int) -> Callable[[dict[str, Any]], int | None]:
+    """How many chunks a trial of given params runs: the user's ``configure`` on those params (``None`` if it
+    cannot say, e.g. it suggests a parameter they lack)."""
+
+    def run_length(params: dict[str, Any]) -> int | None:
+        try:
+            with ACCELERATE_STATE:
+                _, args = configure(cast("optuna.Trial", optuna.trial.FixedTrial(params)))  # a Trial's suggest API
+            return kind_for(args).total_chunks(args, num_chunks)
+        except Exception:
+            return None
+
+    return run_length
+
+
 def trial_spec(run: Run, trial: optuna.Trial, configure: Configure, record: TrialRecord) -> TrialSpec:
     """What the device builds for ``trial``: ``configure(trial)``'s config, checked, with where the trial's
     files go and what it starts from. A config no trial can use (a ``TypeError`` or ``ValueError``) stops the
@@ -376,6 +394,7 @@ def trial_spec(run: Run, trial: optuna.Trial, configure: Configure, record: Tria
             _logger.warning("Trial %d failed, and the study stops: %s", trial.number, error)
         explained(trial.number)
         raise
+    _commands.learn_run_length(study.study_name, _run_length(configure, services.config.num_chunks))
     root = os.path.join(services.config.output_dir, study.study_name)
     return TrialSpec(
         number=trial.number,

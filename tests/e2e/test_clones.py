@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import optuna
 import pytest
@@ -144,10 +146,11 @@ def test_cold_clone_on_request(make_executor, slow_chunks) -> None:
 
 
 def test_a_warm_clone_of_a_trial_that_trained_everything_is_refused_at_once_and_one_of_a_failed_trial_too(
-    make_executor,
+    make_executor, tmp_path
 ) -> None:
     executor = make_executor(num_chunks=3, max_concurrent_trials=1)
-    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    url = f"sqlite:///{tmp_path / 'clones.db'}"
+    study = optuna.create_study(storage=url, study_name="clones", pruner=optuna.pruners.NopPruner())
     study.enqueue_trial({"r": 8, "learning_rate": 2e-2, "weight_decay": 0.1})
     executor.optimize(study, configure, n_trials=1)
     before = len(study.trials)
@@ -159,10 +162,17 @@ def test_a_warm_clone_of_a_trial_that_trained_everything_is_refused_at_once_and_
         control.clone(study, 0, from_chunk=1)
     with pytest.raises(ValueError, match="from_chunk must be between 1 and 3"):
         control.clone(study, 0, from_chunk=4)
+    # Changed: this process ran the study, so the clone's run length is known from configure (3 chunks, as the
+    # learning rate does not change it): nothing would be left to train either.
+    with pytest.raises(ValueError, match=r"a run with these params is 3 chunks: .* nothing left to train"):
+        control.clone(study, 0, params={"learning_rate": 1e-3})
     assert len(study.trials) == before
-    # Changed: it could have a longer run, so it is enqueued; with the same run length it fails once built,
-    # recording nothing of the new learning rate.
-    child = control.clone(study, 0, params={"learning_rate": 1e-3})
+    # From a process that never ran the study (the CLI on another machine) the run length is unknown: the clone
+    # is enqueued, and once built it fails, recording nothing of the new learning rate.
+    cli = [sys.executable, "-m", "optuna_rapidfire", "clone", "--storage", url, "--study-name", "clones", "0"]
+    done = subprocess.run([*cli, "--set", "learning_rate=1e-3"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    child = len(study.trials) - 1
     executor.optimize(study, configure, n_trials=1)
     clone = study.trials[child]
     assert clone.state == TrialState.FAIL and clone.intermediate_values == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 from optuna_dashboard import ChoiceWidget, TextInputWidget, register_user_attr_form_widgets
 from optuna_dashboard._form_widget import get_form_widgets_json
@@ -107,3 +108,35 @@ def test_a_command_to_a_trial_whose_worker_died_reaches_its_retry_and_ls_shows_b
         assert "is COMPLETE: only a running trial can be stopped" in str(error)
     else:
         raise AssertionError("a command to a finished trial without a retry must be refused")
+
+
+def test_a_changed_warm_clone_of_a_finished_trial_is_refused_only_when_its_run_is_known_to_be_no_longer() -> None:
+    """What the executor that ran the study here learned from configure decides; what it cannot tell (another
+    process, or a configure that fails on the params) enqueues the clone."""
+    from optuna.distributions import FloatDistribution
+
+    study = optuna.create_study(study_name="run-lengths")
+    study.add_trial(
+        optuna.trial.create_trial(
+            params={"lr": 1e-3},
+            distributions={"lr": FloatDistribution(1e-5, 1e-1, log=True)},
+            value=0.5,
+            user_attrs={_attrs.CHUNKS_DONE: 3, _attrs.TOTAL_CHUNKS: 3},
+        )
+    )
+    asked: list[dict] = []
+
+    def run_length(params: dict) -> int | None:
+        asked.append(params)
+        return {1e-2: 3, 2e-2: 6}.get(params["lr"])
+
+    _commands.learn_run_length("run-lengths", run_length)
+    try:
+        with pytest.raises(ValueError, match="a run with these params is 3 chunks"):
+            _commands.enqueue_clone(study, 0, {"lr": 1e-2}, warm_start=True)
+        longer = _commands.enqueue_clone(study, 0, {"lr": 2e-2}, warm_start=True)
+        unknown = _commands.enqueue_clone(study, 0, {"lr": 3e-2}, warm_start=True)
+    finally:
+        _commands._RUN_LENGTHS.pop("run-lengths")
+    assert [p["lr"] for p in asked] == [1e-2, 2e-2, 3e-2]
+    assert [t.number for t in study.get_trials(states=(TrialState.WAITING,))] == [longer, unknown]
