@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 __all__ = [
     "Checkpointed",
@@ -100,12 +100,19 @@ class PassTrained:
 
 @dataclass(frozen=True)
 class Decoded:
-    """A decode batch of GRPO trials' generation requests ran (one trial's alone, or a gang's together)."""
+    """A decode batch of GRPO trials' generation requests ran (one trial's alone, or a gang's together): one request
+    per trial, ``rows`` prompts in all (the widest ``prompt_width`` tokens), ``new_tokens`` generated, in ``seconds``
+    (the device's time: synchronized while anyone listens). ``phase``: what the decode served, ``"train"`` (a
+    training step), ``"eval"`` (an evaluation), ``"check"`` (the one-batch check of the first trial's metrics) or
+    ``"mixed"``; ``sampling``: the first request's sampling settings, as the decode applied them."""
 
     trials: tuple[int, ...]
     rows: int
     new_tokens: int
     seconds: float
+    prompt_width: int
+    phase: str
+    sampling: dict[str, Any]
 
 
 @dataclass(frozen=True)

@@ -11,22 +11,19 @@ Listened to (the package's events, :mod:`optuna_rapidfire.events`, no patch):
 - :class:`Recorder`: ``ChunkTrained`` (each chunk's tokens, training and evaluation seconds, whatever engine
   trained it) and ``Switched`` (the switch to another trial's state, synchronized on a GPU while listened to);
 - :class:`PassLog`: ``PassTrained`` (every chunk an engine trains for the scheduler, and every shared pass of a
-  stream: its members, steps and seconds).
+  stream: its members, steps and seconds);
+- :class:`DecodeLog`: ``Decoded`` (every GRPO decode: its requests, rows, widest prompt, generated tokens,
+  synchronized seconds, what it served, the sampling settings).
 
 Still patched (the events do not carry this yet):
 
-- ``GangTraining.train`` (:class:`GangTrainingWindows`): the training phase of a fused gang's chunk, its
-  wall-clock window;
-- ``Generation.decode`` (:class:`DecodeLog`): every GRPO decode (a trial's alone or a gang's), timed and
-  its generated tokens counted, with its requests' widest prompt and sampling settings;
-- ``DeviceTrials.evaluate`` (:class:`DecodeLog`): whether a decode serves an evaluation or the metric-name
-  check of the first trial built.
+- ``GangTraining.train`` (:class:`GangTrainingWindows`, for ``--profile`` only): the training phase of a fused
+  gang's chunk, its wall-clock window.
 
 Listened to (the package's own log, no patch): :class:`PackageLog` keeps the package's log lines and reads the
 seconds of each compiled layout's first pass from the launched pass's "Compiled the launched pass" line.
 
-The patches read these attributes of the package's objects: a runtime's ``state.adapter_name``; a decode
-request's ``adapter``, ``prompts`` and sampling settings.
+The patch reads nothing of the package's objects.
 
 Read as they are:
 
@@ -46,11 +43,9 @@ from benchmarks.harness.measure import sync
 from optuna_rapidfire import events
 from optuna_rapidfire._engines._gang_passes import PASS_TOKENS
 from optuna_rapidfire._engines._gang_training import GangTraining
-from optuna_rapidfire._engines._trials import DeviceTrials
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
 from optuna_rapidfire._resident._data import ChunkPlan
 from optuna_rapidfire._study import _attrs as attrs
-from optuna_rapidfire._trainers.grpo._generation import Generation
 
 __all__ = [
     "PASS_TOKENS",
@@ -133,59 +128,35 @@ class GangTrainingWindows:
 class DecodeLog:
     """Every decode an engine runs: its requests, rows, widest prompt, generated tokens, seconds (device
     synchronized before and after) and phase ("train", "eval", "check": the metric-name check of the first
-    trial built, or "mixed"). Hooks ``Generation.decode`` and ``DeviceTrials.evaluate``."""
+    trial built, or "mixed"); :attr:`settings`: the first one's sampling settings. From ``Decoded`` events."""
 
     def __init__(self) -> None:
         self.decodes: list[dict[str, Any]] = []
         self.settings: dict[str, Any] | None = None  # the first request's sampling settings
-        self._phase: dict[str, str] = {}  # adapter -> "eval" or "check" while its trial evaluates
-        self._originals: tuple[Any, Any] | None = None
+        self._registration: Any = None
+
+    def _hear(self, event: events.Event) -> None:
+        if not isinstance(event, events.Decoded):
+            return
+        if self.settings is None:
+            self.settings = dict(event.sampling)
+        self.decodes.append(
+            {
+                "requests": len(event.trials),
+                "rows": event.rows,
+                "prompt_width": event.prompt_width,
+                "tokens": event.new_tokens,
+                "seconds": event.seconds,
+                "phase": event.phase,
+            }
+        )
 
     def __enter__(self) -> DecodeLog:
-        log = self
-        run_decode, evaluate = self._originals = (Generation.decode, DeviceTrials.evaluate)
-
-        def timed(generation: Generation, requests: Any, first: Any) -> Any:
-            phases = {log._phase.get(r.adapter, "train") for r in requests}
-            sync()
-            start = time.perf_counter()
-            out = run_decode(generation, requests, first)
-            sync()
-            seconds = time.perf_counter() - start
-            if log.settings is None:
-                log.settings = _decode_settings(requests[0])
-            log.decodes.append(
-                {
-                    "requests": len(requests),
-                    "rows": sum(len(r.prompts) for r in requests),
-                    "prompt_width": max(len(p) for r in requests for p in r.prompts),
-                    "tokens": sum(len(c) for completions in out for c in completions),
-                    "seconds": seconds,
-                    "phase": phases.pop() if len(phases) == 1 else "mixed",
-                }
-            )
-            return out
-
-        def flagged(trials: DeviceTrials, runtime: Any, max_batches: int | None = None) -> Any:
-            name = runtime.state.adapter_name
-            log._phase[name] = "eval" if max_batches is None else "check"
-            try:
-                return evaluate(trials, runtime, max_batches)
-            finally:
-                log._phase.pop(name, None)
-
-        Generation.decode = timed  # type: ignore[method-assign,assignment]
-        DeviceTrials.evaluate = flagged  # type: ignore[method-assign,assignment]
+        self._registration = events.listen(self._hear)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self._originals is not None
-        Generation.decode, DeviceTrials.evaluate = self._originals  # type: ignore[method-assign]
-
-
-def _decode_settings(request: DecodeRequest) -> dict[str, Any]:
-    keep = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
-    return {name: getattr(request, name) for name in keep} | {"eos_token_ids": list(request.eos_token_ids)}
+        self._registration()
 
 
 class PassLog:

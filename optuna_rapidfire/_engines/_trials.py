@@ -77,6 +77,7 @@ class DeviceTrials:
         self.placement = Placement(resident, self._runtimes, state_budget)
         self._base_bytes = resident.base_nbytes()  # before any adapter is injected into the base
         self._parts: dict[str, DevicePart] = {}  # the kinds' per-device state (GRPO's decode), made when needed
+        self._evaluating: dict[str, str] = {}  # adapter -> "eval" or "check", while its trial evaluates
 
     @property
     def device(self) -> torch.device:
@@ -91,6 +92,9 @@ class DeviceTrials:
 
     def on_device(self, members: Sequence[Member]) -> None:
         self.placement.on_device([runtime_of(m) for m in members])
+
+    def evaluating(self, adapter: str) -> str | None:
+        return self._evaluating.get(adapter)
 
     def keep_on_device(self, gang: Sequence[Member]) -> None:
         self.placement.gang = [runtime_of(m) for m in gang]
@@ -314,7 +318,12 @@ class DeviceTrials:
         ``max_batches``: evaluate on the first batches only (a check of the metrics' names), which leaves
         the trial's sampling generator where it was: the check changes none of the trial's values.
         """
-        return _evaluate(self, runtime, max_batches)
+        adapter = runtime.state.adapter_name
+        self._evaluating[adapter] = "eval" if max_batches is None else "check"
+        try:
+            return _evaluate(self, runtime, max_batches)
+        finally:
+            self._evaluating.pop(adapter, None)
 
 
 @torch.no_grad()

@@ -77,6 +77,10 @@ class GangHost(Protocol):
     def on_device(self, members: Sequence[Member]) -> None:
         """Bring the members' states onto the device (others may be offloaded to fit its budget)."""
 
+    def evaluating(self, adapter: str) -> str | None:
+        """``"eval"`` while the trial of ``adapter`` evaluates, ``"check"`` during the one-batch check of the first
+        trial's metrics, else ``None`` (it trains)."""
+
     def keep_on_device(self, gang: Sequence[Member]) -> None:
         """Keep these members' states on the device (none is offloaded while another runs); ``[]``: none."""
 

@@ -48,39 +48,32 @@ def _executor(make_executor, prompts, trials: int, engine: str = "fused", reward
 
 def _run(make_executor, monkeypatch, prompts, configs, engine: str):
     """Each trial's completions in the order generated, its chunks' full metrics, and the engine's counters."""
-    from optuna_rapidfire._engines._trials import DeviceTrials
+    from optuna_rapidfire import events
     from optuna_rapidfire._trainers.grpo._generation import Generation
 
     completions: dict[str, list[list[list[int]]]] = {}
     metrics: dict[str, list[dict[str, float]]] = {}
-    original, evaluate, finish = Generation.generate, DeviceTrials.evaluate, DeviceTrials.finish
-    checking = [False]
+    original = Generation.generate
 
     def recording(self, runtime, prompt_ids):
         found = original(self, runtime, prompt_ids)
-        if not checking[0]:  # not the check of the metric's name on the first trial built
+        if self.trials.evaluating(runtime.state.adapter_name) != "check":  # not the first trial's metric check
             completions.setdefault(runtime.state.adapter_name, []).append(found)
         return found
 
-    def flagging(self, runtime, max_batches=None):
-        checking[0] = max_batches is not None
-        try:
-            return evaluate(self, runtime, max_batches)
-        finally:
-            checking[0] = False
-
-    def recording_finish(self, runtime, chunk_metrics, train_seconds, evaluated=None):
-        result = finish(self, runtime, chunk_metrics, train_seconds, evaluated)
-        metrics.setdefault(runtime.state.adapter_name, []).append(dict(result.metrics))
-        return result
+    def recording_chunks(event: events.Event) -> None:
+        if isinstance(event, events.ChunkTrained):
+            metrics.setdefault(f"trial_{event.trial}", []).append(dict(event.metrics))
 
     monkeypatch.setattr(Generation, "generate", recording)
-    monkeypatch.setattr(DeviceTrials, "evaluate", flagging)
-    monkeypatch.setattr(DeviceTrials, "finish", recording_finish)
+    stop_listening = events.listen(recording_chunks)
     executor = _executor(make_executor, prompts, len(configs), engine)
     study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
-    executor.optimize(study, by_number(configs), n_trials=len(configs))
-    monkeypatch.undo()
+    try:
+        executor.optimize(study, by_number(configs), n_trials=len(configs))
+    finally:
+        monkeypatch.undo()
+        stop_listening()
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * len(configs)
     names = [f"trial_{t.number}" for t in study.trials]
     return [completions[n] for n in names], [metrics[n] for n in names], executor.stats()

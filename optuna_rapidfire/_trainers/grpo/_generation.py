@@ -264,15 +264,33 @@ class Generation:
         """One decode batch for ``requests``, in the precision of ``first``'s trial (a gang's members share it)."""
         self.decodes += 1
         self.requests += len(requests)
+        listening = events.listening()
+        if listening and self.trials.device.type == "cuda":
+            torch.cuda.synchronize(self.trials.device)  # time the decode alone (its end waits for its tokens)
         start = time.perf_counter()
         with torch.no_grad(), first.spec.kind.autocast(first.args, self.trials.device):
             completions = decode(self.trials.resident.module, requests, pad_token_id(first.trainer))
-        if events.listening():
-            trials = tuple(self._numbers.get(r.adapter, -1) for r in requests)
-            rows = sum(len(c) for c in completions)
-            tokens = sum(len(row) for c in completions for row in c)
-            events.emit(events.Decoded(trials, rows, tokens, time.perf_counter() - start))
+        if listening:
+            events.emit(self._decoded(requests, completions, time.perf_counter() - start))
         return completions
+
+    def _decoded(
+        self, requests: Sequence[DecodeRequest], completions: list[Completions], seconds: float
+    ) -> events.Decoded:
+        """The event of a decode (:class:`optuna_rapidfire.events.Decoded`)."""
+        phases = {self.trials.evaluating(r.adapter) or "train" for r in requests}
+        first = requests[0]
+        keep = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
+        sampling = {name: getattr(first, name) for name in keep} | {"eos_token_ids": list(first.eos_token_ids)}
+        return events.Decoded(
+            trials=tuple(self._numbers.get(r.adapter, -1) for r in requests),
+            rows=sum(len(c) for c in completions),
+            new_tokens=sum(len(row) for c in completions for row in c),
+            seconds=seconds,
+            prompt_width=max(len(p) for r in requests for p in r.prompts),
+            phase=phases.pop() if len(phases) == 1 else "mixed",
+            sampling=sampling,
+        )
 
     def _shared(self, requests: list[Any]) -> list[Any]:
         """What the members waiting asked for, by kind: one decode, one policy forward, one backward."""
