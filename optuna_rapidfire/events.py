@@ -21,8 +21,10 @@ event while nobody listens.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -33,6 +35,7 @@ __all__ = [
     "Compiled",
     "Decoded",
     "Event",
+    "GangTrained",
     "Listener",
     "PassTrained",
     "Switched",
@@ -99,6 +102,17 @@ class PassTrained:
 
 
 @dataclass(frozen=True)
+class GangTrained:
+    """Trials trained together in shared passes: a fused gang's chunks, or one pass of a stream (their evaluation
+    not included). ``start_ns``/``end_ns``: the wall clock (``time.time_ns()``), the device synchronized at both
+    ends while anyone listens (to line the window up with a profiler's trace)."""
+
+    trials: tuple[int, ...]
+    start_ns: int
+    end_ns: int
+
+
+@dataclass(frozen=True)
 class Decoded:
     """A decode batch of GRPO trials' generation requests ran (one trial's alone, or a gang's together): one request
     per trial, ``rows`` prompts in all (the widest ``prompt_width`` tokens), ``new_tokens`` generated, in ``seconds``
@@ -133,7 +147,9 @@ class Checkpointed:
     where: str
 
 
-Event = Union[TrialBuilt, ChunkStarting, Switched, ChunkTrained, PassTrained, Decoded, Compiled, Checkpointed]  # noqa: UP007
+Event = Union[  # noqa: UP007
+    TrialBuilt, ChunkStarting, Switched, ChunkTrained, PassTrained, GangTrained, Decoded, Compiled, Checkpointed
+]
 """Any event of this module."""
 
 Listener = Callable[[Event], object]
@@ -175,6 +191,24 @@ def listen(listener: Listener) -> _Registration:
 def listening() -> bool:
     """Whether anyone listens (so that an event's data is gathered only then)."""
     return bool(_listeners)
+
+
+@contextlib.contextmanager
+def window(trials: tuple[int, ...], device: Any) -> Iterator[None]:
+    """Emit a :class:`GangTrained` for ``trials`` once the ``with`` block ends without an error, the ``device``
+    synchronized at both ends (a CUDA device); nothing is timed or synchronized while nobody listens."""
+    timed = listening()
+    cuda = timed and getattr(device, "type", None) == "cuda"
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize(device)
+    start = time.time_ns()
+    yield
+    if timed:
+        if cuda:
+            torch.cuda.synchronize(device)
+        emit(GangTrained(trials, start, time.time_ns()))
 
 
 def emit(event: Event) -> None:

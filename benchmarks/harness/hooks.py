@@ -1,10 +1,9 @@
-"""The seams of the package this benchmark times: every patch of optuna_rapidfire's internals, and every private
-name of it that the parts read, in one place.
+"""How this benchmark watches the package, and every private name of it that the parts read, in one place.
 
 When the package's internals move (engine classes split, modules renamed), this module is the one to fix: the
-parts import only its public names. (The standalone probes, ``benchmarks/fused_*.py`` and
-``benchmarks/compile_probe.py``, call the fused pass's functions themselves: that is what they measure.)
-Every patch is a context manager that puts the original back on exit.
+parts import only its public names. (The standalone probes, ``benchmarks/fused_*.py``,
+``benchmarks/compile_probe.py`` and ``benchmarks/stream_profile.py``, call or wrap the fused pass's functions
+themselves: that is what they measure.) Every log is a context manager that stops listening on exit.
 
 Listened to (the package's events, :mod:`optuna_rapidfire.events`, no patch):
 
@@ -13,17 +12,12 @@ Listened to (the package's events, :mod:`optuna_rapidfire.events`, no patch):
 - :class:`PassLog`: ``PassTrained`` (every chunk an engine trains for the scheduler, and every shared pass of a
   stream: its members, steps and seconds);
 - :class:`DecodeLog`: ``Decoded`` (every GRPO decode: its requests, rows, widest prompt, generated tokens,
-  synchronized seconds, what it served, the sampling settings).
+  synchronized seconds, what it served, the sampling settings);
+- :class:`GangTrainingWindows`: ``GangTrained`` (the synchronized wall-clock window of each gang's shared
+  training, a fused chunk's or a stream pass's).
 
-Still patched (the events do not carry this yet):
-
-- ``GangTraining.train`` (:class:`GangTrainingWindows`, for ``--profile`` only): the training phase of a fused
-  gang's chunk, its wall-clock window.
-
-Listened to (the package's own log, no patch): :class:`PackageLog` keeps the package's log lines and reads the
-seconds of each compiled layout's first pass from the launched pass's "Compiled the launched pass" line.
-
-The patch reads nothing of the package's objects.
+Nothing of the package is patched. :class:`PackageLog` keeps the package's log lines and reads the seconds of each
+compiled layout's first pass from the launched pass's "Compiled the launched pass" line.
 
 Read as they are:
 
@@ -39,10 +33,8 @@ import logging
 import time
 from typing import Any
 
-from benchmarks.harness.measure import sync
 from optuna_rapidfire import events
 from optuna_rapidfire._engines._gang_passes import PASS_TOKENS
-from optuna_rapidfire._engines._gang_training import GangTraining
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
 from optuna_rapidfire._resident._data import ChunkPlan
 from optuna_rapidfire._study import _attrs as attrs
@@ -98,31 +90,24 @@ class Recorder:
 
 
 class GangTrainingWindows:
-    """The wall-clock windows (``time.time_ns()``, the device synchronized at both ends) of the training phase of
-    every fused gang chunk (the worker thread's), in :attr:`windows`."""
+    """The wall-clock windows (``time.time_ns()``, the device synchronized at both ends) of the training of every
+    fused gang's chunk and of every stream pass (the worker thread's), in :attr:`windows`. From ``GangTrained``
+    events."""
 
     def __init__(self) -> None:
         self.windows: list[tuple[int, int]] = []
-        self._original: Any = None
+        self._registration: Any = None
+
+    def _hear(self, event: events.Event) -> None:
+        if isinstance(event, events.GangTrained):
+            self.windows.append((event.start_ns, event.end_ns))
 
     def __enter__(self) -> GangTrainingWindows:
-        original = self._original = GangTraining.train
-        windows = self.windows
-
-        def timed(training: GangTraining, runtimes: Any) -> Any:
-            sync()
-            begin = time.time_ns()
-            try:
-                return original(training, runtimes)
-            finally:
-                sync()
-                windows.append((begin, time.time_ns()))
-
-        GangTraining.train = timed  # type: ignore[method-assign, assignment]
+        self._registration = events.listen(self._hear)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        GangTraining.train = self._original  # type: ignore[method-assign]
+        self._registration()
 
 
 class DecodeLog:

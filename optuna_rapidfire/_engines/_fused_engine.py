@@ -178,7 +178,8 @@ class FusedEngine(Engine):
             events.emit(events.ChunkStarting(tuple(r.spec.number for r in runtimes), chunks))
         start = time.perf_counter()
         try:
-            metrics = self.training.train(runtimes)
+            with events.window(tuple(r.spec.number for r in runtimes), self.device):
+                metrics = self.training.train(runtimes)
         except Exception as error:
             if self.training.stepped:  # the members' states moved on together: the gang fails as one
                 raise

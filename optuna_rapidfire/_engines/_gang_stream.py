@@ -170,7 +170,8 @@ class GangStream:
             if not seated:
                 break
             start = time.perf_counter()
-            self._pass(seated, layout, loss, unit, layout.width)
+            with events.window(tuple(seat.runtime.spec.number for seat in seated), self.trials.device):
+                self._pass(seated, layout, loss, unit, layout.width)
             if events.listening():
                 numbers = tuple(seat.runtime.spec.number for seat in seated)
                 steps = tuple(seat.runtime.state.position.chunks_done for seat in seated)
