@@ -6,9 +6,12 @@ from __future__ import annotations
 import enum
 import queue
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optuna_rapidfire._runtime._schedule import Status, TrialView
+
+if TYPE_CHECKING:
+    from optuna_rapidfire._engines._types import TrialRuntime, TrialSpec
 
 
 class Decision(enum.Enum):
@@ -73,7 +76,7 @@ class Entry:
 
     number: int
     trial_id: int
-    spec: Any
+    spec: TrialSpec
     status: Status = Status.BUILDING
     request: Request | None = None
     chunks_done: int = 0
@@ -84,7 +87,7 @@ class Entry:
     held: bool = False
     taken: bool = False
     events: queue.Queue[Any] = field(default_factory=queue.Queue)
-    runtime: Any = None
+    runtime: TrialRuntime | None = None
 
     @property
     def live(self) -> bool:
@@ -94,6 +97,13 @@ class Entry:
     @property
     def gone(self) -> bool:
         return self.status is Status.GONE
+
+    @property
+    def built(self) -> TrialRuntime:
+        """The engine's runtime of a trial the device has built (an error to ask of one not built)."""
+        if self.runtime is None:
+            raise RuntimeError(f"Trial {self.number} has not been built on the device.")
+        return self.runtime
 
     @property
     def buildable(self) -> bool:

@@ -130,13 +130,13 @@ class DeviceWorker(threading.Thread):
                     self._fail(victim, error)
 
     def _run(self, task: Task, entries: list[Entry]) -> None:
-        if task is Task.TRAIN and self.engine.stream_refusal([e.runtime for e in entries]) is None:
+        if task is Task.TRAIN and self.engine.stream_refusal([e.built for e in entries]) is None:
             self._stream(entries)
             return
         if task is Task.TRAIN:  # one trial, or a gang
             start = time.perf_counter()
             steps = tuple(e.chunks_done for e in entries)
-            results = self.engine.run([e.runtime for e in entries])
+            results = self.engine.run([e.built for e in entries])
             if events.listening():
                 numbers, seconds = tuple(e.number for e in entries), time.perf_counter() - start
                 events.emit(events.PassTrained(numbers, steps, seconds, self.engine.name))
@@ -160,13 +160,13 @@ class DeviceWorker(threading.Thread):
                 events.emit(events.TrialBuilt(entry.number, str(self.engine.device), seconds, done if warm else None))
             entry.events.put(Built(total, branch))
         elif task is Task.PAUSE:
-            self.engine.pause(entry.runtime)
+            self.engine.pause(entry.built)
             entry.events.put(Paused())
         elif task is Task.FINISH:
             path = self._adapter_dir(entry)
-            self.engine.save_adapter(entry.runtime, path)
-            self.engine.save_snapshot(entry.runtime)
-            self.engine.release(entry.runtime)
+            self.engine.save_adapter(entry.built, path)
+            self.engine.save_snapshot(entry.built)
+            self.engine.release(entry.built)
             self.scheduler.remove(entry)
             entry.events.put(Saved(path))
         elif task is Task.RELEASE:
@@ -182,7 +182,7 @@ class DeviceWorker(threading.Thread):
         chunks end. An error that fails the stream fails the members seated then."""
         refill = _Refill(self, entries)
         try:
-            self.engine.stream([e.runtime for e in entries], refill)
+            self.engine.stream([e.built for e in entries], refill)
         except BaseException as error:
             for victim in refill.seated():
                 self._fail(victim, error)
@@ -209,7 +209,7 @@ class DeviceWorker(threading.Thread):
     def _deliver(self, entry: Entry, result: ChunkResult, mates: frozenset[int] | None = None) -> None:
         """Hand a trained chunk to the trial's driver (with its state as a checkpoint, when it has them)."""
         if entry.spec.checkpoint:
-            result.snapshot = self.engine.snapshot(entry.runtime)
+            result.snapshot = self.engine.snapshot(entry.built)
         self.scheduler.chunk_done(entry, mates)
         entry.events.put(result)
 
