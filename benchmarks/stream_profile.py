@@ -191,15 +191,15 @@ def main() -> None:
     compile_option: Any = {"auto": "auto", "false": False, "true": True}.get(options.compile, options.compile)
     start, end = (-1, -1) if options.window == "none" else (int(v) for v in options.window.split(":"))
     if options.warm_child:
-        from optuna_rapidfire._engines import _launched
+        from optuna_rapidfire._engines import _background
 
-        made = _launched._Background.__init__
+        made = _background.BackgroundCompiler.__init__
 
         def warming(background: Any, owner: Any) -> None:
             made(background, owner)
             background.warms = True
 
-        _launched._Background.__init__ = warming  # type: ignore[method-assign,assignment]
+        _background.BackgroundCompiler.__init__ = warming  # type: ignore[method-assign,assignment]
     settings = Settings.from_options(SimpleNamespace(smoke=options.smoke))
     configs = sample_configs(options.seed, settings.configs)
     out = Path(options.out)

@@ -33,18 +33,17 @@ layout uncompiled.
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 import types
 import warnings
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from optuna_rapidfire import _compat, events
-from optuna_rapidfire._engines import _warm
+from optuna_rapidfire._engines._background import RECOMPILE_LIMIT, BackgroundCompiler
+from optuna_rapidfire._engines._layouts import Layout, LayoutKey, Member, covering, member_of
 from optuna_rapidfire._engines._pass_graphs import CudaGraphs, PassGraphs
 from optuna_rapidfire._fused._decoder import (
     PROJECTIONS,
@@ -56,14 +55,10 @@ from optuna_rapidfire._fused._decoder import (
     salts_of,
 )
 from optuna_rapidfire._fused._dropout import layer_salt
-from optuna_rapidfire._fused._fused_pass import named_lora_layers, unsupported
+from optuna_rapidfire._fused._fused_pass import named_lora_layers
 from optuna_rapidfire._fused._slots import (
-    AdamSettings,
     GangAdamW,
     GangSlots,
-    MemberAdapter,
-    Projection,
-    adam_settings,
     adamw_step,
     rank_bucket,
 )
@@ -76,53 +71,6 @@ if TYPE_CHECKING:
     from optuna_rapidfire._resident._model import ResidentModel
 
 _logger = get_logger(__name__)
-
-# Variants of one compiled function the compiler keeps (layouts x shapes) before it stops compiling new ones.
-_RECOMPILE_LIMIT = 64
-
-
-@dataclass(frozen=True)
-class LayoutKey:
-    """What a gang's compiled pass depends on."""
-
-    projections: frozenset[Projection]
-    rank: int
-    dtype: torch.dtype
-    dropout: bool
-
-    def describe(self) -> str:
-        layers = {p.layer for p in self.projections}
-        names = sorted({p.name for p in self.projections}, key=PROJECTIONS.index)
-        return (
-            f"{'/'.join(n.removesuffix('_proj') for n in names)} on {len(layers)} layers, rank <= {self.rank}, "
-            f"{str(self.dtype).removeprefix('torch.')}{', dropout' if self.dropout else ''}"
-        )
-
-
-@dataclass(eq=False)
-class Layout:
-    """A layout's state: its key, slot storage and optimizer (allocated while the layout is in use), the
-    per-layer LoRA inputs and dropout salts, whether it runs compiled, and its compilation counters."""
-
-    key: LayoutKey
-    compiled: bool
-    slots: GangSlots | None = None
-    optimizer: GangAdamW | None = None
-    loras: list[tuple[Lora | None, ...]] = field(default_factory=list)
-    salts: torch.Tensor | None = None
-    compiles: int = 0
-    first_pass_seconds: float | None = None
-    background_seconds: float = 0.0
-    unit: int = 0  # a stream's rows per unit (streams of one unit share the padded sizes below)
-    width: int = 0  # the tokens a stream's rows are padded to: only ever grows
-
-
-@dataclass
-class Member:
-    """A gang member as the launched pass sees it: its adapter in slot terms and AdamW settings."""
-
-    adapter: MemberAdapter
-    settings: AdamSettings
 
 
 class LaunchedPasses:
@@ -165,7 +113,7 @@ class LaunchedPasses:
         self._layer_fn: Callable[..., torch.Tensor] = decoder_layer
         self._step_fn: Callable[..., None] = adamw_step
         self._local = threading.local()  # the layout whose compilations are counted, per thread
-        self.background: _Background | None = None
+        self.background: BackgroundCompiler | None = None
         self.graphs: PassGraphs | None = None
         if graphs and resident.device.type == "cuda":
             self.graphs = PassGraphs(CudaGraphs(), torch.cuda.Stream(resident.device))
@@ -177,7 +125,7 @@ class LaunchedPasses:
             if background if background is not None else resident.device.type == "cuda":
                 # The device's thread runs only what is compiled (never compiles); the thread compiles.
                 _compat.run_beside_compiler()
-                self.background = _Background(self)
+                self.background = BackgroundCompiler(self)
                 self._layer_fn, self._step_fn = torch._dynamo.run(layer), torch._dynamo.run(step)
             else:
                 self._layer_fn, self._step_fn = self._compile_layer, self._compile_step
@@ -207,37 +155,8 @@ class LaunchedPasses:
         name = runtime.state.adapter_name
         found = self._members.get(name)
         if found is None:
-            found = self._members[name] = self._describe(runtime)
+            found = self._members[name] = member_of(self._named, runtime)
         return found
-
-    def _describe(self, runtime: TrialRuntime) -> Member | str:
-        name = runtime.state.adapter_name
-        projections: dict[Projection, tuple[torch.nn.Parameter, torch.nn.Parameter, float]] = {}
-        drops: set[float] = set()
-        for module_name, layer in self._named:
-            if name not in layer.lora_A:
-                continue
-            where = projection_of(module_name)
-            reason = unsupported(layer, name)
-            if where is None or reason is not None:
-                return reason or f"adapts {module_name}, which the launched pass does not"
-            if getattr(layer.lora_B[name], "bias", None) is not None:
-                return "has a LoRA bias"
-            a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
-            projection = Projection(where[0], where[1], a.shape[1], b.shape[0])
-            projections[projection] = (a, b, float(layer.scaling[name]))
-            drops.add(float(getattr(layer.lora_dropout[name], "p", 0.0)))
-        params = runtime.state.params
-        owned = {id(t) for a, b, _ in projections.values() for t in (a, b)}
-        if not projections or owned != {id(p) for p in params}:
-            return "trains parameters besides LoRA's A and B (modules_to_save?)"
-        if len(drops) > 1 or len({a.dtype for a, _, _ in projections.values()}) > 1:
-            return "has per-layer dropout or dtypes"
-        settings = adam_settings(runtime.state.optimizer, params, runtime.args.max_grad_norm)
-        if isinstance(settings, str):
-            return settings
-        rank = max(a.shape[0] for a, _, _ in projections.values())
-        return Member(MemberAdapter(projections, rank, drops.pop()), settings)
 
     @property
     def decoder(self) -> Decoder:
@@ -260,7 +179,7 @@ class LaunchedPasses:
             dtype=next(iter(typed[0].adapter.projections.values()))[0].dtype,
             dropout=any(m.adapter.dropout > 0 for m in typed),
         )
-        layout = self._layouts.get(key) or _covering(self._layouts, key, self.backend is not None)
+        layout = self._layouts.get(key) or covering(self._layouts, key, self.backend is not None)
         if layout is None:
             layout = self._layouts[key] = Layout(key, compiled=self.backend is not None)
         self._activate(layout)
@@ -331,7 +250,7 @@ class LaunchedPasses:
         LoRA on its units (``layout``), or the base alone (``None``, a reference pass); ``eager``: uncompiled
         kernels, nothing asked of the compiler (a pass recorded as a CUDA graph)."""
         decoder = self.decoder
-        _compat.allow_recompiles(_RECOMPILE_LIMIT)  # on the thread that compiles
+        _compat.allow_recompiles(RECOMPILE_LIMIT)  # on the thread that compiles
         h = decoder.embed(input_ids)
         if layout is not None and torch.is_grad_enabled():
             # Every layer then sees an input that requires grad: one compiled graph serves the first layer too.
@@ -380,6 +299,26 @@ class LaunchedPasses:
             if events.listening():
                 events.emit(events.Compiled(layout.key.describe(), layout.first_pass_seconds))
 
+    # -- what the background compiler uses (:class:`~optuna_rapidfire._engines._background.Compiler`) -----------
+
+    @property
+    def device(self) -> torch.device:
+        return self.resident.device
+
+    def compile_layer(self, *args: Any) -> Any:
+        return self._compile_layer(*args)
+
+    def compile_step(self, *args: Any) -> Any:
+        return self._compile_step(*args)
+
+    @contextlib.contextmanager
+    def counting(self, layout: Layout | None) -> Iterator[None]:
+        self._local.current = layout
+        try:
+            yield
+        finally:
+            self._local.current = None
+
     def fall_back(self, layout: Layout, error: BaseException) -> None:
         """Run ``layout`` uncompiled from now on, and say why."""
         layout.compiled = False
@@ -403,7 +342,7 @@ class LaunchedPasses:
         if eager:
             optimizer.step(ready, lr, eager=True)
             return
-        _compat.allow_recompiles(_RECOMPILE_LIMIT)  # on the thread that compiles
+        _compat.allow_recompiles(RECOMPILE_LIMIT)  # on the thread that compiles
         if not (layout.compiled and self.backend is not None):
             optimizer.compiled = False
         elif self.background is not None:
@@ -427,190 +366,8 @@ class LaunchedPasses:
         return _compat.compile_backend(self.backend)(graph, example_inputs)
 
 
-def _covering(layouts: dict[LayoutKey, Layout], key: LayoutKey, compiles: bool) -> Layout | None:
-    """The smallest seen layout that can run a gang of ``key`` (every projection of it, a rank bucket as
-    large, the same dtype, dropout if it drops), or ``None``.
-
-    A gang whose members come and go (the promote schedule's gangs change from chunk to chunk) would
-    otherwise compile a layout for nearly every composition, each taking tens of seconds. In a larger
-    layout a member's unused projections have zero weights and scale, and its rank is padded with
-    zeros: it computes the same values, at the cost of the larger layout's pass.
-    """
-    covering = [
-        layout
-        for seen, layout in layouts.items()
-        if key.projections <= seen.projections
-        and key.rank <= seen.rank
-        and key.dtype == seen.dtype
-        and (seen.dropout or not key.dropout)
-        and (layout.compiled or not compiles)
-    ]
-    return min(covering, key=lambda layout: (len(layout.key.projections), layout.key.rank), default=None)
-
-
 def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A copy of ``fn`` with a code object of its own (``torch.compile`` keeps its cache on the code object)."""
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__doc__ = fn.__doc__
     return copy
-
-
-class _Background:
-    """Compiles the launched pass's functions in a thread of their own, on inputs shaped like the pass's, while
-    the device's thread runs them eagerly (:class:`LaunchedPasses` with ``background``).
-
-    Each job is asked for once per *signature* (the layout, the inputs' shapes, grad and autocast modes): the
-    thread calls the compiling function on copies of the inputs (the frozen weights and slot tensors are read,
-    never written), which compiles the graph (its backward too) and keeps it in the function's cache; a graph
-    that already covers the signature compiles nothing. A compilation that fails makes its layout run uncompiled,
-    as a failure in the device's thread would.
-    """
-
-    def __init__(self, owner: LaunchedPasses) -> None:
-        self.owner = owner
-        self._asked: set[Any] = set()
-        self._jobs: queue.Queue[tuple[Layout | None, Callable[[], None]] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        # Each compiled function's calls so far, in order: a child replays them, so that it makes the same graphs
-        # (the compiler generalises a shape the second time it changes).
-        self._history: dict[str, list[dict[str, Any]]] = {}
-        # Off by default: on the H200 its first study did not finish in time (not yet understood, see issue 31).
-        self.warms = False
-        self.warmed = 0  # calls whose child ended well
-        self.warm_seconds = 0.0  # spent waiting for children (the training thread runs meanwhile)
-
-    def layer(self, layout: Layout | None, h: torch.Tensor, *rest: Any) -> None:
-        """Compile :func:`decoder_layer` for a pass's first layer's inputs (``h`` and the rest of its arguments)."""
-        device = h.device.type
-        grad = torch.is_grad_enabled()
-        autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        rows: Rows = rest[4]  # cos, sin, weights, loras, rows, salts, shape
-        # One graph per layout and mode covers every row count and width (marked dynamic); a size of 1 stays
-        # static, so it asks for a graph of its own.
-        ones = tuple(size < 2 for size in (*h.shape[:2], rows.units.shape[0]))
-        key = None if layout is None else layout.key
-        signature = ("layer", key, h.dtype, h.requires_grad, grad, autocast, ones, rows.keys is not None)
-        if signature in self._asked:
-            return
-        self._asked.add(signature)
-        dummy = torch.zeros_like(h).requires_grad_(h.requires_grad)
-        args = (dummy, *rest)
-        calls = self._history.setdefault("layer", [])
-        call = {"function": "layer", "args": _described(args), "grad": grad, "autocast": autocast, "dynamic": True}
-        calls.append(call)
-        warming = list(calls)
-
-        def job() -> None:
-            self._warm(warming)
-            with torch.set_grad_enabled(grad), torch.autocast(device, dtype=autocast[1], enabled=autocast[0]):
-                try:
-                    self.owner._compile_layer(*_warm.dynamic_pass(args))
-                except Exception as error:  # the dynamic graph failed: this shape's own graph instead
-                    _logger.info("A dynamic launched pass did not compile (%s); compiling its shape.", error)
-                    call["dynamic"] = False
-                    self.owner._compile_layer(*args)
-
-        self._submit(layout, job)
-
-    def step(self, layout: Layout, optimizer: GangAdamW | None) -> None:
-        """Compile the gang's AdamW step for ``layout``'s slots (on copies: the step writes its inputs)."""
-        signature = ("step", layout.key)
-        if optimizer is None or signature in self._asked:
-            return
-        self._asked.add(signature)
-        s = optimizer.slots
-        copies = [t.clone() for t in (s.params, s.grad, s.exp_avg, s.exp_avg_sq, s.step, optimizer.last_norm)]
-        ready = torch.zeros(s.slots, dtype=torch.float32, device=s.device)
-        lr = torch.zeros(s.slots, dtype=torch.float64, device=s.device)
-        settings = [t.clone() for t in (optimizer.beta1, optimizer.beta2, optimizer.eps, optimizer.weight_decay)]
-        settings.append(optimizer.max_norm.clone())
-        args = (*copies, ready, lr, *settings)
-        calls = self._history.setdefault("step", [])
-        calls.append({"function": "step", "args": _described(args), "grad": False, "autocast": (False, torch.float32)})
-        warming = list(calls)
-
-        def job() -> None:
-            self._warm(warming)
-            self.owner._compile_step(*args)
-
-        self._submit(layout, job)
-
-    def _warm(self, calls: list[dict[str, Any]]) -> None:
-        """Compile ``calls`` in a child process first (:mod:`~optuna_rapidfire._engines._warm`): this thread then
-        compiles from the caches, holding the interpreter's lock seconds instead of the whole compilation."""
-        if self.warms:
-            start = time.perf_counter()
-            self.warmed += _warm.warm(str(self.owner.resident.device), calls)
-            self.warm_seconds += time.perf_counter() - start
-
-    def _submit(self, layout: Layout | None, job: Callable[[], None]) -> None:
-        if self._closed:
-            return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="rapidfire-compile", daemon=True)
-            self._thread.start()
-        self._jobs.put((layout, job))
-
-    def _work(self) -> None:
-        device = self.owner.resident.device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        _compat.allow_recompiles(_RECOMPILE_LIMIT)  # on the thread that compiles
-        _compat.compile_backward_ahead()
-        while (item := self._jobs.get()) is not None:
-            layout, job = item
-            try:
-                if not self._closed and (layout is None or layout.compiled):
-                    self._run(layout, job)
-            finally:
-                self._jobs.task_done()
-        self._jobs.task_done()
-
-    def _run(self, layout: Layout | None, job: Callable[[], None]) -> None:
-        owner = self.owner
-        owner._local.current = layout
-        before = layout.compiles if layout is not None else owner.compiles
-        start, warmed_before = time.perf_counter(), self.warm_seconds
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*gradient layout contract.*")
-                job()
-        except Exception as error:
-            if layout is not None and layout.compiled:
-                owner.fall_back(layout, error)
-            else:
-                _logger.warning("Compiling the launched reference pass failed (%s: %s).", type(error).__name__, error)
-            return
-        finally:
-            owner._local.current = None
-        child = self.warm_seconds - warmed_before
-        seconds = time.perf_counter() - start - child
-        made = (layout.compiles if layout is not None else owner.compiles) - before
-        if layout is not None:
-            layout.background_seconds += seconds
-        if made:
-            _logger.info(
-                "Background compilation of the launched pass for layout [%s]: %.1f s in this process after %.1f s "
-                "in a warming child, %d graph(s); passes ran eagerly meanwhile.",
-                "reference, adapters off" if layout is None else layout.key.describe(),
-                seconds,
-                child,
-                made,
-            )
-
-    def wait(self) -> None:
-        """Block until every job asked for so far is done (tests)."""
-        self._jobs.join()
-
-    def close(self) -> None:
-        """Run no more jobs (the one running finishes in its thread)."""
-        self._closed = True
-        if self._thread is not None:
-            self._jobs.put(None)
-
-
-def _described(args: Sequence[Any]) -> list[Any]:
-    """A call's arguments for a warming child (tensors that share a storage keep sharing one)."""
-    storages: dict[int, tuple[int, int, str]] = {}
-    return [_warm.describe(arg, storages) for arg in args]

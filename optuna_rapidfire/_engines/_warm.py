@@ -6,13 +6,13 @@ on the H200). So the long part of a compilation (AOTAutograd, Inductor's lowerin
 first in a child process, on tensors that look like the pass's (shapes, strides, storage offsets, dtypes,
 aliasing, requires_grad; their values are zeros), with the same calls in the same order, so that it makes the
 same graphs; Inductor's and AOTAutograd's caches on disk then hold them, and the compilation in the training
-process (:class:`~optuna_rapidfire._engines._launched._Background`) takes them from there in a few seconds.
+process (:class:`~optuna_rapidfire._engines._background.BackgroundCompiler`) takes them from there in a few seconds.
 
 :func:`describe` turns a call's arguments into a picklable description, :func:`warm` runs a child on a list of
 calls and waits for it; the child is ``python -m optuna_rapidfire._engines._warm`` reading the calls on stdin.
 A child that fails costs nothing but its time: the in-process compilation then compiles as before.
 
-Not used by default (``_Background.warms``): the one H200 study run with it did not end within 250 s where the
+Not used by default (``BackgroundCompiler.warms``): the one H200 study run with it did not end within 250 s where the
 executor without it ends in about 130 s, and why is not known yet.
 """
 
