@@ -95,9 +95,10 @@ def clone(
         ValueError: At once, when the clone could not train: a warm clone of a failed trial or of one that
             has not trained a chunk, a ``from_chunk`` outside the parent's chunks done or no longer kept, or
             an unchanged clone of a finished trial by default (from its last chunk: nothing would be left to
-            train). Naming its last chunk (or changing a parameter) says the clone's run is longer; where this
-            process has run the study, ``configure`` with the clone's params says whether it is (refused at
-            once if not); elsewhere a clone whose run is no longer fails once built, recording nothing.
+            train). Naming its last chunk says the clone's run is longer (trusted). Changing a parameter
+            may make it longer: where this process has run the study, its ``configure`` with the clone's params
+            says whether it does (refused at once if not); elsewhere a clone whose run is no longer fails once
+            built, recording nothing.
 
     Returns:
         The number of the new (WAITING) trial.

@@ -426,7 +426,9 @@ def _branch_chunk(
             "have nothing left to train. Name an earlier chunk (from_chunk, --from-chunk), clone it cold, or, for "
             f"a run your configure makes longer, name chunk {step} itself."
         )
-    run_length = _RUN_LENGTHS.get(study.study_name)
+    # Changed params at the default branch point: whether the run is longer is asked of the configure this process
+    # ran the study with. A named last chunk is the person's word that it is (the next run may be configured anew).
+    run_length = _RUN_LENGTHS.get(study.study_name) if from_chunk is None else None
     length = None if run_length is None or not (isinstance(total, int) and step >= total) else run_length(params)
     if length is not None and step >= length:
         raise ValueError(
