@@ -67,9 +67,9 @@ class Seat:
     slot: int
     plan: MemberChunk
     stream: DropoutStream
-    started: float
     index: int = 0
     taken: int = 0
+    train_seconds: float = 0.0  # its share of the passes it was in: each pass's wall time over the members in it
     losses: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -172,10 +172,13 @@ class GangStream:
             start = time.perf_counter()
             with events.window(tuple(seat.runtime.spec.number for seat in seated), self.trials.device):
                 self._pass(seated, layout, loss, unit, layout.width)
+            elapsed = time.perf_counter() - start
+            for seat in seated:
+                seat.train_seconds += elapsed / len(seated)
             if events.listening():
                 numbers = tuple(seat.runtime.spec.number for seat in seated)
                 steps = tuple(seat.runtime.state.position.chunks_done for seat in seated)
-                events.emit(events.PassTrained(numbers, steps, time.perf_counter() - start, "stream"))
+                events.emit(events.PassTrained(numbers, steps, elapsed, "stream"))
             ended = [seat for seat in seated if seat.index >= len(seat.plan.inputs)]
             if ended:
                 for seat in ended:
@@ -219,7 +222,7 @@ class GangStream:
         # compiler covers with one graph once it has met two (its automatic dynamic shapes): after that no
         # member leaving or joining compiles anything.
         layout.width = max(layout.width, width_bucket(chunk_width([plan])))
-        return Seat(runtime, slot, plan, placement.dropout_stream(runtime), time.perf_counter())
+        return Seat(runtime, slot, plan, placement.dropout_stream(runtime))
 
     def _pass(self, seated: Sequence[Seat], layout: Layout, loss: FusedLoss, unit: int, width: int) -> None:
         """One step of every seated member: their micro-batches in shared passes (at most ``pass_tokens`` tokens
@@ -294,7 +297,6 @@ class GangStream:
         runtimes = [seat.runtime for seat in ended]
         # The slots still hold the members' weights (a store leaves them): evaluate through them.
         evaluated = self.evaluation.evaluate(runtimes, layout, slots=[seat.slot for seat in ended])
-        now = time.perf_counter()
         done: list[tuple[TrialRuntime, ChunkResult | BaseException]] = []
         for seat, own, grad_norm in zip(ended, evaluated, norms, strict=True):
             runtime, state = seat.runtime, seat.runtime.state
@@ -313,7 +315,7 @@ class GangStream:
             self.trials.placement.leave_gang([runtime])
             self.trials.placement.gang = [r for r in self.trials.placement.gang if r is not runtime]
             try:
-                done.append((runtime, self.trials.finish(runtime, metrics, now - seat.started, own)))
+                done.append((runtime, self.trials.finish(runtime, metrics, seat.train_seconds, own)))
             except Exception as error:  # this member's evaluation only
                 done.append((runtime, error))
         return done

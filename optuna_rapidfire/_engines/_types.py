@@ -102,7 +102,8 @@ class ChunkResult:
         step: The Optuna step to report (the trial's global chunk count before this chunk).
         metrics: Evaluation metrics (``eval_*``) and training metrics (``train_*``) of the chunk.
         last: Whether this was the trial's final chunk.
-        train_seconds: Wall time of the training part.
+        train_seconds: Wall time of the training part; in a gang's shared passes the trial's share of them (each
+            pass's time over its members), so a gang's members add up to the gang's training time.
         eval_seconds: Wall time of the evaluation part.
         snapshot: The trial's state after the chunk (CPU copies), when its spec asks for it.
     """

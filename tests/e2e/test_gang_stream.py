@@ -13,6 +13,7 @@ from _numerics import assert_within_rounding, gradient_terms
 from helpers import lora, sft_args
 from transformers import AutoConfig
 
+from optuna_rapidfire import events
 from optuna_rapidfire._engines import _launched
 from optuna_rapidfire._engines._gang_passes import row_bucket
 from optuna_rapidfire._engines._gang_stream import GangStream
@@ -72,10 +73,13 @@ def test_row_buckets_are_a_few_sizes_of_whole_units() -> None:
 
 
 @pytest.mark.numerics
-def test_members_at_different_steps_report_what_they_report_alone(make_executor, tiny_model, monkeypatch) -> None:
+def test_members_at_different_steps_report_what_they_report_alone(
+    make_executor, tiny_model, monkeypatch, listen
+) -> None:
     """Two slots, three trials of batch 8, 2 and 4: the first ends its chunk after a quarter of the second's
     passes and goes on to its second chunk beside the second's first, then the third takes its slot while the
-    second is midway. Each trial's per-chunk values are those of the trial trained alone."""
+    second is midway. Each trial's per-chunk values are those of the trial trained alone, and each chunk's
+    training time is its share of the passes it was in (the members' times add up to the passes')."""
     seen: list[list[tuple[int, int]]] = []
     original = GangStream._pass
 
@@ -85,7 +89,21 @@ def test_members_at_different_steps_report_what_they_report_alone(make_executor,
 
     alone = [_values(make_executor, 1, configs=(config,))[0][0] for config in range(3)]
     monkeypatch.setattr(GangStream, "_pass", recording)
+    shares: dict[int, float] = {}
+    passes: dict[int, float] = {}
+
+    def timed(event: events.Event) -> None:
+        if isinstance(event, events.ChunkTrained):
+            shares[event.trial] = shares.get(event.trial, 0.0) + event.train_seconds
+        elif isinstance(event, events.PassTrained) and event.engine == "stream":
+            for trial in event.trials:
+                passes[trial] = passes.get(trial, 0.0) + event.seconds / len(event.trials)
+
+    listen(timed)
     together, executor = _values(make_executor, 2, schedule=EveryReady())
+    assert shares.keys() == passes.keys() == {0, 1, 2}
+    for trial, seconds in passes.items():  # the same float terms summed in another order
+        assert shares[trial] == pytest.approx(seconds, rel=1e-9)
     assert any(len(set(members)) > 1 and len({index for _, index in members}) > 1 for members in seen)
     assert any(len({chunk for chunk, _ in members}) > 1 for members in seen)  # different chunks in one pass
     fill = executor.stats().gang_fill

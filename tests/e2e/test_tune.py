@@ -222,7 +222,10 @@ def test_a_budget_of_time_alone_runs_the_first_wave_then_finishes(tiny_model: st
     result = optuna_rapidfire.tune(write(search, tmp_path / "search_dpo.yaml"))
     summary = result.summary
     assert summary["trainer"] == "dpo" and summary["status"] == "ok"
-    assert set(summary["counts"]) == {"COMPLETE"} and summary["trials_run_now"] == len(summary["trials"]) >= 2
+    # every trial started has ended: COMPLETE, or PRUNED where the example's MedianPruner saw a peer do better at
+    # the same chunk (which trial that is depends on timing; CI once pruned one)
+    assert "COMPLETE" in summary["counts"] and set(summary["counts"]) <= {"COMPLETE", "PRUNED"}
+    assert summary["trials_run_now"] == len(summary["trials"]) >= 2
     assert summary["direction"] == "minimize" and (result.best_adapter / "adapter_config.json").is_file()
 
 
