@@ -33,7 +33,13 @@ def _load(out: Path, name: str) -> dict[str, Any] | None:
 
 
 def rebuild(out: Path) -> None:
-    """``summary.json``, ``results.md`` and ``performance.png`` from the part JSONs in ``out``."""
+    """``summary.json``, ``results.md`` and ``performance.png`` from the part JSONs in ``out`` (the search part's
+    targets, comparisons and medians recomputed from its runs first)."""
+    search_path = out / "search.json"
+    if search_path.exists():
+        found = json.loads(search_path.read_text())
+        search.finalize(found)
+        search_path.write_text(json.dumps(found, indent=1))
     summary: dict[str, Any] = {}
     parts = {name: _load(out, name) for name in PARTS}
     first = next((data for data in parts.values() if data), None)

@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds after the part starts by which its methods must end: a method not expected to fit is skipped",
     )
+    group.add_argument(
+        "--code",
+        default=None,
+        help="label of the code this call measures, kept with each method it runs; summary.json's medians are over "
+        "the replicates measured at the latest call's code (default: the checkout's git HEAD; 'unrecorded' without)",
+    )
     group.add_argument("--corpus", default=None, help="folder of the pretraining corpus (.bench/corpus)")
     group.add_argument("--search-base", default=None, help="where the base model is cached (.bench/search-base)")
     parser.add_argument(

@@ -77,9 +77,10 @@ def test_the_smoke_part_writes_targets_comparisons_summary_and_report(smoke) -> 
         "search_multi_member_pass_share",
         "search_compile_share",
         "search_replicates",
+        "search_code",
     }
     assert keys <= set(summary)
-    assert summary["search_replicates"] == 1
+    assert summary["search_replicates"] == 1 and summary["search_code"] == data["calls"][-1]["code"]
     assert (out / "search.png").stat().st_size > 0
     assert "### Replicate 0" in (out / "search.md").read_text()
     assert data["bases"][replicate["base"]]["steps"] == data["settings"]["values"]["pretrain_steps"]

@@ -58,6 +58,21 @@ def test_comparisons_take_the_better_process_variant_and_the_median_over_replica
     assert data["aggregate"]["replicates"] == 3
 
 
+def test_the_summary_medians_are_over_the_replicates_measured_at_the_latest_call_s_code() -> None:
+    replicates = {"0": _replicate(10, 20, 40), "1": _replicate(10, 5, 30), "2": _replicate(10, 30, 50)}
+    for seed, code in (("0", "old"), ("1", "new"), ("2", "new")):
+        for run in replicates[seed]["methods"].values():
+            run["code"] = code
+    replicates["2"]["methods"]["sequential"]["code"] = "old"  # one method of another version: a mixed replicate
+    data = {"replicates": replicates, "calls": [{"code": "old"}, {"code": "new"}]}
+    finalize(data)
+    assert [data["replicates"][seed]["code"] for seed in "012"] == ["old", "new", None]
+    assert data["aggregate"]["code"] == "new" and data["aggregate"]["replicates"] == 1
+    assert data["aggregate"]["time_to_target_vs_processes"] == pytest.approx(0.5)  # replicate 1 alone
+    assert data["aggregate_all"]["replicates"] == 3
+    assert data["aggregate_all"]["time_to_target_vs_processes"] == pytest.approx(2.0)  # median of 2, 0.5, 3
+
+
 def test_a_method_that_never_reaches_the_target_counts_as_infinitely_late() -> None:
     replicate = _replicate(10, 20, 40)
     replicate["methods"]["processes_8"]["trials"][0]["state"] = "PRUNED"

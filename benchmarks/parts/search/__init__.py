@@ -27,7 +27,8 @@ method of a replicate, from the parent), :mod:`.aggregate` (targets, times, comp
 
 from __future__ import annotations
 
+from benchmarks.parts.search.aggregate import finalize
 from benchmarks.parts.search.part import run
 from benchmarks.parts.search.report import markdown, plot, summary
 
-__all__ = ["markdown", "plot", "run", "summary"]
+__all__ = ["finalize", "markdown", "plot", "run", "summary"]

@@ -114,7 +114,9 @@ def finite(value: Any) -> Any:
 
 
 def finalize(data: dict[str, Any]) -> None:
-    """Per replicate its targets, each method's marks and the comparisons; then the medians over replicates."""
+    """Per replicate its targets, each method's marks, the comparisons and the code its methods ran (``None`` when
+    they ran different code); then the medians over the replicates measured at the latest call's code
+    (``aggregate``, the summary's) and over all of them (``aggregate_all``)."""
     comparisons = []
     for replicate in data.get("replicates", {}).values():
         runs = {name: run for name, run in replicate["methods"].items() if "error" not in run}
@@ -124,7 +126,17 @@ def finalize(data: dict[str, Any]) -> None:
         replicate["targets"] = goal
         replicate["results"] = results
         replicate["comparison"] = {key: finite(value) for key, value in compared.items()}
-        comparisons.append((compared, results.get("executor")))
+        codes = {run.get("code") for run in runs.values()}
+        replicate["code"] = codes.pop() if len(codes) == 1 else None
+        comparisons.append((replicate["code"], compared, results.get("executor")))
+    calls = data.get("calls") or [{}]
+    latest = calls[-1].get("code")
+    data["aggregate"] = _medians([(c, r) for code, c, r in comparisons if code == latest]) | {"code": latest}
+    data["aggregate_all"] = _medians([(c, r) for _, c, r in comparisons])
+
+
+def _medians(comparisons: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> dict[str, Any]:
+    """The medians of the comparisons and of the executor's pass shares over ``comparisons``' replicates."""
     medians: dict[str, Any] = {}
     for key in (
         "time_to_target_vs_processes",
@@ -142,4 +154,4 @@ def finalize(data: dict[str, Any]) -> None:
     compile_shares = [run["compile_seconds"] / run["wall"] for run in executors if "compile_seconds" in run]
     medians["compile_share"] = _median(compile_shares)
     medians["replicates"] = sum("time_to_target_vs_processes" in compared for compared, _ in comparisons)
-    data["aggregate"] = medians
+    return medians

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +45,18 @@ def _settings_record(settings: Settings) -> dict[str, Any]:
         "seed into the executor's chunks (plain TRL visits them in the same order); eval: the first eval_rows test "
         "rows after every chunk",
     }
+
+
+def _code_label() -> str:
+    """The checkout's HEAD (short), with ``+changes`` when its tracked files differ; ``unrecorded`` without git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unrecorded"
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
 
 def _base(settings: Settings, base: Path, corpus: Path) -> dict[str, Any]:
@@ -109,6 +122,7 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
     data["settings"] = _settings_record(settings)
     data["machine"] = machine()
     call: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "seeds": seeds}
+    call["code"] = code = options.code or _code_label()
     call |= {"methods": [m.name for m in methods], "machine": data["machine"]}
     data.setdefault("calls", []).append(call)
     began = time.perf_counter()
@@ -136,6 +150,7 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
                 run = {"error": str(error)[-4000:]}
                 say(f"replicate {seed}: {chosen.name} failed: {str(error)[-2000:]}")
             run["seconds_in_call"] = time.perf_counter() - start
+            run["code"] = code
             replicate["methods"][chosen.name] = run
             finalize(data)
             call["seconds"] = time.perf_counter() - began

@@ -41,7 +41,8 @@ def markdown(data: dict[str, Any]) -> list[str]:
         goal = replicate.get("targets") or {}
         lines += [
             "",
-            f"### Replicate {seed} (configs from RandomSampler(seed={seed}), base {replicate.get('base')}; target "
+            f"### Replicate {seed} (configs from RandomSampler(seed={seed}), base {replicate.get('base')}, code "
+            f"{replicate.get('code') or 'of several versions'}; target "
             f"{_fmt(goal.get('best'), 4)}, loose {_fmt(goal.get('loose'), 4)})",
             "",
             "| method | time to target s | to loose target s | wall s | best | chunks | complete / pruned / fail "
@@ -62,14 +63,18 @@ def markdown(data: dict[str, Any]) -> list[str]:
         compared = replicate.get("comparison") or {}
         if compared:
             lines += ["", ", ".join(f"{key} {_fmt(value, 2)}" for key, value in compared.items()) + "."]
-    medians = data.get("aggregate", {})
-    if medians:
-        lines += [
-            "",
-            "Medians over replicates (method / executor: > 1 means the executor is sooner): "
-            + ", ".join(f"{key} {_fmt(value, 2)}" for key, value in medians.items())
-            + ".",
-        ]
+    for key, title in (
+        ("aggregate", f"Medians over the replicates measured at code {data.get('aggregate', {}).get('code')}"),
+        ("aggregate_all", "Medians over every replicate (code of several versions)"),
+    ):
+        medians = {name: value for name, value in data.get(key, {}).items() if name != "code"}
+        if medians:
+            lines += [
+                "",
+                f"{title} (method / executor: > 1 means the executor is sooner): "
+                + ", ".join(f"{name} {_fmt(value, 2)}" for name, value in medians.items())
+                + ".",
+            ]
     for mark, base in data.get("bases", {}).items():
         lines.append(
             f"Base {mark}: {base['parameters'] / 1e6:.3g}M-parameter Llama pretrained {base['steps']} steps "
@@ -116,7 +121,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 
 def summary(data: dict[str, Any]) -> dict[str, Any]:
-    """The part's keys of summary.json (medians over replicates of method / executor: > 1, the executor sooner)."""
+    """The part's keys of summary.json: medians over the replicates measured at the latest call's code (``search_code``)
+    of method / executor (> 1: the executor sooner)."""
     medians = data.get("aggregate", {})
     keys = {
         "search_time_to_target_vs_processes": "time_to_target_vs_processes",
@@ -126,5 +132,6 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
         "search_multi_member_pass_share": "multi_member_pass_share",
         "search_compile_share": "compile_share",
         "search_replicates": "replicates",
+        "search_code": "code",
     }
     return {key: medians.get(name) for key, name in keys.items()} if medians else {}
