@@ -8,6 +8,7 @@ import math
 import pytest
 
 from benchmarks.parts.search.aggregate import finalize, marks, targets
+from benchmarks.parts.search.part import _estimate
 from benchmarks.parts.search.space import method
 
 
@@ -94,3 +95,15 @@ def test_method_names_are_parsed_and_a_bad_one_is_refused_naming_it() -> None:
         method("processes_1")
     with pytest.raises(SystemExit, match="'fast'"):
         method("fast")
+
+
+def test_a_method_s_time_is_estimated_from_its_runs_at_this_code_first() -> None:
+    replicates = {
+        "0": {"methods": {"executor": {"seconds_in_call": 300.0, "code": "old"}}},
+        "1": {"methods": {"executor": {"seconds_in_call": 60.0, "code": "new"}, "processes_8": {"error": "x"}}},
+        "2": {"methods": {"processes_8": {"seconds_in_call": 130.0, "code": "old"}}},
+    }
+    assert _estimate(replicates, method("executor"), "new") == 60.0  # the slow run of older code is not it
+    assert _estimate(replicates, method("executor"), "newer") == 300.0  # none at this code: the longest
+    assert _estimate(replicates, method("processes_4"), "new") == 130.0  # none of its own: its family's
+    assert _estimate(replicates, method("sequential"), "new") == 0.0

@@ -86,18 +86,25 @@ def _check_bases(replicates: dict[str, Any], seeds: list[int], mark: str) -> Non
             )
 
 
-def _estimate(replicates: dict[str, Any], chosen: Method) -> float:
-    """Seconds ``chosen`` will likely take with its warm-up: as in another replicate, else the longest of its
-    family measured so far, else 0 (it starts, and is stopped at the deadline if it has not ended)."""
-    seen = [r["methods"].get(chosen.name, {}).get("seconds_in_call") for r in replicates.values()]
-    family = [
-        run["seconds_in_call"]
+def _estimate(replicates: dict[str, Any], chosen: Method, code: str) -> float:
+    """Seconds ``chosen`` will likely take with its warm-up: the longest of its runs at this ``code`` in other
+    replicates, else of its runs at any code, else the longest of its family measured so far, else 0 (it starts,
+    and is stopped at the deadline if it has not ended)."""
+    runs = [
+        (name, run)
         for r in replicates.values()
         for name, run in r["methods"].items()
-        if method(name).family == chosen.family and "seconds_in_call" in run and "error" not in run
+        if "seconds_in_call" in run and "error" not in run
     ]
-    known = [s for s in seen if s is not None]
-    return max(known) if known else max(family) if family else 0.0
+    for pick in (
+        lambda name, run: name == chosen.name and run.get("code") == code,
+        lambda name, run: name == chosen.name,
+        lambda name, run: method(name).family == chosen.family,
+    ):
+        found = [run["seconds_in_call"] for name, run in runs if pick(name, run)]
+        if found:
+            return float(max(found))
+    return 0.0
 
 
 def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -139,7 +146,7 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
         for chosen in methods:
             start = time.perf_counter()
             left = deadline - (start - began)
-            if left < _estimate(replicates, chosen):
+            if left < _estimate(replicates, chosen, code):
                 say(f"replicate {seed}: {chosen.name} skipped: {left:.0f} s left before --search-deadline")
                 call.setdefault("skipped", []).append([seed, chosen.name])
                 continue
