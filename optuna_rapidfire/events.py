@@ -9,14 +9,15 @@ A listener is any callable that takes an event; :func:`listen` registers one for
         if isinstance(event, events.ChunkTrained):
             print(f"trial {event.trial} chunk {event.step}: {event.train_seconds:.1f} s")
 
-    with events.listen(show):
+    with events.listen(show, events.ChunkTrained):
         executor.optimize(study, configure, n_trials=16)
 
 Listeners are called synchronously, in the thread where the event happens (mostly the device's worker
 thread, between and inside passes), in the order they were registered: keep them quick. Like a TRL
 ``TrainerCallback``, a listener that raises fails what it was listening to (the trial, or the gang whose
 pass it watched): that is how tests inject a failure at a given point. Nothing is built or timed for an
-event while nobody listens.
+event while nobody listens to its kind: name the kinds a listener wants (``listen(show, ChunkTrained)``), since
+a listener of every event makes the device synchronize around each pass, switch and decode to time them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Union, get_args
 
 __all__ = [
     "Checkpointed",
@@ -93,7 +94,9 @@ class PassTrained:
     """The device trained, in ``seconds``: what the scheduler handed an engine (``engine`` ``"time_sliced"``: one
     trial's chunk; ``"fused"``: a gang's chunks, each member its own, in shared passes or in turns), or one
     shared pass of a stream (``"stream"``: one step of each seated member, members joining and leaving between
-    passes). ``steps[i]`` is the chunk ``trials[i]`` was in."""
+    passes). ``steps[i]`` is the chunk ``trials[i]`` was in. ``seconds`` is the host's: a stream's pass is
+    queued on a GPU and may still run when it is emitted, unless someone listens to :class:`GangTrained` (which
+    synchronizes the device around each pass)."""
 
     trials: tuple[int, ...]
     steps: tuple[int, ...]
@@ -105,7 +108,7 @@ class PassTrained:
 class GangTrained:
     """Trials trained together in shared passes: a fused gang's chunks, or one pass of a stream (their evaluation
     not included). ``start_ns``/``end_ns``: the wall clock (``time.time_ns()``), the device synchronized at both
-    ends while anyone listens (to line the window up with a profiler's trace)."""
+    ends while anyone listens to this kind (to line the window up with a profiler's trace)."""
 
     trials: tuple[int, ...]
     start_ns: int
@@ -152,10 +155,12 @@ Event = Union[  # noqa: UP007
 ]
 """Any event of this module."""
 
-Listener = Callable[[Event], object]
-"""A function called with every event."""
+_KINDS: tuple[type, ...] = get_args(Event)
 
-_listeners: tuple[Listener, ...] = ()
+Listener = Callable[[Event], object]
+"""A function called with every event (or with the kinds of event it was registered for)."""
+
+_listeners: tuple[tuple[Listener, tuple[type, ...]], ...] = ()  # each with the kinds it wants (empty: all)
 _lock = threading.Lock()
 
 
@@ -168,7 +173,7 @@ class _Registration:
     def __call__(self) -> None:
         global _listeners
         with _lock:
-            _listeners = tuple(other for other in _listeners if other is not self._listener)
+            _listeners = tuple(entry for entry in _listeners if entry[0] is not self._listener)
 
     def __enter__(self) -> _Registration:
         return self
@@ -177,27 +182,34 @@ class _Registration:
         self()
 
 
-def listen(listener: Listener) -> _Registration:
-    """Call ``listener`` with every event in this process from now on; the result removes it (call it, or use it
-    as a context manager)."""
+def listen(listener: Listener, *kinds: type) -> _Registration:
+    """Call ``listener`` with every event in this process from now on, or only with the ``kinds`` of event named
+    (``listen(log, ChunkTrained)``); the result removes it (call it, or use it as a context manager).
+
+    Name the kinds a listener wants where it can: some events cost time to gather only while someone wants them
+    (:class:`GangTrained`, :class:`Switched` and :class:`Decoded` synchronize the device to time it)."""
     if not callable(listener):
         raise TypeError(f"listener must be a callable taking an event, but got {listener!r}.")
+    unknown = [kind for kind in kinds if kind not in _KINDS]
+    if unknown:
+        names = ", ".join(kind.__name__ for kind in _KINDS)
+        raise TypeError(f"listen() takes kinds of event of this module ({names}), but got {unknown[0]!r}.")
     global _listeners
     with _lock:
-        _listeners = (*_listeners, listener)
+        _listeners = (*_listeners, (listener, kinds))
     return _Registration(listener)
 
 
-def listening() -> bool:
-    """Whether anyone listens (so that an event's data is gathered only then)."""
-    return bool(_listeners)
+def listening(kind: type | None = None) -> bool:
+    """Whether anyone listens (to events of ``kind``, if given), so that an event's data is gathered only then."""
+    return any(not kinds or kind is None or kind in kinds for _, kinds in _listeners)
 
 
 @contextlib.contextmanager
 def window(trials: tuple[int, ...], device: Any) -> Iterator[None]:
     """Emit a :class:`GangTrained` for ``trials`` once the ``with`` block ends without an error, the ``device``
-    synchronized at both ends (a CUDA device); nothing is timed or synchronized while nobody listens."""
-    timed = listening()
+    synchronized at both ends (a CUDA device); nothing is timed or synchronized while nobody listens to it."""
+    timed = listening(GangTrained)
     cuda = timed and getattr(device, "type", None) == "cuda"
     if cuda:
         import torch
@@ -212,6 +224,7 @@ def window(trials: tuple[int, ...], device: Any) -> Iterator[None]:
 
 
 def emit(event: Event) -> None:
-    """Deliver ``event`` to every listener, in order; a listener's exception propagates."""
-    for listener in _listeners:
-        listener(event)
+    """Deliver ``event`` to every listener that wants its kind, in order; a listener's exception propagates."""
+    for listener, kinds in _listeners:
+        if not kinds or type(event) in kinds:
+            listener(event)

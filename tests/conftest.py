@@ -89,12 +89,13 @@ def rapidfire_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptu
 
 
 @pytest.fixture
-def listen() -> Iterator[Callable[[Callable[[Any], object]], None]]:
-    """Register a listener of the package's events (:mod:`optuna_rapidfire.events`) for the rest of the test."""
+def listen() -> Iterator[Callable[..., None]]:
+    """Register a listener of the package's events (:mod:`optuna_rapidfire.events`), of every kind or of the kinds
+    named after it, for the rest of the test."""
     from optuna_rapidfire import events
 
     registrations: list[Callable[[], None]] = []
-    yield lambda listener: registrations.append(events.listen(listener))
+    yield lambda listener, *kinds: registrations.append(events.listen(listener, *kinds))
     for remove in registrations:
         remove()
 
@@ -111,7 +112,7 @@ def chunk_log() -> Iterator[list[tuple[int, int]]]:
         if isinstance(event, events.ChunkStarting):
             log.extend(zip(event.trials, event.steps, strict=True))
 
-    with events.listen(record):
+    with events.listen(record, events.ChunkStarting):
         yield log
 
 
@@ -135,7 +136,7 @@ def slow_chunks() -> Iterator[Callable[..., None]]:
             while hold is not None and hold() and time.monotonic() < deadline:
                 time.sleep(0.05)
 
-        registrations.append(events.listen(wait))
+        registrations.append(events.listen(wait, events.ChunkStarting))
 
     yield apply
     for remove in registrations:

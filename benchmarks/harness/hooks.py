@@ -77,7 +77,7 @@ class Recorder:
             self.switches.append(event.seconds)
 
     def __enter__(self) -> Recorder:
-        self._registration = events.listen(self._hear)
+        self._registration = events.listen(self._hear, events.ChunkTrained, events.Switched)
         return self
 
     def steady_tokens_per_second(self) -> float:
@@ -103,7 +103,7 @@ class GangTrainingWindows:
             self.windows.append((event.start_ns, event.end_ns))
 
     def __enter__(self) -> GangTrainingWindows:
-        self._registration = events.listen(self._hear)
+        self._registration = events.listen(self._hear, events.GangTrained)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -137,7 +137,7 @@ class DecodeLog:
         )
 
     def __enter__(self) -> DecodeLog:
-        self._registration = events.listen(self._hear)
+        self._registration = events.listen(self._hear, events.Decoded)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -161,7 +161,7 @@ class PassLog:
             self.passes.append([end - event.seconds, event.seconds, event.engine, len(event.trials), list(event.steps)])
 
     def __enter__(self) -> PassLog:
-        self._registration = events.listen(self._hear)
+        self._registration = events.listen(self._hear, events.PassTrained)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -175,7 +175,7 @@ class GangStream:
             elapsed = time.perf_counter() - start
             for seat in seated:
                 seat.train_seconds += elapsed / len(seated)
-            if events.listening():
+            if events.listening(events.PassTrained):
                 numbers = tuple(seat.runtime.spec.number for seat in seated)
                 steps = tuple(seat.runtime.state.position.chunks_done for seat in seated)
                 events.emit(events.PassTrained(numbers, steps, elapsed, "stream"))
@@ -206,7 +206,7 @@ class GangStream:
 
     def _seat(self, runtime: TrialRuntime, slot: int, layout: Layout, loss: FusedLoss, *, loaded: bool) -> Seat:
         """Put a member in ``slot``: its state on the device and in the slot, its next chunk laid out."""
-        if events.listening():
+        if events.listening(events.ChunkStarting):
             events.emit(events.ChunkStarting((runtime.spec.number,), (runtime.state.position.chunks_done,)))
         placement = self.trials.placement
         if not loaded:

@@ -296,7 +296,7 @@ class LaunchedPasses:
                 layout.first_pass_seconds,
                 layout.compiles,
             )
-            if events.listening():
+            if events.listening(events.Compiled):
                 events.emit(events.Compiled(layout.key.describe(), layout.first_pass_seconds))
 
     # -- what the background compiler uses (:class:`~optuna_rapidfire._engines._background.Compiler`) -----------

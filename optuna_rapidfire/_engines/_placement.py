@@ -96,7 +96,9 @@ class Placement:
     def switch_to(self, runtime: TrialRuntime) -> None:
         """Set the model up to train the trial alone: its state on the device, its forward, activation
         checkpointing and RNG; counted as a switch when the model was set up for another trial."""
-        timed = events.listening() and self.device.type == "cuda"  # a listener gets the device's time too
+        timed = (
+            events.listening(events.Switched) and self.device.type == "cuda"
+        )  # a listener gets the device's time too
         if timed:
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
@@ -113,7 +115,7 @@ class Placement:
             self.switches += 1
             self.current = runtime
             self.switch_seconds.append(time.perf_counter() - start)
-            if events.listening():
+            if events.listening(events.Switched):
                 events.emit(events.Switched(runtime.spec.number, previous, self.switch_seconds[-1]))
 
     def resume(self, runtime: TrialRuntime, gang: Sequence[TrialRuntime], rng: RngState, training: bool) -> None:

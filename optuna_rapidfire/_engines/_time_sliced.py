@@ -41,7 +41,7 @@ class TimeSlicedEngine(Engine):
 
     def run_chunk(self, runtime: TrialRuntime) -> ChunkResult:
         """Train the trial's next chunk alone, then evaluate it."""
-        if events.listening():
+        if events.listening(events.ChunkStarting):
             events.emit(events.ChunkStarting((runtime.spec.number,), (runtime.state.position.chunks_done,)))
         self.trials.placement.switch_to(runtime)
         start = time.perf_counter()

@@ -304,7 +304,7 @@ class DeviceTrials:
         )
         tokens = _compat.train_tokens(runtime.trainer)
         chunk_tokens, runtime.tokens_at_last_chunk = tokens - runtime.tokens_at_last_chunk, tokens
-        if events.listening():
+        if events.listening(events.ChunkTrained):
             number, step, last = runtime.spec.number, result.step, result.last
             chunk = events.ChunkTrained(number, step, dict(full), train_seconds, eval_seconds, last, chunk_tokens)
             events.emit(chunk)

@@ -137,7 +137,7 @@ class DeviceWorker(threading.Thread):
             start = time.perf_counter()
             steps = tuple(e.chunks_done for e in entries)
             results = self.engine.run([e.built for e in entries])
-            if events.listening():
+            if events.listening(events.PassTrained):
                 numbers, seconds = tuple(e.number for e in entries), time.perf_counter() - start
                 events.emit(events.PassTrained(numbers, steps, seconds, self.engine.name))
             for member, result in zip(entries, results, strict=True):
@@ -154,7 +154,7 @@ class DeviceWorker(threading.Thread):
             branch = self.engine.branch(runtime)
             done, total = (branch.step if branch is not None else 0), self.engine.total_chunks(runtime)
             self.scheduler.built(entry, runtime, chunks_done=done, finished=done >= total)
-            if events.listening():
+            if events.listening(events.TrialBuilt):
                 warm = branch is not None and (branch.warm or branch.resume)
                 seconds = time.perf_counter() - start
                 events.emit(events.TrialBuilt(entry.number, str(self.engine.device), seconds, done if warm else None))

@@ -161,7 +161,7 @@ class TrialRecord:
             return
         try:
             link = checkpoints.save(self.study, _compat.trial_id(self.trial), event.snapshot, previous)
-            if events.listening():
+            if events.listening(events.Checkpointed):
                 where = "memory" if not checkpoints.shared else "artifact store"
                 events.emit(events.Checkpointed(self.trial.number, event.step, int(link["bytes"]), where))
         except (UpdateFinishedTrialError, StorageUnavailableError):  # the trial's end, told by the caller

@@ -130,7 +130,7 @@ def test_out_of_memory_fails_that_trial_only_and_keeps_its_reports(make_executor
 
     executor = make_executor(num_chunks=4, max_concurrent_trials=3)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-    with events.listen(out_of_memory):
+    with events.listen(out_of_memory, events.ChunkStarting):
         executor.optimize(study, by_number([(lora(), sft_args())] * 4), n_trials=4)
 
     states = [t.state for t in study.trials]

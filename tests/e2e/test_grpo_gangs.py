@@ -66,7 +66,7 @@ def _run(make_executor, monkeypatch, prompts, configs, engine: str):
             metrics.setdefault(f"trial_{event.trial}", []).append(dict(event.metrics))
 
     monkeypatch.setattr(Generation, "generate", recording)
-    stop_listening = events.listen(recording_chunks)
+    stop_listening = events.listen(recording_chunks, events.ChunkTrained)
     executor = _executor(make_executor, prompts, len(configs), engine)
     study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
     try:

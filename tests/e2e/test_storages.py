@@ -95,4 +95,4 @@ def _slow_chunks(request) -> None:
             if isinstance(event, events.ChunkStarting):
                 time.sleep(0.3)
 
-        request.addfinalizer(events.listen(slow))
+        request.addfinalizer(events.listen(slow, events.ChunkStarting))

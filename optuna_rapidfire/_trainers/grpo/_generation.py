@@ -264,7 +264,7 @@ class Generation:
         """One decode batch for ``requests``, in the precision of ``first``'s trial (a gang's members share it)."""
         self.decodes += 1
         self.requests += len(requests)
-        listening = events.listening()
+        listening = events.listening(events.Decoded)
         if listening and self.trials.device.type == "cuda":
             torch.cuda.synchronize(self.trials.device)  # time the decode alone (its end waits for its tokens)
         start = time.perf_counter()
