@@ -142,12 +142,14 @@ class Compiled:
 
 @dataclass(frozen=True)
 class Checkpointed:
-    """A trial's state after a chunk was kept (for retries and clones), ``bytes`` long, in ``where``."""
+    """A trial's state after a chunk was kept (for retries and clones), ``bytes`` long, in ``where``;
+    ``capture_seconds``: the device worker's time to copy it to the host (which the device's passes wait for)."""
 
     trial: int
     step: int
     bytes: int
     where: str
+    capture_seconds: float
 
 
 Event = Union[  # noqa: UP007

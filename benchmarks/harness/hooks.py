@@ -168,6 +168,35 @@ class PassLog:
         self._registration()
 
 
+class StudyTimes:
+    """Where an executor's time goes outside its passes, summed from the package's events (none of which makes the
+    device wait): ``evaluation`` (ChunkTrained's eval seconds), ``builds`` (TrialBuilt), ``state_copies`` (each
+    chunk's state copied to the host for checkpoints, Checkpointed) with ``state_bytes``, and ``chunks``."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {"evaluation": 0.0, "builds": 0.0, "state_copies": 0.0, "state_bytes": 0.0}
+        self.times["chunks"] = 0
+        self._registration: Any = None
+
+    def _hear(self, event: events.Event) -> None:
+        if isinstance(event, events.ChunkTrained):
+            self.times["evaluation"] += event.eval_seconds
+            self.times["chunks"] += 1
+        elif isinstance(event, events.TrialBuilt):
+            self.times["builds"] += event.seconds
+        elif isinstance(event, events.Checkpointed):
+            self.times["state_copies"] += event.capture_seconds
+            self.times["state_bytes"] += event.bytes
+
+    def __enter__(self) -> StudyTimes:
+        kinds = (events.ChunkTrained, events.TrialBuilt, events.Checkpointed)
+        self._registration = events.listen(self._hear, *kinds)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._registration()
+
+
 class PackageLog(logging.Handler):
     """The package's log lines while in use (``[seconds since it began, level, message]`` in :attr:`lines`), and
     in :attr:`compile_seconds` the first-pass seconds (compilation included) of every layout the launched pass

@@ -106,6 +106,7 @@ class ChunkResult:
             pass's time over its members), so a gang's members add up to the gang's training time.
         eval_seconds: Wall time of the evaluation part.
         snapshot: The trial's state after the chunk (CPU copies), when its spec asks for it.
+        snapshot_seconds: How long the device's worker took to copy that state to the host.
     """
 
     step: int
@@ -114,6 +115,7 @@ class ChunkResult:
     train_seconds: float = 0.0
     eval_seconds: float = 0.0
     snapshot: Any = None
+    snapshot_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,8 @@ class TrialRecord:
             link = checkpoints.save(self.study, _compat.trial_id(self.trial), event.snapshot, previous)
             if events.listening(events.Checkpointed):
                 where = "memory" if not checkpoints.shared else "artifact store"
-                events.emit(events.Checkpointed(self.trial.number, event.step, int(link["bytes"]), where))
+                size, seconds = int(link["bytes"]), event.snapshot_seconds
+                events.emit(events.Checkpointed(self.trial.number, event.step, size, where, seconds))
         except (UpdateFinishedTrialError, StorageUnavailableError):  # the trial's end, told by the caller
             raise
         except Exception as error:  # the trial goes on; a retry would resume from an older checkpoint

@@ -82,3 +82,6 @@ def test_a_study_tells_its_listeners_what_happens_on_the_device(make_executor, l
         assert {e.trial for e in seen if isinstance(e, events.Switched)} == {0, 1} and not windows
     else:  # each shared training has its window, within the run
         assert windows and all(e.start_ns <= e.end_ns and set(e.trials) <= {0, 1} for e in windows)
+    kept = [e for e in seen if isinstance(e, events.Checkpointed)]  # every chunk's state, copied once
+    assert sorted((e.trial, e.step) for e in kept) == sorted((e.trial, e.step) for e in trained)
+    assert all(e.bytes > 0 and e.capture_seconds > 0 and e.where == "memory" for e in kept)

@@ -52,6 +52,11 @@ def marks(run: dict[str, Any], goal: dict[str, float] | None) -> dict[str, Any]:
     if "compile_seconds" in run:
         out["compile_seconds"] = sum(run["compile_seconds"])
         out["passes"] = len(run["passes"])
+        out["pass_seconds"] = sum(entry[1] for entry in run["passes"])  # the host's, a stream's passes queued
+        if run["passes"]:
+            out["first_pass_at"] = run["passes"][0][0]
+    if "times" in run:
+        out["times"] = run["times"]
     return out
 
 

@@ -60,6 +60,16 @@ def markdown(data: dict[str, Any]) -> list[str]:
         for name, run in replicate.get("methods", {}).items():
             if "error" in run:
                 lines.append(f"| {name} | failed: {run['error'].splitlines()[0][:200]} | | | | | | | | |")
+        for row in replicate.get("results", {}).values():
+            times = row.get("times")
+            if times:
+                lines += [
+                    "",
+                    f"{row['label']}: wall {row['wall']:.1f} s; first pass at {_fmt(row.get('first_pass_at'))} s; "
+                    f"passes {_fmt(row.get('pass_seconds'))} s (host); evaluation {times['evaluation']:.1f} s, "
+                    f"trial builds {times['builds']:.1f} s, chunk states copied to the host "
+                    f"{times['state_copies']:.1f} s ({times['state_bytes'] / 1e6:.0f} MB, {times['chunks']} chunks).",
+                ]
         compared = replicate.get("comparison") or {}
         if compared:
             lines += ["", ", ".join(f"{key} {_fmt(value, 2)}" for key, value in compared.items()) + "."]

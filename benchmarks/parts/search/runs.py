@@ -15,7 +15,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from benchmarks.harness.hooks import PackageLog, PassLog
+from benchmarks.harness.hooks import PackageLog, PassLog, StudyTimes
 from benchmarks.harness.measure import drop
 from benchmarks.parts.search.base import model_kwargs
 from benchmarks.parts.search.settings import Settings, configure, eval_rows, train_rows
@@ -84,7 +84,12 @@ def executor_worker(spec: dict[str, Any], settings: Settings, base: Path, go: fl
     def finished(study: optuna.Study, trial: FrozenTrial) -> None:
         ends.append([time.time() - go, trial.number, trial.state.name, trial.value])
 
-    with PassLog() as passes, PackageLog() as log, tempfile.TemporaryDirectory(prefix="search-executor-") as out:
+    with (
+        PassLog() as passes,
+        StudyTimes() as times,
+        PackageLog() as log,
+        tempfile.TemporaryDirectory(prefix="search-executor-") as out,
+    ):
         executor = RapidFireExecutor(
             model=str(base),
             model_kwargs=model_kwargs(),
@@ -119,6 +124,7 @@ def executor_worker(spec: dict[str, Any], settings: Settings, base: Path, go: fl
             for t in study.trials
         ],
         "passes": [[start - go, seconds, *rest] for start, seconds, *rest in passes.passes],
+        "times": times.times,
         "compile_seconds": log.compile_seconds,
         "background_compile_seconds": log.background_seconds,
         "log": log.lines,
