@@ -96,9 +96,8 @@ class Placement:
     def switch_to(self, runtime: TrialRuntime) -> None:
         """Set the model up to train the trial alone: its state on the device, its forward, activation
         checkpointing and RNG; counted as a switch when the model was set up for another trial."""
-        timed = (
-            events.listening(events.Switched) and self.device.type == "cuda"
-        )  # a listener gets the device's time too
+        # a listener of switches gets the device's time too
+        timed = events.listening(events.Switched) and self.device.type == "cuda"
         if timed:
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()

@@ -121,6 +121,7 @@ class ResidentModel:
         self._active: str | None = None
         self._layers: list[torch.nn.Module] | None = None  # PEFT's adapter layers, listed once
         self._params: dict[str, list[torch.nn.Parameter]] = {}  # each adapter's parameters
+        self._named: dict[str, dict[str, torch.nn.Parameter]] = {}  # and by name (what adapter_weights keys)
         self._checkpointing: tuple[bool, str] = (False, "")
         self._lock = threading.RLock()
         # Counts every adapter added or removed: what is known of the adapters is stale once it changes.
@@ -159,6 +160,7 @@ class ResidentModel:
                     raise
             self._layers = None
             self._params.clear()
+            self._named.clear()
             self.adapters_version += 1
             # Only the active adapter is trainable: its trainer's optimizer takes every trainable parameter.
             for param_name, param in self.peft.named_parameters():
@@ -178,12 +180,17 @@ class ResidentModel:
         return params
 
     def adapter_weights(self, name: str) -> dict[str, torch.Tensor]:
-        """Adapter ``name``'s weights, keyed by parameter name with the adapter's own name removed."""
+        """Adapter ``name``'s weights, keyed by parameter name with the adapter's own name removed (found once per
+        adapter: a walk over the model's parameters costs more with every adapter it holds)."""
         assert self.peft is not None
-        marker = f".{name}."
-        return {
-            f".{n}.".replace(marker, ".")[1:-1]: p.data for n, p in self.peft.named_parameters() if marker in f".{n}."
-        }
+        named = self._named.get(name)
+        if named is None:
+            marker = f".{name}."
+            named = {
+                f".{n}.".replace(marker, ".")[1:-1]: p for n, p in self.peft.named_parameters() if marker in f".{n}."
+            }
+            self._named[name] = named
+        return {key: param.data for key, param in named.items()}
 
     def load_adapter_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
         """Copy ``weights`` (as returned by :meth:`adapter_weights`) into adapter ``name``."""
@@ -300,6 +307,7 @@ class ResidentModel:
             self._active = None
         self._layers = None
         self._params.pop(name, None)
+        self._named.pop(name, None)
 
     def save_adapter(self, name: str, directory: str) -> None:
         """Write adapter ``name`` in PEFT's format (``adapter_config.json`` + safetensors) to ``directory``."""
