@@ -14,7 +14,9 @@ Listened to (the package's events, :mod:`optuna_rapidfire.events`, no patch):
 - :class:`DecodeLog`: ``Decoded`` (every GRPO decode: its requests, rows, widest prompt, generated tokens,
   synchronized seconds, what it served, the sampling settings);
 - :class:`GangTrainingWindows`: ``GangTrained`` (the synchronized wall-clock window of each gang's shared
-  training, a fused chunk's or a stream pass's).
+  training, a fused chunk's or a stream pass's);
+- :class:`StudyTimes`: ``ChunkTrained``, ``TrialBuilt`` and ``Checkpointed`` (evaluation, build and state-copy
+  seconds summed: where an executor's time goes outside its passes).
 
 Nothing of the package is patched. :class:`PackageLog` keeps the package's log lines and reads the seconds of each
 compiled layout's first pass from the launched pass's "Compiled the launched pass" line.
@@ -31,13 +33,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from optuna_rapidfire import events
 from optuna_rapidfire._engines._gang_passes import PASS_TOKENS
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
 from optuna_rapidfire._resident._data import ChunkPlan
 from optuna_rapidfire._study import _attrs as attrs
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = [
     "PASS_TOKENS",
@@ -48,13 +54,34 @@ __all__ = [
     "PackageLog",
     "PassLog",
     "Recorder",
+    "StudyTimes",
     "attrs",
     "decode",
 ]
 
 
-class Recorder:
+class _Listener:
+    """A log of the package's events of :attr:`KINDS` (only those: some make the device wait while listened to),
+    listening while in a ``with`` block."""
+
+    KINDS: tuple[type, ...] = ()
+    _registration: Callable[[], None]
+
+    def _hear(self, event: events.Event) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self._registration = events.listen(self._hear, *self.KINDS)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._registration()
+
+
+class Recorder(_Listener):
     """Listens to the engine's events: chunk timings, tokens, evaluation time, switch latency (synchronized)."""
+
+    KINDS = (events.ChunkTrained, events.Switched)
 
     def __init__(self) -> None:
         self.first_report: dict[int, float] = {}
@@ -63,7 +90,6 @@ class Recorder:
         self.tokens = 0
         self.switches: list[float] = []
         self.chunks: list[dict[str, float]] = []  # per chunk: step, tokens, train seconds
-        self._registration: Any = None
 
     def _hear(self, event: events.Event) -> None:
         if isinstance(event, events.ChunkTrained):
@@ -76,49 +102,37 @@ class Recorder:
         elif isinstance(event, events.Switched):
             self.switches.append(event.seconds)
 
-    def __enter__(self) -> Recorder:
-        self._registration = events.listen(self._hear, events.ChunkTrained, events.Switched)
-        return self
-
     def steady_tokens_per_second(self) -> float:
         """Training tokens/s over every trial's chunks after its first (warm kernels, allocator, caches)."""
         later = [c for c in self.chunks if c["step"] > 0] or self.chunks
         return sum(c["tokens"] for c in later) / max(sum(c["train_seconds"] for c in later), 1e-9)
 
-    def __exit__(self, *exc: object) -> None:
-        self._registration()
 
-
-class GangTrainingWindows:
+class GangTrainingWindows(_Listener):
     """The wall-clock windows (``time.time_ns()``, the device synchronized at both ends) of the training of every
     fused gang's chunk and of every stream pass (the worker thread's), in :attr:`windows`. From ``GangTrained``
     events."""
 
+    KINDS = (events.GangTrained,)
+
     def __init__(self) -> None:
         self.windows: list[tuple[int, int]] = []
-        self._registration: Any = None
 
     def _hear(self, event: events.Event) -> None:
         if isinstance(event, events.GangTrained):
             self.windows.append((event.start_ns, event.end_ns))
 
-    def __enter__(self) -> GangTrainingWindows:
-        self._registration = events.listen(self._hear, events.GangTrained)
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._registration()
-
-
-class DecodeLog:
+class DecodeLog(_Listener):
     """Every decode an engine runs: its requests, rows, widest prompt, generated tokens, seconds (device
     synchronized before and after) and phase ("train", "eval", "check": the metric-name check of the first
     trial built, or "mixed"); :attr:`settings`: the first one's sampling settings. From ``Decoded`` events."""
 
+    KINDS = (events.Decoded,)
+
     def __init__(self) -> None:
         self.decodes: list[dict[str, Any]] = []
         self.settings: dict[str, Any] | None = None  # the first request's sampling settings
-        self._registration: Any = None
 
     def _hear(self, event: events.Event) -> None:
         if not isinstance(event, events.Decoded):
@@ -136,47 +150,35 @@ class DecodeLog:
             }
         )
 
-    def __enter__(self) -> DecodeLog:
-        self._registration = events.listen(self._hear, events.Decoded)
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._registration()
-
-
-class PassLog:
+class PassLog(_Listener):
     """Every chunk an engine trains for the scheduler, in :attr:`passes`: ``[start, seconds, engine, members,
     steps]`` (``time.time()`` at its start; ``steps``: the members' chunk indices). A fused gang's chunk is one
     entry (its members train in shared passes); a fused engine's gang that trains time-sliced is one entry too.
     A streamed gang (members at any step, joining and leaving between passes) has one entry per shared pass,
     engine ``"stream"``, its ``steps`` the chunk each member is in. From the package's ``PassTrained`` events."""
 
+    KINDS = (events.PassTrained,)
+
     def __init__(self) -> None:
         self.passes: list[list[Any]] = []
-        self._registration: Any = None
 
     def _hear(self, event: events.Event) -> None:
         if isinstance(event, events.PassTrained):
             end = time.time()
             self.passes.append([end - event.seconds, event.seconds, event.engine, len(event.trials), list(event.steps)])
 
-    def __enter__(self) -> PassLog:
-        self._registration = events.listen(self._hear, events.PassTrained)
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._registration()
-
-
-class StudyTimes:
+class StudyTimes(_Listener):
     """Where an executor's time goes outside its passes, summed from the package's events (none of which makes the
     device wait): ``evaluation`` (ChunkTrained's eval seconds), ``builds`` (TrialBuilt), ``state_copies`` (each
     chunk's state copied to the host for checkpoints, Checkpointed) with ``state_bytes``, and ``chunks``."""
 
+    KINDS = (events.ChunkTrained, events.TrialBuilt, events.Checkpointed)
+
     def __init__(self) -> None:
-        self.times: dict[str, float] = {"evaluation": 0.0, "builds": 0.0, "state_copies": 0.0, "state_bytes": 0.0}
+        self.times: dict[str, float] = dict.fromkeys(("evaluation", "builds", "state_copies", "state_bytes"), 0.0)
         self.times["chunks"] = 0
-        self._registration: Any = None
 
     def _hear(self, event: events.Event) -> None:
         if isinstance(event, events.ChunkTrained):
@@ -187,14 +189,6 @@ class StudyTimes:
         elif isinstance(event, events.Checkpointed):
             self.times["state_copies"] += event.capture_seconds
             self.times["state_bytes"] += event.bytes
-
-    def __enter__(self) -> StudyTimes:
-        kinds = (events.ChunkTrained, events.TrialBuilt, events.Checkpointed)
-        self._registration = events.listen(self._hear, *kinds)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._registration()
 
 
 class PackageLog(logging.Handler):

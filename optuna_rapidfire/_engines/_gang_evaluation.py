@@ -115,7 +115,7 @@ class GangEvaluation:
         # Only the model's own forward reads its modules' mode (the launched pass drops nothing without dropout
         # keys, which evaluation passes have none of): switched to eval for such a pass alone, as the walk over
         # every module of every adapter costs tens of milliseconds each way.
-        was_training = toggled = False
+        was_training, toggled = model.training, False
         # Recorded as CUDA graphs where the training passes are: rows padded to a bucket, loss tokens to a power of
         # two (into one more row of sums), so that a pass's shapes repeat from one evaluation to the next.
         record = (
@@ -146,8 +146,8 @@ class GangEvaluation:
                         sums=sums_count,
                     )
                     if shared.rows is None and not toggled:
-                        was_training, toggled = model.training, True
                         model.eval()
+                        toggled = True
                     with self.gang_passes.context(shared):
                         if record and layout is not None:
                             totals = replayed(

@@ -169,14 +169,14 @@ class GangStream:
             self.seated = [seat.runtime for seat in seated]
             if not seated:
                 break
+            numbers = tuple(seat.runtime.spec.number for seat in seated)
             start = time.perf_counter()
-            with events.window(tuple(seat.runtime.spec.number for seat in seated), self.trials.device):
+            with events.window(numbers, self.trials.device):
                 self._pass(seated, layout, loss, unit, layout.width)
             elapsed = time.perf_counter() - start
             for seat in seated:
                 seat.train_seconds += elapsed / len(seated)
             if events.listening(events.PassTrained):
-                numbers = tuple(seat.runtime.spec.number for seat in seated)
                 steps = tuple(seat.runtime.state.position.chunks_done for seat in seated)
                 events.emit(events.PassTrained(numbers, steps, elapsed, "stream"))
             ended = [seat for seat in seated if seat.index >= len(seat.plan.inputs)]

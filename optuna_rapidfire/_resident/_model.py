@@ -120,8 +120,9 @@ class ResidentModel:
         self._base_dropout_off = False
         self._active: str | None = None
         self._layers: list[torch.nn.Module] | None = None  # PEFT's adapter layers, listed once
-        self._params: dict[str, list[torch.nn.Parameter]] = {}  # each adapter's parameters
-        self._named: dict[str, dict[str, torch.nn.Parameter]] = {}  # and by name (what adapter_weights keys)
+        # Each adapter's parameters, keyed as adapter_weights keys them (found once: a walk over the model's
+        # parameters costs more with every adapter it holds).
+        self._params: dict[str, dict[str, torch.nn.Parameter]] = {}
         self._checkpointing: tuple[bool, str] = (False, "")
         self._lock = threading.RLock()
         # Counts every adapter added or removed: what is known of the adapters is stale once it changes.
@@ -160,7 +161,6 @@ class ResidentModel:
                     raise
             self._layers = None
             self._params.clear()
-            self._named.clear()
             self.adapters_version += 1
             # Only the active adapter is trainable: its trainer's optimizer takes every trainable parameter.
             for param_name, param in self.peft.named_parameters():
@@ -171,26 +171,22 @@ class ResidentModel:
 
     def adapter_params(self, name: str) -> list[torch.nn.Parameter]:
         """The parameters that belong to adapter ``name``."""
+        return list(self._named_params(name).values())
+
+    def adapter_weights(self, name: str) -> dict[str, torch.Tensor]:
+        """Adapter ``name``'s weights, keyed by parameter name with the adapter's own name removed."""
+        return {key: param.data for key, param in self._named_params(name).items()}
+
+    def _named_params(self, name: str) -> dict[str, torch.nn.Parameter]:
         assert self.peft is not None
         params = self._params.get(name)
         if params is None:
             marker = f".{name}."
-            params = [p for n, p in self.peft.named_parameters() if marker in f".{n}."]
-            self._params[name] = params
-        return params
-
-    def adapter_weights(self, name: str) -> dict[str, torch.Tensor]:
-        """Adapter ``name``'s weights, keyed by parameter name with the adapter's own name removed (found once per
-        adapter: a walk over the model's parameters costs more with every adapter it holds)."""
-        assert self.peft is not None
-        named = self._named.get(name)
-        if named is None:
-            marker = f".{name}."
-            named = {
+            params = {
                 f".{n}.".replace(marker, ".")[1:-1]: p for n, p in self.peft.named_parameters() if marker in f".{n}."
             }
-            self._named[name] = named
-        return {key: param.data for key, param in named.items()}
+            self._params[name] = params
+        return params
 
     def load_adapter_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
         """Copy ``weights`` (as returned by :meth:`adapter_weights`) into adapter ``name``."""
@@ -214,9 +210,9 @@ class ResidentModel:
                 return
             self._point_at(name)
             if self._active is not None and self._active in self._params:
-                for param in self._params[self._active]:
+                for param in self._params[self._active].values():
                     param.requires_grad_(False)
-            for param in self.adapter_params(name):
+            for param in self._named_params(name).values():
                 param.requires_grad_(True)
             self._active = name
 
@@ -236,7 +232,7 @@ class ResidentModel:
         """
         with self._lock:
             for name in names:
-                for param in self.adapter_params(name):
+                for param in self._named_params(name).values():
                     param.requires_grad_(trainable)
             self._active = None
 
@@ -307,7 +303,6 @@ class ResidentModel:
             self._active = None
         self._layers = None
         self._params.pop(name, None)
-        self._named.pop(name, None)
 
     def save_adapter(self, name: str, directory: str) -> None:
         """Write adapter ``name`` in PEFT's format (``adapter_config.json`` + safetensors) to ``directory``."""

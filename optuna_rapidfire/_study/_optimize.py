@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._runtime._schedule import Status
+from optuna_rapidfire._study import _commands
 from optuna_rapidfire._study._pool import TrialPool
 from optuna_rapidfire._study._progress import Progress
 from optuna_rapidfire._study._run import Run
-from optuna_rapidfire._study._trial_driver import EndPaused, Interrupted, StorageWasLost, TrialDriver
+from optuna_rapidfire._study._trial_driver import EndPaused, Interrupted, StorageWasLost, TrialDriver, run_length_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -108,6 +109,8 @@ def optimize(
     first_wave = config.max_concurrent_trials if budget is None else min(budget, config.max_concurrent_trials)
     device.scheduler.expect(first_wave)
     run = Run(device, services, Progress(config.show_progress_bar, total_trials=n_trials))
+    # How long a run of given params is here: a warm clone with nothing left to train is refused when asked for.
+    _commands.learn_run_length(study.study_name, run_length_of(configure, config.num_chunks))
     run.pool = TrialPool(
         study,
         make_objective(run, configure),

@@ -363,7 +363,7 @@ class TrialDriver:
         self.record.paused_at_end(chunks)
 
 
-def _run_length(configure: Configure, num_chunks: int) -> Callable[[dict[str, Any]], int | None]:
+def run_length_of(configure: Configure, num_chunks: int) -> Callable[[dict[str, Any]], int | None]:
     """How many chunks a trial of given params runs: the user's ``configure`` on those params (``None`` if it
     cannot say, e.g. it suggests a parameter they lack)."""
 
@@ -394,7 +394,6 @@ def trial_spec(run: Run, trial: optuna.Trial, configure: Configure, record: Tria
             _logger.warning("Trial %d failed, and the study stops: %s", trial.number, error)
         explained(trial.number)
         raise
-    _commands.learn_run_length(study.study_name, _run_length(configure, services.config.num_chunks))
     root = os.path.join(services.config.output_dir, study.study_name)
     return TrialSpec(
         number=trial.number,
