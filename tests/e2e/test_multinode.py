@@ -273,7 +273,10 @@ def test_a_worker_cut_off_longer_than_the_grace_period_stops_its_trials_cleanly_
         retries = {t.system_attrs["failed_trial"]: t for t in trials if "failed_trial" in t.system_attrs}
         assert sorted(retries) == lost
         complete = [t for t in trials if t.state == TrialState.COMPLETE]
-        assert sorted(t.params["learning_rate"] for t in complete) == [1e-3, 1e-2]
+        # Both enqueued configs completed in their retries. B may also have sampled a config of its own, when it
+        # asked before A's heartbeats were stale (seen once in a full local run: three trials completed).
+        assert all(t.state == TrialState.COMPLETE for t in retries.values())
+        assert sorted(t.params["learning_rate"] for t in retries.values()) == [1e-3, 1e-2]
         assert all(t.user_attrs[_attrs.RESUMED_FROM_STEP] >= 1 for t in retries.values())
         # Continued from its checkpoint, a retry's curve is an uninterrupted run's.
         one = retries[lost[0]]
