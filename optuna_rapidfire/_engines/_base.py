@@ -103,6 +103,10 @@ class Engine(ABC):
         """Write the trial's state to its snapshot folder (what clones of it start from)."""
         self.trials.save_snapshot(runtime)
 
+    def flush(self) -> None:
+        """Wait until the snapshot files being written in the background are written."""
+        self.trials.flush()
+
     def evaluate(self, runtime: TrialRuntime, max_batches: int | None = None) -> dict[str, float]:
         """Evaluate the trial's adapter now (on the first ``max_batches`` eval batches only, if given)."""
         return self.trials.evaluate(runtime, max_batches)

@@ -13,10 +13,12 @@ Everything here runs on the device's worker thread, except :meth:`DeviceTrials.s
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import math
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -27,6 +29,7 @@ from optuna_rapidfire import _compat, events
 from optuna_rapidfire._engines._clones import branch_from
 from optuna_rapidfire._engines._placement import Placement
 from optuna_rapidfire._engines._types import ChunkResult, EngineStats, TrialRuntime, TrialSpec, runtime_of
+from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._resident._data import rows_of
 from optuna_rapidfire._resident._snapshot import TrialSnapshot
 from optuna_rapidfire._resident._state import RngState, SwapState
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 
 
 P = TypeVar("P", bound="DevicePart")
+
+_logger = get_logger(__name__)
 
 
 class DeviceTrials:
@@ -78,6 +83,7 @@ class DeviceTrials:
         self._base_bytes = resident.base_nbytes()  # before any adapter is injected into the base
         self._parts: dict[str, DevicePart] = {}  # the kinds' per-device state (GRPO's decode), made when needed
         self._evaluating: dict[str, str] = {}  # adapter -> "eval" or "check", while its trial evaluates
+        self._writes = _Writes()  # snapshot files being written, off the device thread
 
     @property
     def device(self) -> torch.device:
@@ -144,18 +150,21 @@ class DeviceTrials:
             if not params:
                 raise ValueError(f"The adapter config of trial {spec.number} creates no trainable parameters.")
             sample = self.data.train.select(self.data.plan.rows(0)[:1].tolist())
-            # No other thread may make TrainingArguments (clearing accelerate's shared state) until the
-            # trainer has its own copy of that state.
-            with ACCELERATE_STATE, self.resident.building(name) as trainer_forward:
-                trainer = kind.build_trainer(self.resident, args, sample, self.extras)
-                kind.isolate(trainer)
-            key = kind.data_key(args)
-            sizes = self.data.chunk_sizes(key, lambda ds, split: kind.prepare(trainer, ds, split))
-            steps_per_chunk = chunk_steps(self.data.plan, spec.number, args, kind, sizes)
-            total_chunks = kind.total_chunks(args, self.data.plan.num_chunks)
-            total_steps = sum(steps_per_chunk[c % len(sizes)] for c in range(total_chunks))
-            optimizer = trainer.create_optimizer()
-            scheduler = trainer.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
+            # The trainer and its optimizer see the trial's own adapter only: their walks over the model's
+            # modules and parameters then cost the same whatever the number of resident trials.
+            with self.resident.alone(name):
+                # No other thread may make TrainingArguments (clearing accelerate's shared state) until the
+                # trainer has its own copy of that state.
+                with ACCELERATE_STATE, self.resident.building(name) as trainer_forward:
+                    trainer = kind.build_trainer(self.resident, args, sample, self.extras)
+                    kind.isolate(trainer)
+                key = kind.data_key(args)
+                sizes = self.data.chunk_sizes(key, lambda ds, split: kind.prepare(trainer, ds, split))
+                steps_per_chunk = chunk_steps(self.data.plan, spec.number, args, kind, sizes)
+                total_chunks = kind.total_chunks(args, self.data.plan.num_chunks)
+                total_steps = sum(steps_per_chunk[c % len(sizes)] for c in range(total_chunks))
+                optimizer = trainer.create_optimizer()
+                scheduler = trainer.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
             state = SwapState(
                 adapter_name=name,
                 params=params,
@@ -235,6 +244,7 @@ class DeviceTrials:
         if live is not None and step is None:
             return self.snapshot(live)
         directory = os.path.join(spec.state_dir, f"trial-{number}")
+        self._writes.wait(directory)
         if TrialSnapshot.exists(directory):
             saved = TrialSnapshot.load(directory)
             if step is None or saved.position.chunks_done == step:
@@ -252,9 +262,19 @@ class DeviceTrials:
         )
 
     def save_snapshot(self, runtime: TrialRuntime) -> None:
-        """Write the trial's state to its snapshot folder (what clones of it start from), once it trained."""
+        """Write the trial's state to its snapshot folder (what clones of it start from), once it trained.
+
+        The state is copied to the host here; the file is written by a background thread (a reader of the
+        folder here waits for it: :meth:`flush`), so the device thread goes on training meanwhile.
+        """
         if runtime.state.position.chunks_done > 0:
-            self.snapshot(runtime).save(os.path.join(runtime.spec.state_dir, f"trial-{runtime.spec.number}"))
+            snapshot = self.snapshot(runtime)
+            directory = os.path.join(runtime.spec.state_dir, f"trial-{runtime.spec.number}")
+            self._writes.submit(directory, lambda: snapshot.save(directory))
+
+    def flush(self) -> None:
+        """Wait until every snapshot file handed to the background writer is written."""
+        self._writes.wait()
 
     # -- training --------------------------------------------------------------------------------
 
@@ -411,3 +431,39 @@ def _cpu(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_cpu(v) for v in value)
     return value
+
+
+class _Writes:
+    """Files written by one background thread, in the order given; a write that fails is logged (what it
+    held is lost: a clone of that trial then starts from scratch and says why)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, concurrent.futures.Future[None]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, path: str, write: Callable[[], None]) -> None:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rapidfire-writes")
+            future = self._pool.submit(self._write, path, write)
+            self._pending[path] = future
+        future.add_done_callback(lambda done: self._done(path, done))
+
+    @staticmethod
+    def _write(path: str, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except Exception as error:
+            _logger.warning("Could not write %s: %s", path, error)
+
+    def _done(self, path: str, future: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            if self._pending.get(path) is future:
+                del self._pending[path]
+
+    def wait(self, path: str | None = None) -> None:
+        """Wait for the write of ``path`` (every write: ``None``)."""
+        with self._lock:
+            futures = list(self._pending.values()) if path is None else [self._pending.get(path)]
+        concurrent.futures.wait([f for f in futures if f is not None])

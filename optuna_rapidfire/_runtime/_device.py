@@ -173,6 +173,11 @@ class DeviceRuntime:
             )
             self._worker.start()
 
+    def flush(self) -> None:
+        """Wait until the trials' snapshot files being written in the background are written."""
+        if self.engine is not None:
+            self.engine.flush()
+
     def close(self) -> None:
         """Stop the worker thread and drop the model (paused trials must have ended first)."""
         self.scheduler.close()
@@ -180,6 +185,7 @@ class DeviceRuntime:
             self._worker.join()
         self._worker = None
         if self.engine is not None:
+            self.engine.flush()
             self.engine.close()
         self.engine = None
         if self.device.type == "cuda":

@@ -134,6 +134,7 @@ def optimize(
     finally:
         device.slots.set_starting(None)  # a plain study.optimize may use the device next: nobody tells then
         device.scheduler.drain(False)
+        device.flush()
         if services.tracker is not None:
             services.tracker.flush()
         run.progress.close()

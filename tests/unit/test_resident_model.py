@@ -1,0 +1,122 @@
+"""The resident model's adapters: a trial's adapter is built with the other adapters hidden from PEFT's and the
+trainer's walks (``ResidentModel.alone``), and nothing about the model may differ from PEFT's own result."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from optuna_rapidfire._engines._trials import _Writes
+from optuna_rapidfire._resident._model import ResidentModel, load_model
+
+CPU = torch.device("cpu")
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL_LINEAR = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
+# Mixed ranks and targets, as a search makes them; the later all-linear ones wrap modules the first did not.
+CONFIGS = [
+    LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=ATTENTION, task_type="CAUSAL_LM"),
+    LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=ALL_LINEAR, task_type="CAUSAL_LM"),
+    LoraConfig(r=2, lora_alpha=4, lora_dropout=0.1, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    LoraConfig(r=16, lora_alpha=16, lora_dropout=0.05, target_modules=ALL_LINEAR, task_type="CAUSAL_LM"),
+]
+
+
+def _resident(tiny_model: str) -> ResidentModel:
+    model, tokenizer = load_model(tiny_model, tokenizer=None, model_kwargs={})
+    return ResidentModel(model, tokenizer, CPU)
+
+
+def _lora_layout(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """Every module's and parameter's name, in the order the model's walks visit them, with shapes."""
+    modules = [(name, ()) for name, _ in module.named_modules()]
+    return modules + [(name, tuple(p.shape)) for name, p in module.named_parameters()]
+
+
+def test_adapters_built_among_others_are_what_peft_builds_with_every_adapter_in_view(tiny_model: str) -> None:
+    ours = _resident(tiny_model)
+    for index, config in enumerate(CONFIGS):
+        ours.add_adapter(f"trial_{index}", config, seed=100 + index)
+    # PEFT's own add_adapter with every adapter in view, the same seeds: the reference.
+    reference = _resident(tiny_model)
+    reference.add_adapter("trial_0", CONFIGS[0], seed=100)
+    assert reference.peft is not None
+    for index, config in enumerate(CONFIGS[1:], start=1):
+        with torch.random.fork_rng():
+            torch.manual_seed(100 + index)
+            reference.peft.add_adapter(f"trial_{index}", config)
+    assert ours.peft is not None
+    assert _lora_layout(ours.peft) == _lora_layout(reference.peft)  # same modules, same order
+    theirs = dict(reference.peft.named_parameters())
+    for name, param in ours.peft.named_parameters():
+        assert torch.equal(param, theirs[name]), name
+    # Only the adapter added last is trainable; its weights are the ones adapter_params returns.
+    trainable = [name for name, p in ours.peft.named_parameters() if p.requires_grad]
+    assert trainable and all(".trial_3." in name for name in trainable)
+    assert {id(p) for p in ours.adapter_params("trial_3")} == {
+        id(p) for _, p in ours.peft.named_parameters() if p.requires_grad
+    }
+    # Each layer's active adapter is the new one, and a forward pass sees it.
+    assert ours.peft.active_adapter == "trial_3"
+
+
+def test_an_adapter_added_after_a_gang_was_trainable_is_the_only_trainable_one(tiny_model: str) -> None:
+    resident = _resident(tiny_model)
+    for index, config in enumerate(CONFIGS[:3]):
+        resident.add_adapter(f"trial_{index}", config, seed=index)
+    resident.set_trainable(["trial_0", "trial_1", "trial_2"], True)  # a fused gang's pass
+    resident.add_adapter("trial_9", CONFIGS[3], seed=9)
+    assert resident.peft is not None
+    trainable = {name for name, p in resident.peft.named_parameters() if p.requires_grad}
+    assert trainable == {name for name in trainable if ".trial_9." in name} and trainable
+
+
+def test_the_other_adapters_come_back_whole_when_a_build_fails_inside_alone(tiny_model: str) -> None:
+    resident = _resident(tiny_model)
+    for index, config in enumerate(CONFIGS[:3]):
+        resident.add_adapter(f"trial_{index}", config, seed=index)
+    assert resident.peft is not None
+    before = _lora_layout(resident.peft)
+    with pytest.raises(RuntimeError, match="a failing build"), resident.alone("trial_1"):
+        seen = {name.split(".")[-1] for name, _ in resident.peft.named_modules() if ".lora_A." in name}
+        assert seen == {"trial_1"}
+        raise RuntimeError("a failing build")
+    assert _lora_layout(resident.peft) == before
+    # A config PEFT refuses (no module matches) leaves the model as it was.
+    with pytest.raises(ValueError):
+        resident.add_adapter("bad", LoraConfig(r=4, target_modules=["no_such_module"]), seed=0)
+    assert _lora_layout(resident.peft) == before
+    assert "bad" not in resident.peft.peft_config
+
+
+def test_a_snapshot_write_runs_off_the_caller_and_a_reader_waits_for_it(caplog: pytest.LogCaptureFixture) -> None:
+    writes = _Writes()
+    release = threading.Event()
+    written: list[str] = []
+
+    def slow() -> None:
+        release.wait(10)
+        written.append("a")
+
+    writes.submit("a", slow)  # returns at once: the write waits for the event
+    assert written == []
+    waiter = threading.Thread(target=writes.wait, args=("a",))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # the reader of "a" waits for its write
+    writes.wait("b")  # nothing pending for another path
+    release.set()
+    waiter.join(10)
+    assert written == ["a"] and not waiter.is_alive()
+
+    def failing() -> Any:
+        raise OSError("disk full")
+
+    with caplog.at_level(logging.WARNING, logger="optuna_rapidfire"):
+        writes.submit("c", failing)
+        writes.wait()  # a failed write is waited for like any other, and logged
+    assert any("Could not write c: disk full" in r.getMessage() for r in caplog.records)
