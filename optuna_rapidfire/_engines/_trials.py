@@ -463,7 +463,12 @@ class _Writes:
                 del self._pending[path]
 
     def wait(self, path: str | None = None) -> None:
-        """Wait for the write of ``path`` (every write: ``None``)."""
+        """Wait for the write of ``path`` (every write, and then the writer thread ends: ``None``)."""
         with self._lock:
             futures = list(self._pending.values()) if path is None else [self._pending.get(path)]
         concurrent.futures.wait([f for f in futures if f is not None])
+        if path is None:
+            with self._lock:
+                if self._pool is not None and all(f.done() for f in self._pending.values()):
+                    self._pool.shutdown()  # a later write starts another
+                    self._pool = None

@@ -120,3 +120,8 @@ def test_a_snapshot_write_runs_off_the_caller_and_a_reader_waits_for_it(caplog: 
         writes.submit("c", failing)
         writes.wait()  # a failed write is waited for like any other, and logged
     assert any("Could not write c: disk full" in r.getMessage() for r in caplog.records)
+    # Once every write is waited for, the writer thread ends (one per study's optimize, not one per executor).
+    assert writes._pool is None
+    writes.submit("d", lambda: written.append("d"))
+    writes.wait()
+    assert written == ["a", "d"]
