@@ -31,6 +31,7 @@ Read as they are:
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 from collections.abc import Callable
@@ -60,15 +61,16 @@ __all__ = [
 ]
 
 
-class _Listener:
+class _Listener(abc.ABC):
     """A log of the package's events of :attr:`KINDS` (only those: some make the device wait while listened to),
     listening while in a ``with`` block."""
 
     KINDS: tuple[type, ...] = ()
     _registration: Callable[[], None]
 
+    @abc.abstractmethod
     def _hear(self, event: events.Event) -> None:
-        raise NotImplementedError
+        """Take one event of :attr:`KINDS`."""
 
     def __enter__(self) -> Self:
         self._registration = events.listen(self._hear, *self.KINDS)

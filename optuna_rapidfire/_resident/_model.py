@@ -171,11 +171,7 @@ class ResidentModel:
                 for param in self.peft.parameters():
                     param.requires_grad_(False)
                 self._named_params(name)
-            for other in self.peft.peft_config:
-                if other != name:
-                    for param in self._named_params(other).values():
-                        param.requires_grad_(False)
-            self._active = None
+            self.set_trainable([other for other in self.peft.peft_config if other != name], False)  # a gang's
             self.activate(name)
             return self.adapter_params(name)
 
@@ -357,8 +353,7 @@ class _Alone:
         self._hidden: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = []
 
     def __enter__(self) -> None:
-        resident = self.resident
-        resident._lock.acquire()
+        self.resident._lock.acquire()
         try:
             self._hide()
         except BaseException:
