@@ -171,7 +171,8 @@ class ResidentModel:
                 for param in self.peft.parameters():
                     param.requires_grad_(False)
                 self._named_params(name)
-            self.set_trainable([other for other in self.peft.peft_config if other != name], False)  # a gang's
+            # A fused gang may have left several adapters trainable.
+            self.set_trainable([other for other in self.peft.peft_config if other != name], False)
             self.activate(name)
             return self.adapter_params(name)
 
