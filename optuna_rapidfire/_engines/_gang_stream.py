@@ -58,6 +58,10 @@ class Refill(Protocol):
         """Members whose chunk ended at this pass boundary, with their results (or the error that failed one)."""
         ...
 
+    def timed(self, members: int, seconds: float) -> None:
+        """A pass of ``members`` members took ``seconds`` on the host (what one more member costs a pass)."""
+        ...
+
 
 @dataclass(eq=False)
 class Seat:
@@ -176,6 +180,7 @@ class GangStream:
             elapsed = time.perf_counter() - start
             for seat in seated:
                 seat.train_seconds += elapsed / len(seated)
+            refill.timed(len(seated), elapsed)
             if events.listening(events.PassTrained):
                 steps = tuple(seat.runtime.state.position.chunks_done for seat in seated)
                 events.emit(events.PassTrained(numbers, steps, elapsed, "stream"))

@@ -43,7 +43,13 @@ class PromoteSchedule(BaseSchedule):
          wait ``new_trial_seconds`` for a new trial, then promote the best waiting trial (the highest rung,
          the best value there).
 
-    On an engine that fuses, everything of 1-3 trains together as a gang, each member its own next chunk.
+    On an engine that fuses, everything of 1-3 trains together as a gang, each member its own next chunk. Once
+    the budget is spent, a gang with free slots also takes the best waiting trials of the better half of their
+    rung (``fill_free_slots``), where this device's passes show that a member more costs little: a small
+    model's fused pass is bound by its kernel launches, so a slot ASHA leaves empty trains a runner-up almost
+    for free, and the search completes more of its best configs (curves cross after a rung). They only ride
+    beside trials that train anyway: a filler is a promoted trial from then on, judged at its next rung and by
+    the study's pruner as any other.
     The study's pruner still makes every other stop, judging a trial at step s against every trial that has
     reported step s; the schedule decides who trains next. Ties in the order go to the older trial.
 
@@ -64,6 +70,12 @@ class PromoteSchedule(BaseSchedule):
             before it promotes the best waiting trial instead.
         when_exhausted: What happens to the waiting trials once no new trial will come and none of them can be
             promoted: ``"stop"`` (end them as PRUNED) or ``"promote"`` (train the best on, one at a time).
+        fill_free_slots: Once no new trial will come, let the best waiting trials (the better half of their
+            rung, rank below ``n // 2`` of the ``n`` there) take a fusing gang's free slots while other trials
+            train.
+        fill_max_cost: How much slower than a pass of one member a gang's pass may get from its fillers, as a
+            share (``0.25``: a quarter), estimated from this device's own passes (``Reports.member_cost``); no
+            filler before that is measured.
     """
 
     name = "promote"
@@ -75,21 +87,32 @@ class PromoteSchedule(BaseSchedule):
         gang_wait_seconds: float = 2.0,
         new_trial_seconds: float = 1.0,
         when_exhausted: str = "stop",
+        fill_free_slots: bool = True,
+        fill_max_cost: float = 0.25,
     ) -> None:
         if not (isinstance(eta, int) and not isinstance(eta, bool) and eta >= 2):
             raise ValueError(f"eta must be an integer of at least 2, but got {eta=}.")
         if rungs not in ("geometric", "every"):
             raise ValueError(f"rungs must be 'geometric' or 'every', but got {rungs=}.")
-        for name, value in (("gang_wait_seconds", gang_wait_seconds), ("new_trial_seconds", new_trial_seconds)):
+        numbers = (
+            ("gang_wait_seconds", gang_wait_seconds),
+            ("new_trial_seconds", new_trial_seconds),
+            ("fill_max_cost", fill_max_cost),
+        )
+        for name, value in numbers:
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"{name} must be a number of at least 0, but got {name}={value!r}.")
         if when_exhausted not in ("stop", "promote"):
             raise ValueError(f"when_exhausted must be 'stop' or 'promote', but got {when_exhausted=}.")
+        if not isinstance(fill_free_slots, bool):
+            raise ValueError(f"fill_free_slots must be True or False, but got {fill_free_slots=}.")
         self.eta = eta
         self.rungs = rungs
         self.gang_wait_seconds = float(gang_wait_seconds)
         self.new_trial_seconds = float(new_trial_seconds)
         self.when_exhausted = when_exhausted
+        self.fill_free_slots = fill_free_slots
+        self.fill_max_cost = float(fill_max_cost)
 
     def is_rung(self, chunks: int) -> bool:
         """Whether a trial that has trained ``chunks`` chunks stands at a rung."""
@@ -142,7 +165,10 @@ class PromoteSchedule(BaseSchedule):
         reports = reports or Reports(values={})
         promoted, fresh, between, waiting = self._classify([e for e in live if e.status is Status.READY], reports)
         chosen = promoted + fresh + between
-        if not chosen:
+        fillers = self._fillers(live, chosen, waiting, reports) if fuse else []
+        if fillers:
+            chosen = chosen + fillers
+        elif not chosen:
             if not waiting or any(e.status in (Status.AWAITING, Status.BUILDING, Status.TRAINING) for e in live):
                 return None  # a report or a build to come changes what may be promoted
             if reports.more_trials:
@@ -169,6 +195,21 @@ class PromoteSchedule(BaseSchedule):
                 return self.gang_wait_seconds - waited
         return chosen[: max(reports.capacity, 1)]
 
+    def _fillers(
+        self, live: Sequence[TrialView], chosen: Sequence[TrialView], waiting: Sequence[TrialView], reports: Reports
+    ) -> list[TrialView]:
+        """The waiting trials that take a gang's free slots beside ``chosen`` and the members training (or being
+        decided on): only once no new trial will come, only beside others, only from the better half of their
+        rung, and only as many as keep the pass within ``fill_max_cost`` of a one-member pass."""
+        cost = reports.member_cost
+        if not (self.fill_free_slots and waiting and reports.more_trials is False and cost is not None):
+            return []
+        gang = len(chosen) + sum(e.status in (Status.TRAINING, Status.AWAITING) for e in live)
+        if gang == 0:
+            return []
+        size = reports.capacity if cost <= 0 else min(reports.capacity, 1 + int(self.fill_max_cost / cost))
+        return [e for e in waiting if _better_half(e, reports)][: max(0, size - gang)]
+
     def _stop_reason(self, entry: TrialView, reports: Reports) -> str:
         values = reports.values.get(entry.chunks_done - 1, {})
         top = max(1, len(values) // self.eta)
@@ -182,7 +223,8 @@ class PromoteSchedule(BaseSchedule):
     def __repr__(self) -> str:
         return (
             f"PromoteSchedule(eta={self.eta}, rungs={self.rungs!r}, gang_wait_seconds={self.gang_wait_seconds}, "
-            f"new_trial_seconds={self.new_trial_seconds}, when_exhausted={self.when_exhausted!r})"
+            f"new_trial_seconds={self.new_trial_seconds}, when_exhausted={self.when_exhausted!r}, "
+            f"fill_free_slots={self.fill_free_slots}, fill_max_cost={self.fill_max_cost})"
         )
 
 
@@ -196,6 +238,14 @@ def _ranked(values: Mapping[int, float], maximize: bool) -> list[tuple[int, floa
         return (-value if maximize else value, item[0])
 
     return sorted(values.items(), key=badness)
+
+
+def _better_half(entry: TrialView, reports: Reports) -> bool:
+    """Whether ``entry`` ranks in the better half of the ``n`` trials at its rung (below ``n // 2``, at least the
+    best), with a value that is not NaN."""
+    values = reports.values.get(entry.chunks_done - 1, {})
+    mine = values.get(entry.number)
+    return mine is not None and mine == mine and _rank(entry, reports) < max(1, len(values) // 2)
 
 
 def _rank(entry: TrialView, reports: Reports) -> int:

@@ -70,6 +70,9 @@ class Reports:
         streaming: The device is asking between two passes of a running gang, whose free slots the trials
             chosen take at once (a trial that comes later takes a slot at a later pass): waiting for a member
             gains nothing.
+        member_cost: How much longer a fused pass gets per extra member, as a share of a pass of the fewest
+            members measured on this device (``None``: not measured yet; see ``_pass_costs.PassCosts``): a few
+            hundredths where passes are bound by kernel launches, near ``1 / members`` and more where by arithmetic.
     """
 
     values: Mapping[int, Mapping[int, float]]
@@ -79,6 +82,7 @@ class Reports:
     more_trials: bool | None = None
     arriving_since: float | None = None
     streaming: bool = False
+    member_cost: float | None = None
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from optuna_rapidfire._runtime._entry import Decision, Entry, Request, Stopped, Task
+from optuna_rapidfire._runtime._pass_costs import PassCosts
 from optuna_rapidfire._runtime._promote import PromoteSchedule
 from optuna_rapidfire._runtime._schedule import BaseSchedule, Reports, Status, Stop
 from optuna_rapidfire._runtime._schedules import takes_reports
@@ -63,6 +64,7 @@ def _reports(scheduler: Scheduler, live: int, streaming: bool) -> Reports:
         None if lender is None else lender.more_trials(),
         None if lender is None else lender.arriving_since(),
         streaming,
+        scheduler.pass_costs.member_cost(),
     )
 
 
@@ -138,6 +140,7 @@ class Scheduler:
         # them whether new trials may still come (Reports.more_trials).
         self.lender: Any = None
         self._promotion_waits: frozenset[int] = frozenset()  # the schedule's waiting trials, as last asked
+        self.pass_costs = PassCosts()  # the fused passes' seconds by member count (Reports.member_cost)
 
     # -- Optuna's threads ---------------------------------------------------------------------
 

@@ -258,6 +258,9 @@ class _Refill:
             )
             self.worker.deliver(entry, result, mates)
 
+    def timed(self, members: int, seconds: float) -> None:
+        self.worker.scheduler.pass_costs.add(members, seconds)
+
     def seated(self) -> list[Entry]:
         """The members in the stream now (joined, not delivered)."""
         return list(self._active.values())

@@ -55,6 +55,8 @@ def marks(run: dict[str, Any], goal: dict[str, float] | None) -> dict[str, Any]:
         out["pass_seconds"] = sum(entry[1] for entry in run["passes"])  # the host's, a stream's passes queued
         if run["passes"]:
             out["first_pass_at"] = run["passes"][0][0]
+        # The gang's fill over time: each pass's start (seconds since the go) and how many members it trained.
+        out["pass_trace"] = [[round(entry[0], 2), entry[3]] for entry in run["passes"]]
     if "times" in run:
         out["times"] = run["times"]
     return out

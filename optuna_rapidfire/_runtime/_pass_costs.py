@@ -1,0 +1,43 @@
+"""What one more member costs a fused pass on this device, measured from the passes a stream trained.
+
+A fused pass of a small model is bound by its kernel launches: a second member adds rows to kernels that run
+anyway, so it costs a few percent of the pass. A large model's pass is bound by its arithmetic: each member
+adds its own share. :class:`PassCosts` tells the two apart from the passes already trained (their host seconds
+by member count), so that a schedule can fill a gang's free slots where that is nearly free and leave them free
+where it would slow the trials that must train.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import deque
+
+_KEEP = 64  # the latest passes kept per member count: the pass's cost moves as its layout and widths settle
+_ENOUGH = 8  # passes of a member count before its median is trusted (the first passes include compilation)
+
+
+class PassCosts:
+    """The seconds of the latest passes, by how many members each trained. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, members: int, seconds: float) -> None:
+        """One pass of ``members`` members took ``seconds``."""
+        if members < 1 or not seconds > 0:
+            return
+        with self._lock:
+            self._seconds.setdefault(members, deque(maxlen=_KEEP)).append(seconds)
+
+    def member_cost(self) -> float | None:
+        """How much longer a pass gets per extra member, as a share of a pass of the fewest members measured
+        (``(t(m_max) - t(m_min)) / (m_max - m_min) / t(m_min)`` over the median seconds of the smallest and the
+        largest member counts with enough passes); ``None`` until two member counts have enough passes."""
+        with self._lock:
+            medians = {m: statistics.median(s) for m, s in self._seconds.items() if len(s) >= _ENOUGH}
+        if len(medians) < 2:
+            return None
+        low, high = min(medians), max(medians)
+        return max(0.0, (medians[high] - medians[low]) / (high - low) / medians[low])
