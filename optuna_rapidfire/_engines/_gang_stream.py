@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -75,6 +76,36 @@ class Seat:
     taken: int = 0
     train_seconds: float = 0.0  # its share of the passes it was in: each pass's wall time over the members in it
     losses: list[torch.Tensor] = field(default_factory=list)
+
+
+class PassClock:
+    """Each pass's seconds as the device spent them: on CUDA, between events recorded on the device around the
+    pass and read once both are done (never waiting for them), so a launch-bound pass counts its launch gaps and
+    a compute-bound one its arithmetic, though the host runs ahead of it; elsewhere the host's seconds."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    def _mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def start(self) -> torch.cuda.Event | None:
+        return self._mark() if self.cuda else None
+
+    def stop(self, began: torch.cuda.Event | None, members: int, host_seconds: float) -> list[tuple[int, float]]:
+        """The passes timed so far (``(members, seconds)``, oldest first), this one's once the device is done."""
+        if began is None:
+            return [(members, host_seconds)]
+        self.pending.append((members, began, self._mark()))
+        done = []
+        while self.pending and self.pending[0][2].query():
+            count, first, last = self.pending.popleft()
+            done.append((count, first.elapsed_time(last) / 1000))
+        return done
 
 
 def width_bucket(tokens: int) -> int:
@@ -162,6 +193,7 @@ class GangStream:
         if layout.unit and unit % layout.unit == 0:
             unit = layout.unit  # the layout's earlier streams' unit divides these members' rows: keep its shapes
         seats: list[Seat | None] = [None] * capacity
+        clock = PassClock(self.device)
         for slot, runtime in enumerate(runtimes):
             seats[slot] = self._seat(runtime, slot, layout, loss, loaded=True)
         accepting = True
@@ -175,12 +207,14 @@ class GangStream:
                 break
             numbers = tuple(seat.runtime.spec.number for seat in seated)
             start = time.perf_counter()
+            began = clock.start()
             with events.window(numbers, self.trials.device):
                 self._pass(seated, layout, loss, unit, layout.width)
             elapsed = time.perf_counter() - start
             for seat in seated:
                 seat.train_seconds += elapsed / len(seated)
-            refill.timed(len(seated), elapsed)
+            for members, seconds in clock.stop(began, len(seated), elapsed):
+                refill.timed(members, seconds)
             if events.listening(events.PassTrained):
                 steps = tuple(seat.runtime.state.position.chunks_done for seat in seated)
                 events.emit(events.PassTrained(numbers, steps, elapsed, "stream"))

@@ -13,6 +13,10 @@ import statistics
 import threading
 from collections import deque
 
+from optuna_rapidfire._logging import get_logger
+
+_logger = get_logger(__name__)
+
 _KEEP = 64  # the latest passes kept per member count: the pass's cost moves as its layout and widths settle
 _ENOUGH = 8  # passes of a member count before its median is trusted (the first passes include compilation)
 
@@ -23,6 +27,7 @@ class PassCosts:
     def __init__(self) -> None:
         self._seconds: dict[int, deque[float]] = {}
         self._lock = threading.Lock()
+        self._said = False
 
     def add(self, members: int, seconds: float) -> None:
         """One pass of ``members`` members took ``seconds``."""
@@ -40,4 +45,15 @@ class PassCosts:
         if len(medians) < 2:
             return None
         low, high = min(medians), max(medians)
-        return max(0.0, (medians[high] - medians[low]) / (high - low) / medians[low])
+        cost = max(0.0, (medians[high] - medians[low]) / (high - low) / medians[low])
+        if not self._said:
+            self._said = True
+            _logger.info(
+                "A fused pass here takes %.1f%% longer per member: %.1f ms with %d members, %.1f ms with %d.",
+                100 * cost,
+                1000 * medians[low],
+                low,
+                1000 * medians[high],
+                high,
+            )
+        return cost

@@ -57,6 +57,7 @@ def marks(run: dict[str, Any], goal: dict[str, float] | None) -> dict[str, Any]:
             out["first_pass_at"] = run["passes"][0][0]
         # The gang's fill over time: each pass's start (seconds since the go) and how many members it trained.
         out["pass_trace"] = [[round(entry[0], 2), entry[3]] for entry in run["passes"]]
+        out["member_cost_log"] = [line for line in run.get("log", []) if "longer per member" in line[2]]
     if "times" in run:
         out["times"] = run["times"]
     return out
