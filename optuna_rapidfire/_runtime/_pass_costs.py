@@ -37,16 +37,17 @@ class PassCosts:
             self._seconds.setdefault(members, deque(maxlen=_KEEP)).append(seconds)
 
     def member_cost(self) -> float | None:
-        """How much longer a pass gets per extra member, as a share of a pass of the fewest members measured
-        (``(t(m_max) - t(m_min)) / (m_max - m_min) / t(m_min)`` over the median seconds of the smallest and the
-        largest member counts with enough passes); ``None`` until two member counts have enough passes."""
+        """How much longer a pass gets per extra member, as a share of a pass of the fewer members: from the
+        median seconds of the two smallest member counts with enough passes, ``(t(m2) - t(m1)) / (m2 - m1) /
+        t(m1)`` (small gangs are where free slots are, and a pass's cost is not linear in its members: a
+        launch-bound floor below, arithmetic above); ``None`` until two member counts have enough passes."""
         with self._lock:
             medians = {m: statistics.median(s) for m, s in self._seconds.items() if len(s) >= _ENOUGH}
         if len(medians) < 2:
             return None
-        low, high = min(medians), max(medians)
+        low, high = sorted(medians)[:2]
         cost = max(0.0, (medians[high] - medians[low]) / (high - low) / medians[low])
-        if not self._said:
+        if not self._said:  # the first estimate (later ones follow the gang's smallest sizes)
             self._said = True
             _logger.info(
                 "A fused pass here takes %.1f%% longer per member: %.1f ms with %d members, %.1f ms with %d.",

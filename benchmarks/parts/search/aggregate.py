@@ -49,6 +49,11 @@ def marks(run: dict[str, Any], goal: dict[str, float] | None) -> dict[str, Any]:
     }
     keep = ("label", "wall", "chunks", "states", "gpu_busy_share", "multi_member_pass_share", "workers")
     out.update({key: run.get(key) for key in keep})
+    # Each trial's end: [number, state, chunks trained, its last value] (who the search kept, and how far).
+    out["trial_ends"] = [
+        [t["number"], t["state"], len(t["values"]), round(t["values"][-1], 4) if t["values"] else None]
+        for t in run.get("trials", [])
+    ]
     if "compile_seconds" in run:
         out["compile_seconds"] = sum(run["compile_seconds"])
         out["passes"] = len(run["passes"])
