@@ -60,7 +60,8 @@ class Refill(Protocol):
         ...
 
     def timed(self, members: int, seconds: float) -> None:
-        """A pass of ``members`` members took ``seconds`` on the host (what one more member costs a pass)."""
+        """A pass of ``members`` members took ``seconds`` (device seconds where the pass clock has CUDA events;
+        what one more member costs a pass)."""
         ...
 
 

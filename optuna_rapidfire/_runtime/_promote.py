@@ -45,9 +45,10 @@ class PromoteSchedule(BaseSchedule):
 
     On an engine that fuses, everything of 1-3 trains together as a gang, each member its own next chunk. Once
     the budget is spent, a gang with free slots also takes the best waiting trials of the better half of their
-    rung (``fill_free_slots``), where this device's passes show that a member more costs little: a small
-    model's fused pass is bound by its kernel launches, so a slot ASHA leaves empty trains a runner-up almost
-    for free, and the search completes more of its best configs (curves cross after a rung). They only ride
+    rung (``fill_free_slots``), as many as keep the pass within ``fill_max_cost`` of one member's cost
+    measured on this device (on an H200 a member of the 82M search's gang costs about 40 % of a lone pass, so
+    a lone trial takes up to two runners-up): a slot ASHA leaves empty trains a runner-up for a fraction of a
+    pass, and the search completes more of its best configs (curves cross after a rung). They only ride
     beside trials that train anyway: a filler is a promoted trial from then on, judged at its next rung and by
     the study's pruner as any other.
     The study's pruner still makes every other stop, judging a trial at step s against every trial that has
