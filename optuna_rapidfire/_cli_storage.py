@@ -73,7 +73,7 @@ def open_storage(url: str, **rdb_kwargs: Any) -> optuna.storages.RDBStorage:
     try:
         engine = sqlalchemy.create_engine(parsed, connect_args=connect_args)
     except ImportError as error:
-        hint = " (pip install 'optuna-rapidfire[postgresql]')" if backend == "postgresql" else ""
+        hint = " (pip install 'psycopg[binary]', or the project's postgresql extra)" if backend == "postgresql" else ""
         raise ValueError(f"no database driver for {shown}: {error}{hint}.") from None
     try:
         with engine.connect() as connection:

@@ -355,45 +355,63 @@ def _worker(options: argparse.Namespace) -> int:
         finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
         callbacks.append(optuna.study.MaxTrialsCallback(options.study_trials, states=finished))
     try:
-        with executor:
+        with _sigterm_as_interrupt(), executor:
             executor.optimize(study, configure, n_trials=options.n_trials, timeout=options.timeout, callbacks=callbacks)
-    except KeyboardInterrupt:
-        print(f"optuna-rapidfire: worker {os.getpid()} interrupted; its live trials ended (PRUNED).", file=sys.stderr)
+    except KeyboardInterrupt as error:
+        print(
+            f"optuna-rapidfire: worker {os.getpid()} interrupted ({_cause(error)}); its live trials ended (PRUNED).",
+            file=sys.stderr,
+        )
         return 130
     logger.info("Worker %s is done.", os.getpid())
     return 0
 
 
-def _tune(options: argparse.Namespace) -> int:
-    """``optuna-rapidfire tune``: 0 with a COMPLETE trial, 1 without, 2 for bad input, 130 when interrupted."""
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While inside, SIGTERM (a pipeline's or scheduler's cancel) ends the study as Ctrl-C does, cleanly: it
+    raises :class:`~optuna_rapidfire._study._optimize.Terminated` in the main thread (elsewhere: nothing
+    changes, signals reach only the main thread)."""
     import signal
     import threading
 
     from optuna_rapidfire._study._optimize import Terminated
-    from optuna_rapidfire._tune import NoCompleteTrialError, tune
 
     def interrupt(signum: int, frame: object) -> None:
-        raise Terminated  # a pipeline's cancel (SIGTERM) ends the step as Ctrl-C does: cleanly
+        raise Terminated
 
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, interrupt)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        with _refusing(None):
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _cause(error: KeyboardInterrupt) -> str:
+    from optuna_rapidfire._study._optimize import Terminated
+
+    return "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C"
+
+
+def _tune(options: argparse.Namespace) -> int:
+    """``optuna-rapidfire tune``: 0 with a COMPLETE trial, 1 without, 2 for bad input, 130 when interrupted."""
+    from optuna_rapidfire._tune import NoCompleteTrialError, tune
+
+    try:
+        with _sigterm_as_interrupt(), _refusing(None):
             result = tune(options.search, merge=options.merge)
     except NoCompleteTrialError as error:
         print(f"optuna-rapidfire: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as error:
-        cause = "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C"
         print(
-            f"optuna-rapidfire: the tuning step was interrupted ({cause}); run it again to go on.",
+            f"optuna-rapidfire: the tuning step was interrupted ({_cause(error)}); run it again to go on.",
             file=sys.stderr,
         )
         return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
     best = result.summary["best"]
     print(f"best trial {best['number']}: {result.summary['metric']} = {best['value']}, params {best['params']}")
     print(f"best adapter: {result.best_adapter}")

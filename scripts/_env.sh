@@ -15,8 +15,16 @@ _install() {
     { python -c "import torch" 2>/dev/null || python -m pip install "torch>=2.6,<2.14"; } &&
     python -m pip install -e ".[$1]"
 }
+# Installed once per set of extras and pyproject.toml (the install is editable: code changes need none), so a
+# second run neither reinstalls nor needs the package index.
+stamp=".venv/installed-$1-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ -f "$stamp" ] && python -c "import optuna_rapidfire" 2>/dev/null; then
+  return 0 2>/dev/null || exit 0
+fi
 if ! _install "$1" >.venv/install.log 2>&1; then
   tail -n 30 .venv/install.log >&2
   echo "Installing the project failed; the whole log is in $(pwd)/.venv/install.log" >&2
   exit 1
 fi
+rm -f .venv/installed-"$1"-*
+touch "$stamp"

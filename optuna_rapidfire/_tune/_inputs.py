@@ -26,7 +26,7 @@ from optuna_rapidfire._tune._search import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Mapping, Sequence
 
     import optuna
     from datasets import Dataset
@@ -260,16 +260,25 @@ def check_model(model: str) -> Any:
     return AutoConfig.from_pretrained(model)
 
 
-def check_trials(search: Search, model_config: Any) -> None:
+def check_trials(
+    search: Search,
+    model_config: Any,
+    train: Dataset,
+    evaluation: Dataset,
+    rewards: Sequence[Callable[..., list[float]] | str] = (),
+) -> None:
     """Build what the trials will build, dry, before any work: the TRL config of each value of the space (the
-    first of every other parameter) and its LoRA adapter on the model's shape (no weights: the meta device).
-    A config no trial could use is refused here with one line, rather than failing every trial after the model
-    has loaded."""
+    first of every other parameter), checked as the executor checks a trial's (settings it cannot honour, the
+    data's columns against what the trainer needs), and its LoRA adapter on the model's shape (no weights: the
+    meta device). A config no trial could use is refused here with one line, rather than failing every trial
+    after the model has loaded."""
     import optuna
     import torch
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
+
+    from optuna_rapidfire._trainers import TrainerExtras, kind_for
 
     ends = {  # every choice, or the two ends of a range
         name: list(d.choices) if isinstance(d, CategoricalDistribution) else [d.low, d.high]
@@ -280,15 +289,25 @@ def check_trials(search: Search, model_config: Any) -> None:
     first = {name: values[0] for name, values in ends.items()}
     variants = [first] + [{**first, name: value} for name, values in ends.items() for value in values[1:]]
     configure = make_configure(search)
+    extras = TrainerExtras(reward_funcs=tuple(rewards))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     adapters: set[str] = set()
     for params in variants:
         shown = ", ".join(f"{k}={v}" for k, v in params.items())
         try:
-            lora, _args = configure(optuna.trial.FixedTrial(params))
+            lora, args = configure(optuna.trial.FixedTrial(params))
         except (TypeError, ValueError) as error:
             raise ValueError(f"training/lora: no trial could be configured with {shown}: {error}") from None
+        kind = kind_for(args)
+        try:
+            kind.check_args(args)
+        except ValueError as error:
+            raise ValueError(f"training: no trial could run with {shown}: {error}") from None
+        try:
+            kind.check_columns(train, evaluation, args, extras)
+        except ValueError as error:
+            raise ValueError(f"data: {error}") from None
         key = repr(lora)
         if key in adapters:
             continue

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
     import optuna
 
+    from optuna_rapidfire._executor import RapidFireExecutor
     from optuna_rapidfire._tune._search import Search
 
 _logger = get_logger(__name__)
@@ -142,14 +143,15 @@ def tune(search: str | os.PathLike[str] | Mapping[str, Any], *, merge: bool = Fa
     model_config = check_model(model)
     train = load_data(spec.train, spec.trainer, "data.train")
     evaluation = load_data(spec.eval, spec.trainer, "data.eval")
-    check_trials(spec, model_config)
+    rewards = reward_funcs(spec)
+    check_trials(spec, model_config, train, evaluation, rewards)
     executor = RapidFireExecutor(
         model=model,
         model_kwargs=dict(spec.model_kwargs),
         train_dataset=train,
         eval_dataset=evaluation,
         metric=spec.metric,
-        reward_funcs=reward_funcs(spec) or None,
+        reward_funcs=rewards or None,
         mlflow_tracking_uri=spec.mlflow_tracking_uri,
         output_dir=output / "adapters",
         schedule=spec.schedule,
@@ -185,11 +187,50 @@ def tune(search: str | os.PathLike[str] | Mapping[str, Any], *, merge: bool = Fa
                     _logger.info(
                         "Tuning step %r: %d of %d trials done, %d to run.", spec.study_name, done, spec.n_trials, left
                     )
-                executor.optimize(study, make_configure(spec), n_trials=left, timeout=spec.timeout)
+                _run_budget(executor, study, make_configure(spec), spec, left)
         except BaseException as caught:
             error = caught
     started_now = sum(t.state != TrialState.WAITING and t.number not in started_before for t in study.trials)
     return _finish(spec, study, started, started_now, error, merge=merge or spec.merge)
+
+
+def _run_budget(
+    executor: RapidFireExecutor, study: optuna.Study, configure: Any, spec: Search, left: int | None
+) -> None:
+    """Run the trials ``left`` (``None``: until the timeout). A trial that FAILs does not count toward
+    ``n_trials``: once the run has ended, as many new configs as failed run in their place, in rounds, up to as
+    many replacements as the run had trials to run; none once no trial of the study has a result (a set-up every
+    trial fails on: replacing its trials would only repeat the failure; the next run after a fix takes them)."""
+    import time
+
+    from optuna.trial import TrialState
+
+    start, replaced = time.monotonic(), 0
+    cap = left or 0
+    while True:
+        timeout = None if spec.timeout is None else spec.timeout - (time.monotonic() - start)
+        if timeout is not None and timeout <= 0:
+            return
+        executor.optimize(study, configure, n_trials=left, timeout=timeout)
+        if left is None:
+            return
+        short = trials_left(study, spec.n_trials) or 0
+        results = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+        if short == 0 or not results or replaced >= cap:
+            if short:
+                _logger.warning(
+                    "%d trial(s) of the budget failed%s; the next run of this step runs new configs in their place.",
+                    short,
+                    "" if results else " and no trial has a result yet",
+                )
+            return
+        left = min(short, cap - replaced)
+        replaced += left
+        _logger.info(
+            "%d trial(s) failed; running %d new config(s) in their place (failed trials do not count toward n_trials).",
+            short,
+            left,
+        )
 
 
 def successors(study: optuna.Study) -> dict[int, int]:
@@ -267,7 +308,8 @@ def _check_same_search(study: optuna.Study, spec: Search) -> None:
         changed = sorted(k for k in set(raw) | set(spec.raw) if raw.get(k) != spec.raw.get(k))
         if set(changed) - {"budget"}:
             _logger.warning(
-                "The search changed since study %r last ran (%s); its trials are kept and counted.",
+                "The search changed since study %r last ran (%s); its trials are kept, its COMPLETE and PRUNED "
+                "ones counted toward n_trials.",
                 spec.study_name,
                 ", ".join(changed),
             )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import optuna
@@ -41,6 +43,13 @@ def test_demo_prints_the_table_the_best_adapter_and_the_dashboard_command(tmp_pa
     assert f"optuna-dashboard sqlite:///{tmp_path / 'demo.db'}" in out
     study = optuna.load_study(study_name="rapidfire-demo", storage=f"sqlite:///{tmp_path / 'demo.db'}")
     assert len(study.trials) == 4
+    # The printed `ls` command runs as printed, from another folder, in a shell that has not activated the venv.
+    listing = out.split("List or control its trials with:")[1].splitlines()[0].strip()
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"} | {"PATH": "/usr/bin:/bin"}
+    shown = subprocess.run(["bash", "-c", listing], cwd="/", env=env, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    rows = [line.split()[:2] for line in shown.stdout.splitlines()[1:]]
+    assert rows == [[str(t.number), t.state.name] for t in study.trials], shown.stdout
 
 
 def test_real_model_example_runs_with_a_local_path(tmp_path: Path, tiny_model: str) -> None:

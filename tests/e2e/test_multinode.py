@@ -398,17 +398,19 @@ def test_checkpoints_are_on_by_default_only_when_the_storage_records_heartbeats(
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("storage", ["sqlite", "postgresql"])
+@pytest.mark.parametrize(("storage", "signal_name"), [("sqlite", "SIGINT"), ("postgresql", "SIGTERM")])
 def test_ctrl_c_ends_the_live_trials_cleanly_and_the_worker_exits_130_with_one_line(
-    tiny_model: str, tmp_path: Path, storage: str
+    tiny_model: str, tmp_path: Path, storage: str, signal_name: str
 ) -> None:
+    """Ctrl-C, and SIGTERM (a scheduler's cancel) alike, said as what it was."""
     with contextlib.ExitStack() as servers:
         sqlite = f"sqlite:///{tmp_path / 'ctrl-c.db'}"
         url = sqlite if storage == "sqlite" else servers.enter_context(postgres_server())
-        _ctrl_c_ends_the_live_trials_cleanly(url, tiny_model, tmp_path)
+        _ctrl_c_ends_the_live_trials_cleanly(url, tiny_model, tmp_path, getattr(signal, signal_name))
 
 
-def _ctrl_c_ends_the_live_trials_cleanly(url: str, tiny_model: str, tmp_path: Path) -> None:
+def _ctrl_c_ends_the_live_trials_cleanly(url: str, tiny_model: str, tmp_path: Path, sent: signal.Signals) -> None:
+    cause = "SIGTERM" if sent == signal.SIGTERM else "Ctrl-C"
     study = optuna.create_study(storage=url, study_name="multi", pruner=optuna.pruners.NopPruner())
     for lr in (1e-3, 3e-3, 1e-2, 3e-2):
         study.enqueue_trial({"learning_rate": lr})
@@ -416,13 +418,13 @@ def _ctrl_c_ends_the_live_trials_cleanly(url: str, tiny_model: str, tmp_path: Pa
     wait_until(
         lambda: any(t.intermediate_values for t in study.get_trials(deepcopy=False)), timeout=240, what="a report"
     )
-    worker.send_signal(signal.SIGINT)
+    worker.send_signal(sent)
     assert worker.wait(timeout=240) == 130, (tmp_path / "w.log").read_text()
     log = (tmp_path / "w.log").read_text()
     assert "Traceback" not in log and "terminate called" not in log, log[-4000:]
     assert (
         log.rstrip().splitlines()[-1]
-        == f"optuna-rapidfire: worker {worker.pid} interrupted; its live trials ended (PRUNED)."
+        == f"optuna-rapidfire: worker {worker.pid} interrupted ({cause}); its live trials ended (PRUNED)."
     )
     trials = study.get_trials()
     assert TrialState.RUNNING not in [t.state for t in trials]  # no zombie, also without heartbeats' help
@@ -431,6 +433,6 @@ def _ctrl_c_ends_the_live_trials_cleanly(url: str, tiny_model: str, tmp_path: Pa
     for trial in interrupted:  # what it reported stays, and the reason says where it stopped
         reason = trial.user_attrs[_attrs.PRUNED_REASON]
         if _attrs.TOTAL_CHUNKS not in trial.user_attrs:  # a config the schedule had just started, not built yet
-            assert reason == "Interrupted (Ctrl-C) before it started training." and not trial.intermediate_values
+            assert reason == f"Interrupted ({cause}) before it started training." and not trial.intermediate_values
             continue
-        assert reason.startswith(f"Interrupted (Ctrl-C) after chunk {len(trial.intermediate_values)}/4"), reason
+        assert reason.startswith(f"Interrupted ({cause}) after chunk {len(trial.intermediate_values)}/4"), reason

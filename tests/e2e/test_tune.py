@@ -12,6 +12,7 @@ import _thread
 import contextlib
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -163,15 +164,24 @@ def test_bad_input_exits_2_with_one_line_before_anything_is_written(
         {"lora": {**search["lora"], "target_modules": ["query", "value"]}},
         "lora: the adapter of ",
     )
+    # What the executor refuses of a trial's TRL config and data, refused before the study exists.
+    refused({"training": {**search["training"], "per_device_train_batch_size": 0}}, "training: no trial could run")
+    foo = tmp_path / "foo.jsonl"
+    foo.write_text("".join(f'{{"foo": "row {i}"}}\n' for i in range(8)))
+    refused(
+        {"data": {**search["data"], "train": {"path": str(foo)}}},
+        "data: train_dataset has the columns ['foo'], but SFTConfig trials need",
+    )
     assert cli.main(["tune", str(tmp_path / "missing.yaml")]) == 2
 
 
 def test_a_study_whose_first_run_failed_runs_again_after_the_fix(
     tmp_path: Path, tiny_model: str, capsys, rapidfire_logs
 ) -> None:
-    """A first run whose every trial fails (a learning rate that diverges) exits 1; the fixed search runs on the
-    same study: its space changed, which a study without results takes (one line says so), and the failed
-    trials do not count toward the budget."""
+    """A first run whose every trial fails (a learning rate that diverges) exits 1, and its failed trial is not
+    replaced in that run (no trial has a result); the fixed search runs on the same study: its space and model
+    changed, which a study without results takes (one line says so), and the failed trials do not count toward
+    the budget."""
     search = shrunk("sft", tiny_model, tmp_path / "out", n_trials=1)
     search["space"] = {"training.learning_rate": {"type": "float", "low": 1.0e4, "high": 1.0e4}}
     assert cli.main(["tune", str(write(search, tmp_path / "search.yaml"))]) == 1
@@ -184,10 +194,29 @@ def test_a_study_whose_first_run_failed_runs_again_after_the_fix(
     assert cli.main(["tune", str(write(search, tmp_path / "search.yaml"))]) == 2
     assert "space.training.learning_rate: " in capsys.readouterr().err
     search["space"] = {"training.learning_rate": {"type": "float", "low": 1.0e-4, "high": 1.0e-3}}
+    search["model"] = str(shutil.copytree(tiny_model, tmp_path / "other_model"))  # a fixed model path, too
     assert cli.main(["tune", str(write(search, tmp_path / "search.yaml"))]) == 0
-    assert "has no COMPLETE or PRUNED trial: its space (training.learning_rate) changed" in rapidfire_logs.text
+    assert "has no COMPLETE or PRUNED trial: its model, space (training.learning_rate) changed" in rapidfire_logs.text
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [t["state"] for t in summary["trials"]] == ["FAIL", "COMPLETE"]
+
+
+def test_a_trial_that_fails_is_replaced_within_the_run(tmp_path: Path, tiny_model: str, rapidfire_logs) -> None:
+    """Failed trials do not count toward ``n_trials``: a config that diverges (enqueued first) FAILs, and the run
+    starts a new config in its place, so the step ends with its two results."""
+    import optuna
+
+    search = shrunk("sft", tiny_model, tmp_path / "out", n_trials=2)
+    search["space"] = {"training.learning_rate": {"type": "float", "low": 1.0e-4, "high": 1.0e-3}}
+    (tmp_path / "out").mkdir()
+    study = optuna.create_study(
+        storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}", study_name=search["study_name"], direction="minimize"
+    )
+    study.enqueue_trial({"training.learning_rate": 1.0e4})  # outside the space: Optuna warns and takes it
+    assert cli.main(["tune", str(write(search, tmp_path / "search.yaml"))]) == 0
+    assert "1 trial(s) failed; running 1 new config(s) in their place" in rapidfire_logs.text
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [t["state"] for t in summary["trials"]] == ["FAIL", "COMPLETE", "COMPLETE"]
 
 
 @pytest.fixture(scope="module")
