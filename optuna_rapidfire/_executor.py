@@ -103,7 +103,8 @@ class RapidFireExecutor:
             of reward models (loaded once, on the executor's device, and shared by all trials).
         mlflow_tracking_uri: Log each trial as an MLflow run (nested under a run for the study, in an
             experiment named after the study): params, per-chunk metrics at step = chunk index, tags,
-            the final state and the final adapter. Needs MLflow (``pip install mlflow``, or the project's ``mlflow`` extra).
+            the final state and the final adapter. Needs MLflow (``pip install mlflow``, or the project's
+            ``mlflow`` extra).
         output_dir: Where final adapters go: ``output_dir/<study name>/trial-<number>``.
         devices: ``"auto"`` (every visible GPU, else the CPU), a device such as ``"cuda:1"``, or a list of
             devices. With several, :meth:`optimize` runs one worker process per device, each with its own

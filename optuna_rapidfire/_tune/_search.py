@@ -1,11 +1,11 @@
 """The declared search: what one file (YAML, or the same as a dict) says, validated before any work.
 
 :func:`load_search` reads a search file or takes a dict and returns a frozen :class:`Search`, or raises a
-``ValueError`` (a ``TypeError`` for a value of the wrong type) whose message starts with the key's path
-(``budget.n_trials``, ``space.training.learning_rate.low``) and names the allowed values. The checks run in
-two passes: the file's structure first, with no heavy import, then the ``training`` and ``lora`` fields
-against TRL's and PEFT's own config classes (which import torch). Nothing here loads a model, a data set or
-opens a storage: :mod:`optuna_rapidfire._tune._inputs` turns a valid search into those.
+``ValueError`` whose message starts with the key's path (``budget.n_trials``, ``space.training.learning_rate.low``)
+and names the allowed values. The checks run in two passes: the file's structure first, by the schema's pydantic
+models (:mod:`optuna_rapidfire._tune._schema`, no heavy import), then the ``training`` and ``lora`` fields against
+TRL's and PEFT's own config classes (which import torch). Nothing here loads a model, a data set or opens a
+storage: :mod:`optuna_rapidfire._tune._inputs` turns a valid search into those.
 """
 
 from __future__ import annotations
@@ -14,89 +14,44 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
-from optuna_rapidfire._runtime._schedules import SCHEDULES
-from optuna_rapidfire._study._storages import RDB_BACKENDS
+from optuna_rapidfire._tune._schema import (
+    BUILTIN_REWARDS,
+    DATA_FILE_TYPES,
+    DEFAULT_METRIC,
+    DEMO_FORMATS,
+    DEMO_SETS,
+    TRAINERS,
+    CategoricalSpace,
+    DataSourceModel,
+    FloatSpace,
+    TrainerName,
+    shown,
+    validate,
+)
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
 
-TrainerName = Literal["sft", "dpo", "grpo"]
-
-TOP_KEYS = (
-    "study_name",
-    "model",
-    "model_kwargs",
-    "trainer",
-    "data",
-    "rewards",
-    "objective",
-    "budget",
-    "space",
-    "lora",
-    "training",
-    "executor",
-    "sampler",
-    "pruner",
-    "schedule",
-    "storage",
-    "output",
-    "mlflow_tracking_uri",
-    "merge",
-)
-"""Every key a search may have at its top level."""
-
-TRAINERS: dict[str, str] = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig"}
-"""Trainer kinds and the TRL config class each takes its ``training`` values (fixed and sampled) into."""
-
-DEFAULT_METRIC: dict[str, str] = {"sft": "eval_loss", "dpo": "eval_loss", "grpo": "eval_reward"}
-
-DEMO_SETS = ("gsm8k",)
-"""Data sets bundled with the package (``data.train: {demo: gsm8k}``)."""
-DEMO_FORMATS: dict[str, str] = {"sft": "prompt_completion", "dpo": "preference", "grpo": "prompt_only"}
-"""The bundled GSM8K's format for each trainer kind (``load_gsm8k(format=...)``), unless the source names one."""
-_ALL_DEMO_FORMATS = ("prompt_completion", "text", "preference", "prompt_only")
-
-BUILTIN_REWARDS = ("gsm8k",)
-"""Reward names that need no import: ``gsm8k`` is :func:`optuna_rapidfire.demo.gsm8k_reward`."""
-
-DATA_FILE_TYPES: dict[str, str] = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-"""Local data files by extension, and the ``datasets`` builder that reads each."""
-
-# Executor keywords a search sets elsewhere (model, data, objective, rewards, output, schedule) or that take
-# Python objects (functions, artifact stores), which a file cannot hold.
-_EXECUTOR_ELSEWHERE = frozenset(
-    {
-        "model",
-        "train_dataset",
-        "eval_dataset",
-        "tokenizer",
-        "model_kwargs",
-        "metric",
-        "compute_metrics",
-        "preprocess_logits_for_metrics",
-        "formatting_func",
-        "reward_funcs",
-        "mlflow_tracking_uri",
-        "output_dir",
-        "schedule",
-        "artifact_store",
-    }
-)
-_SCHEDULES = ("default", *SCHEDULES)
-_SPACE_SECTIONS = ("training", "lora")
-_DISTRIBUTION_KEYS: dict[str, tuple[str, ...]] = {
-    "float": ("type", "low", "high", "log", "step"),
-    "int": ("type", "low", "high", "log", "step"),
-    "categorical": ("type", "choices"),
-}
+__all__ = [
+    "BUILTIN_REWARDS",
+    "DATA_FILE_TYPES",
+    "DEFAULT_METRIC",
+    "DEMO_FORMATS",
+    "DEMO_SETS",
+    "TRAINERS",
+    "DataSource",
+    "Named",
+    "Search",
+    "TrainerName",
+    "load_search",
+]
 
 
 @dataclass(frozen=True)
@@ -190,8 +145,9 @@ def load_search(search: str | os.PathLike[str] | Mapping[str, Any], *, check_fie
         The validated :class:`Search`.
 
     Raises:
-        ValueError: A missing file, bad YAML, an unknown key or value; the message starts with the key's path.
-        TypeError: A value of the wrong type; the message starts with the key's path.
+        ValueError: A missing file, bad YAML, an unknown key, a value of the wrong type or out of range; the
+            message starts with the key's path.
+        TypeError: ``search`` is neither a path nor a dict, or a dict holds objects a file cannot (a function).
     """
     if isinstance(search, Mapping):
         raw: Any = _plain(search, "search")
@@ -262,299 +218,72 @@ def _plain(value: Any, where: str) -> Any:
     )
 
 
-# -- checks --------------------------------------------------------------------------------------------
-
-
-def _keys(value: Any, where: str, allowed: tuple[str, ...] | frozenset[str], required: tuple[str, ...] = ()) -> None:
-    if not isinstance(value, Mapping):
-        raise TypeError(f"{where} must be a mapping, but got {_shown(value)}.")
-    for key in value:
-        if key not in allowed:
-            close = difflib.get_close_matches(str(key), list(allowed), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"{_join(where, key)}: unknown key{hint}; allowed: {', '.join(sorted(allowed))}.")
-    for key in required:
-        if value.get(key) is None:
-            raise ValueError(f"{_join(where, key)} is required.")
-
-
-def _join(where: str, key: object) -> str:
-    return str(key) if where == "search" else f"{where}.{key}"
-
-
-def _shown(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise TypeError(f"{where} must be a non-empty string, but got {_shown(value)}.")
-    return value
-
-
-def _choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{where} must be one of {', '.join(choices)}, but got {value!r}.")
-    return cast("str", value)
-
-
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{where} must be a finite number, but got {_shown(value)}.")
-    return value
-
-
-def _integer(value: Any, where: str, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where} must be an integer, but got {_shown(value)}.")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{where} must be at least {minimum}, but got {value}.")
-    return value
-
-
-def _mapping(value: Any, where: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise TypeError(f"{where} must be a mapping, but got {_shown(value)}.")
-    return dict(value)
+# -- from the validated file to a Search ----------------------------------------------------------------
 
 
 def _parse(raw: Any, digest: str, source: str | None, default_name: str | None) -> Search:
-    _keys(raw, "search", TOP_KEYS, required=("model", "data", "budget", "space"))
-    study_name = raw.get("study_name", default_name)
-    if study_name is None:
+    file = validate({"study_name": default_name, **raw} if default_name and isinstance(raw, Mapping) else raw)
+    if file.study_name is None:
         raise ValueError("study_name is required when the search is a dict (a file's default is its name).")
-    study_name = _string(study_name, "study_name")
-    trainer = _choice(raw.get("trainer", "sft"), "trainer", tuple(TRAINERS))
-    model = _string(raw["model"], "model")
-    data = raw["data"]
-    _keys(data, "data", ("train", "eval"), required=("train", "eval"))
-    train = _data_source(data["train"], "data.train", "train")
-    evaluation = _data_source(data["eval"], "data.eval", "test")
-    rewards = _rewards(raw.get("rewards"), trainer)
-    metric, direction = _objective(raw.get("objective"), trainer)
-    n_trials, timeout = _budget(raw["budget"])
-    lora = _mapping(raw.get("lora"), "lora")
-    training = _mapping(raw.get("training"), "training")
-    space = _space(raw["space"], {"lora": lora, "training": training})
-    executor = _executor(raw.get("executor"))
-    output = str(Path(_string(raw.get("output", study_name), "output")).resolve())
-    storage = raw.get("storage")
-    storage = _storage(storage) if storage is not None else f"sqlite:///{Path(output) / 'study.db'}"
-    mlflow = raw.get("mlflow_tracking_uri")
-    merge = raw.get("merge", False)
-    if not isinstance(merge, bool):
-        raise TypeError(f"merge must be true or false, but got {_shown(merge)}.")
+    output = str(Path(file.output or file.study_name).resolve())
     return Search(
-        study_name=study_name,
-        model=model,
-        model_kwargs=_mapping(raw.get("model_kwargs"), "model_kwargs"),
-        trainer=cast("TrainerName", trainer),
-        train=train,
-        eval=evaluation,
-        rewards=rewards,
-        metric=metric,
-        direction=cast("Literal['minimize', 'maximize']", direction),
-        n_trials=n_trials,
-        timeout=timeout,
-        space=space,
-        lora=lora,
-        training=training,
-        executor=executor,
-        sampler=_named(raw.get("sampler"), "sampler"),
-        pruner=_named(raw.get("pruner"), "pruner"),
-        schedule=_choice(raw.get("schedule", "default"), "schedule", _SCHEDULES),
-        storage=storage,
+        study_name=file.study_name,
+        model=file.model,
+        model_kwargs=dict(file.model_kwargs),
+        trainer=file.trainer,
+        train=_data_source(file.data.train, "train"),
+        eval=_data_source(file.data.eval, "test"),
+        rewards=tuple(file.rewards or ()),
+        metric=file.metric,
+        direction=file.direction,
+        n_trials=file.budget.n_trials,
+        timeout=None if file.budget.timeout is None else float(file.budget.timeout),
+        space={name: _distribution(entry, f"space.{name}") for name, entry in file.space.items()},
+        lora=dict(file.lora),
+        training=dict(file.training),
+        executor=dict(file.executor),
+        sampler=_named(file.sampler, "sampler"),
+        pruner=_named(file.pruner, "pruner"),
+        schedule=file.schedule,
+        storage=file.storage or f"sqlite:///{Path(output) / 'study.db'}",
         output=output,
-        mlflow_tracking_uri=None if mlflow is None else _string(mlflow, "mlflow_tracking_uri"),
-        merge=merge,
+        mlflow_tracking_uri=file.mlflow_tracking_uri,
+        merge=file.merge,
         raw=raw,
         sha256=digest,
         source=source,
     )
 
 
-def _data_source(value: Any, where: str, default_split: str) -> DataSource:
-    kinds = ("demo", "path", "dataset")
-    _keys(value, where, (*kinds, "name", "split", "rows", "format", "columns"))
-    given = [k for k in kinds if value.get(k) is not None]
-    if len(given) != 1:
-        raise ValueError(
-            f"{where} needs exactly one of demo (bundled: {', '.join(DEMO_SETS)}), path (a local .json/.jsonl/.csv/"
-            f".parquet file or a save_to_disk folder) or dataset (a datasets.load_dataset path), but got "
-            f"{', '.join(given) or 'none'}."
-        )
-    kind = given[0]
-    rows = value.get("rows")
-    if rows is not None:
-        _integer(rows, f"{where}.rows", minimum=1)
-    split = value.get("split")
-    if split is not None:
-        _string(split, f"{where}.split")
-    columns = _mapping(value.get("columns"), f"{where}.columns")
-    for old, new in columns.items():
-        _string(new, f"{where}.columns.{old}")
-    if value.get("format") is not None and kind != "demo":
-        raise ValueError(f"{where}.format applies to demo data only; rename columns with {where}.columns.")
-    if value.get("name") is not None and kind != "dataset":
-        raise ValueError(f"{where}.name (a configuration of a datasets.load_dataset path) applies to dataset only.")
-    if kind == "demo":
-        _choice(value["demo"], f"{where}.demo", DEMO_SETS)
-        _choice(split or default_split, f"{where}.split", ("train", "test"))
-        if value.get("format") is not None:
-            _choice(value["format"], f"{where}.format", _ALL_DEMO_FORMATS)
-        return DataSource(
-            demo=value["demo"], split=split or default_split, rows=rows, format=value.get("format"), columns=columns
-        )
-    if kind == "path":
-        path = _string(value["path"], f"{where}.path")
-        if not os.path.exists(path):
-            raise ValueError(f"{where}.path: no file or folder at {os.path.abspath(path)}.")
-        if os.path.isfile(path) and Path(path).suffix.lower() not in DATA_FILE_TYPES:
-            raise ValueError(
-                f"{where}.path: {path!r} is not a data file this reads ({', '.join(DATA_FILE_TYPES)}) nor a "
-                "save_to_disk folder."
-            )
-        return DataSource(path=path, split=split, rows=rows, columns=columns)
-    name = value.get("name")
+def _data_source(model: DataSourceModel, default_split: str) -> DataSource:
+    """The source ``model`` names; the bundled set and a ``datasets`` path take ``default_split`` when none is
+    given (a saved ``DatasetDict`` must name its split)."""
+    split = model.split if model.split is not None or model.path is not None else default_split
     return DataSource(
-        dataset=_string(value["dataset"], f"{where}.dataset"),
-        name=None if name is None else _string(name, f"{where}.name"),
-        split=split or default_split,
-        rows=rows,
-        columns=columns,
+        demo=model.demo,
+        path=model.path,
+        dataset=model.dataset,
+        name=model.name,
+        split=split,
+        rows=model.rows,
+        format=model.format,
+        columns=dict(model.columns),
     )
 
 
-def _rewards(value: Any, trainer: str) -> tuple[str, ...]:
-    if trainer != "grpo":
-        if value:
-            raise ValueError(f"rewards apply to trainer: grpo only, but the trainer is {trainer}.")
-        return ()
-    if not isinstance(value, list) or not value:
-        raise ValueError(
-            f"rewards is required for trainer: grpo: a list of built-in rewards ({', '.join(BUILTIN_REWARDS)}), "
-            "module:function names, or reward model paths / hub ids."
-        )
-    return tuple(_string(item, f"rewards[{i}]") for i, item in enumerate(value))
-
-
-def _objective(value: Any, trainer: str) -> tuple[str, str]:
-    settings = _mapping(value, "objective")
-    _keys(settings, "objective", ("metric", "direction"))
-    metric = _string(settings.get("metric", DEFAULT_METRIC[trainer]), "objective.metric")
-    metric = metric if metric.startswith("eval_") else f"eval_{metric}"
-    direction = settings.get("direction")
-    name = metric.removeprefix("eval_").lower()
-    if direction is None:
-        if name.endswith("loss"):
-            direction = "minimize"
-        elif "reward" in name or "accurac" in name:
-            direction = "maximize"
-        else:
-            raise ValueError(
-                f"objective.direction is required for metric {metric!r}: minimize or maximize (only a loss, a "
-                "reward or an accuracy has a default)."
-            )
-    return metric, _choice(direction, "objective.direction", ("minimize", "maximize"))
-
-
-def _budget(value: Any) -> tuple[int | None, float | None]:
-    _keys(value, "budget", ("n_trials", "timeout"))
-    n_trials, timeout = value.get("n_trials"), value.get("timeout")
-    if n_trials is None and timeout is None:
-        raise ValueError("budget needs n_trials (trials in the study) and/or timeout (seconds per run of the step).")
-    if n_trials is not None:
-        _integer(n_trials, "budget.n_trials", minimum=1)
-    if timeout is not None and not _number(timeout, "budget.timeout") > 0:
-        raise ValueError(f"budget.timeout must be a positive number of seconds, but got {timeout}.")
-    return n_trials, None if timeout is None else float(timeout)
-
-
-def _space(value: Any, fixed: dict[str, dict[str, Any]]) -> dict[str, BaseDistribution]:
+def _distribution(entry: FloatSpace | Any, where: str) -> BaseDistribution:
+    """The Optuna distribution of a space entry; Optuna's own checks (low > high, log with step, log of 0...) say
+    the entry's key."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    if not isinstance(value, Mapping) or not value:
-        raise ValueError(
-            "space must map parameter names to distributions, e.g. "
-            "training.learning_rate: {type: float, low: 1.0e-5, high: 1.0e-3, log: true}."
-        )
-    space: dict[str, BaseDistribution] = {}
-    for name, entry in value.items():
-        where = f"space.{name}"
-        section, _, field = str(name).partition(".")
-        if section not in _SPACE_SECTIONS or not field or "." in field:
-            raise ValueError(
-                f"{where}: a parameter name is <section>.<field> with section {' or '.join(_SPACE_SECTIONS)} "
-                "(training.learning_rate, lora.r)."
-            )
-        if field in fixed[section]:
-            raise ValueError(f"{where}: {section}.{field} is also a fixed value under {section}: keep one of them.")
-        if not isinstance(entry, Mapping):
-            raise TypeError(
-                f"{where} must be a distribution such as {{type: float, low: ..., high: ...}}, but got "
-                f"{_shown(entry)}; fixed values go under {section}:."
-            )
-        kind = _choice(entry.get("type"), f"{where}.type", tuple(_DISTRIBUTION_KEYS))
-        _keys(entry, where, _DISTRIBUTION_KEYS[kind])
-        try:
-            if kind == "categorical":
-                choices = entry.get("choices")
-                if not isinstance(choices, list) or not choices:
-                    raise ValueError(f"{where}.choices must be a non-empty list, but got {choices!r}.")
-                for i, choice in enumerate(choices):
-                    if choice is not None and not isinstance(choice, (bool, int, float, str)):
-                        raise TypeError(
-                            f"{where}.choices[{i}] must be a number, string, bool or null (as Optuna's "
-                            f"suggest_categorical takes), but got {_shown(choice)}."
-                        )
-                space[name] = CategoricalDistribution(choices)
-                continue
-            if "low" not in entry or "high" not in entry:
-                raise ValueError(f"{where} needs low and high.")
-            log = entry.get("log", False)
-            if not isinstance(log, bool):
-                raise TypeError(f"{where}.log must be true or false, but got {_shown(log)}.")
-            if kind == "int":
-                step = entry.get("step", 1)
-                space[name] = IntDistribution(
-                    _integer(entry["low"], f"{where}.low"),
-                    _integer(entry["high"], f"{where}.high"),
-                    log=log,
-                    step=_integer(step, f"{where}.step"),
-                )
-            else:
-                step = entry.get("step")
-                space[name] = FloatDistribution(
-                    _number(entry["low"], f"{where}.low"),
-                    _number(entry["high"], f"{where}.high"),
-                    log=log,
-                    step=None if step is None else _number(step, f"{where}.step"),
-                )
-        except ValueError as error:  # Optuna's own checks (low > high, log with step, log of 0...)
-            message = str(error)
-            raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
-    return space
-
-
-def _executor(value: Any) -> dict[str, Any]:
-    from optuna_rapidfire._study._config import ExecutorConfig
-
-    settings = _mapping(value, "executor")
-    allowed = tuple(name for name in ExecutorConfig.options() if name not in _EXECUTOR_ELSEWHERE)
-    _keys(settings, "executor", allowed)
-    return settings
-
-
-def _storage(value: Any) -> str:
-    url = _string(value, "storage")
-    backend = url.split(":", 1)[0].split("+", 1)[0]
-    if "://" not in url or backend not in RDB_BACKENDS:
-        raise ValueError(
-            f"storage must be an RDB URL ({', '.join(b + '://...' for b in RDB_BACKENDS)}), but got {url!r}."
-        )
-    return url
+    try:
+        if isinstance(entry, CategoricalSpace):
+            return CategoricalDistribution(entry.choices)
+        if isinstance(entry, FloatSpace):
+            return FloatDistribution(entry.low, entry.high, log=entry.log, step=entry.step)
+        return IntDistribution(entry.low, entry.high, log=entry.log, step=entry.step)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
 
 
 def sampler_names() -> dict[str, Any]:
@@ -583,7 +312,7 @@ def _named(value: Any, where: str) -> Named | None:
     if isinstance(value, str):
         value = {"name": value}
     if not isinstance(value, Mapping):
-        raise TypeError(f"{where} must be a class name or {{name: ..., <keyword>: ...}}, but got {_shown(value)}.")
+        raise ValueError(f"{where} must be a class name or {{name: ..., <keyword>: ...}}, but got {shown(value)}.")
     kind = "sampler" if where.rsplit(".", 1)[-1].endswith("sampler") else "pruner"
     classes = sampler_names() if kind == "sampler" else pruner_names()
     name = value.get("name")

@@ -128,13 +128,14 @@ def test_each_list_of_names_is_its_registry_s() -> None:
     from optuna_rapidfire._runtime._schedules import SCHEDULES
     from optuna_rapidfire._study._config import EngineName
     from optuna_rapidfire._trainers import TRAINER_KINDS
-    from optuna_rapidfire._tune import _search
+    from optuna_rapidfire._tune import _schema
 
     assert set(typing.get_args(EngineName)) == {"auto", *ENGINES}
-    assert typing.get_args(_search.TrainerName) == tuple(TRAINER_KINDS)
-    assert {name: kind.args_type().__name__ for name, kind in TRAINER_KINDS.items()} == _search.TRAINERS
-    assert {name: kind.default_metric for name, kind in TRAINER_KINDS.items()} == _search.DEFAULT_METRIC
-    assert ("default", *SCHEDULES) == _search._SCHEDULES
+    assert typing.get_args(_schema.TrainerName) == tuple(TRAINER_KINDS)
+    assert {name: kind.args_type().__name__ for name, kind in TRAINER_KINDS.items()} == _schema.TRAINERS
+    assert {name: kind.default_metric for name, kind in TRAINER_KINDS.items()} == _schema.DEFAULT_METRIC
+    assert set(_schema.DEMO_FORMATS) == set(TRAINER_KINDS)
+    assert ("default", *SCHEDULES) == _schema.SCHEDULE_NAMES
 
 
 def _readme_options() -> dict[str, str]:

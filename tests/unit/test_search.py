@@ -206,6 +206,16 @@ def test_every_example_search_and_the_readmes_are_valid(tmp_path: Path) -> None:
     assert load_search(tmp_path / "search.yaml").study_name == "gsm8k-sft"
 
 
+def test_readme_s_search_reference_is_the_schema_s() -> None:
+    """The key table is written once, as the schema's field descriptions: README holds what they render."""
+    from optuna_rapidfire._tune._schema import reference_table
+
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- search reference:")
+    table = readme[readme.index("\n", start) + 1 : readme.index("<!-- end of search reference -->")]
+    assert table.strip() == reference_table(), "README's search reference is stale: paste reference_table()"
+
+
 def test_configure_puts_each_sampled_value_where_its_name_says() -> None:
     import optuna
 
