@@ -27,10 +27,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Union, get_args
+from typing import TYPE_CHECKING, Any, Union, get_args
+
+if TYPE_CHECKING:
+    import optuna
 
 __all__ = [
     "Checkpointed",
+    "ChunkReported",
     "ChunkStarting",
     "ChunkTrained",
     "Compiled",
@@ -40,7 +44,11 @@ __all__ = [
     "Listener",
     "PassTrained",
     "Switched",
+    "TrialActivity",
     "TrialBuilt",
+    "TrialEnded",
+    "TrialReady",
+    "TrialStarted",
     "listen",
 ]
 
@@ -152,8 +160,87 @@ class Checkpointed:
     capture_seconds: float
 
 
+# -- the study's side: what a trial's driver records and reports (one ``optimize`` call's progress bars and MLflow
+# runs are listeners of these, kept by that call; these reach the listeners of this module too) ---------------
+
+
+@dataclass(frozen=True)
+class TrialStarted:
+    """A trial's config was checked and the trial registered on a device, to be built (``kind``: its trainer
+    kind's name; ``metric``: the value it reports)."""
+
+    study: optuna.Study
+    trial: int
+    params: dict[str, Any]
+    kind: str
+    metric: str
+
+
+@dataclass(frozen=True)
+class TrialReady:
+    """A trial was built: its run has ``total_chunks`` chunks and starts after chunk ``start`` (a clone's branch, a
+    retry's checkpoint; 0: from the start). A clone says its ``parent`` (``None``: not a clone), whether it is
+    ``warm``, and the parent's values it inherits, one per chunk up to ``start`` (empty for a cold clone)."""
+
+    study: optuna.Study
+    trial: int
+    total_chunks: int
+    start: int
+    parent: int | None
+    warm: bool
+    inherited: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class TrialActivity:
+    """What a live trial does now: ``training``, ``waiting at its rung after chunk k``, ``paused``..."""
+
+    study: optuna.Study
+    trial: int
+    activity: str
+
+
+@dataclass(frozen=True)
+class ChunkReported:
+    """A trial reported ``value`` (its ``metric``) to Optuna after chunk ``step`` (0-based), with the chunk's
+    other metrics and its seconds (training and evaluation)."""
+
+    study: optuna.Study
+    trial: int
+    step: int
+    metric: str
+    value: float
+    metrics: dict[str, float]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TrialEnded:
+    """A trial ended in ``state`` (``COMPLETE``, ``PRUNED``, ``FAIL``) with its last ``value``; ``adapter``: the
+    folder its final adapter was saved in (``None``: none was)."""
+
+    study: optuna.Study
+    trial: int
+    state: str
+    value: float | None
+    adapter: str | None
+
+
 Event = Union[  # noqa: UP007
-    TrialBuilt, ChunkStarting, Switched, ChunkTrained, PassTrained, GangTrained, Decoded, Compiled, Checkpointed
+    TrialBuilt,
+    ChunkStarting,
+    Switched,
+    ChunkTrained,
+    PassTrained,
+    GangTrained,
+    Decoded,
+    Compiled,
+    Checkpointed,
+    TrialStarted,
+    TrialReady,
+    TrialActivity,
+    ChunkReported,
+    TrialEnded,
 ]
 """Any event of this module."""
 

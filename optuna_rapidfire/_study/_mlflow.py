@@ -17,14 +17,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from optuna_rapidfire import events
 from optuna_rapidfire._logging import get_logger
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     import optuna
-
-    from optuna_rapidfire._engines._types import Branch, ChunkResult
 
 _logger = get_logger(__name__)
 
@@ -51,6 +50,8 @@ class MlflowTracker:
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._runs: dict[int, str] = {}  # handle -> MLflow run id, filled in by the background thread
         self._handles = itertools.count()
+        self._trials: dict[tuple[str, int], tuple[int, str]] = {}  # (study, trial) -> (its run's handle, its metric)
+        self._trials_lock = threading.Lock()  # never self._lock: that one is held while the server is asked
         self._closed = False
         self._thread = threading.Thread(target=self._drain, name="rapidfire-mlflow", daemon=True)
         self._thread.start()
@@ -104,10 +105,34 @@ class MlflowTracker:
             self._parents[study.study_name] = (experiment_id, run_id)
             return experiment_id, run_id
 
-    def trial_started(self, trial: optuna.Trial, kind: str, metric: str) -> int:
+    def hear(self, event: events.Event) -> None:
+        """Log a study event of an ``optimize`` call's trials (a listener of its ``Run``): a trial's run starts,
+        takes its parent and inherited curve, its chunks' metrics, and its end (in the background)."""
+        if isinstance(event, events.TrialStarted):
+            handle = self.trial_started(event.study, event.trial, event.params, event.kind, event.metric)
+            with self._trials_lock:
+                self._trials[(event.study.study_name, event.trial)] = (handle, event.metric)
+            return
+        if not isinstance(event, (events.TrialReady, events.ChunkReported, events.TrialEnded)):
+            return
+        with self._trials_lock:
+            known = self._trials.get((event.study.study_name, event.trial))
+            if known is not None and isinstance(event, events.TrialEnded):
+                del self._trials[(event.study.study_name, event.trial)]
+        if known is None:
+            return
+        handle, metric = known
+        if isinstance(event, events.TrialReady):
+            if event.parent is not None:
+                self.branch(handle, event.parent, event.start, event.warm, event.inherited, metric)
+        elif isinstance(event, events.ChunkReported):
+            self.chunk(handle, event.step, {**event.metrics, "chunk_seconds": event.seconds})
+        else:
+            self.trial_ended(handle, event.state, event.value, event.adapter)
+
+    def trial_started(self, study: optuna.Study, number: int, params: dict[str, Any], kind: str, metric: str) -> int:
         """Start the trial's run (in the background); return a handle for the other calls."""
         handle = next(self._handles)
-        study, number, params = trial.study, trial.number, dict(trial.params)
 
         def start() -> None:
             from mlflow.entities import Param
@@ -140,24 +165,24 @@ class MlflowTracker:
 
         self._submit(task)
 
-    def branch(self, handle: int, branch: Branch, metric: str) -> None:
+    def branch(
+        self, handle: int, parent: int, step: int, warm: bool, inherited: tuple[float, ...], metric: str
+    ) -> None:
         """Tag a clone with its parent; a warm clone's run gets the inherited curve too."""
 
         def call(run_id: str) -> None:
-            self.client.set_tag(run_id, "rapidfire.parent_trial", str(branch.parent))
-            self.client.set_tag(run_id, "rapidfire.branch_step", str(branch.step))
-            self.client.set_tag(run_id, "rapidfire.clone", "warm" if branch.warm else "cold")
-            if branch.warm:
-                for step, history in enumerate(branch.history):
-                    self.log_metrics(run_id, {metric: history[metric]}, step)
+            self.client.set_tag(run_id, "rapidfire.parent_trial", str(parent))
+            self.client.set_tag(run_id, "rapidfire.branch_step", str(step))
+            self.client.set_tag(run_id, "rapidfire.clone", "warm" if warm else "cold")
+            for index, value in enumerate(inherited):
+                self.log_metrics(run_id, {metric: value}, index)
 
         self._on_run(handle, call)
 
-    def chunk(self, handle: int, result: ChunkResult) -> None:
+    def chunk(self, handle: int, step: int, metrics: dict[str, float]) -> None:
         """Log one chunk's metrics at ``step`` = the chunk index."""
-        metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
-        metrics["chunk_seconds"] = result.train_seconds + result.eval_seconds
-        self._on_run(handle, lambda run_id: self.log_metrics(run_id, metrics, result.step))
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        self._on_run(handle, lambda run_id: self.log_metrics(run_id, numbers, step))
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
         """Log ``metrics`` at ``step`` in one call to the tracking server (on the tracker's own thread)."""

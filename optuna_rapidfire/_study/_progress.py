@@ -13,6 +13,7 @@ import sys
 import threading
 from typing import Any
 
+from optuna_rapidfire import events
 from optuna_rapidfire._logging import get_logger
 
 _logger = get_logger(__name__)
@@ -48,6 +49,17 @@ class Progress:
             )
             self._redirect.__enter__()
 
+    def hear(self, event: events.Event) -> None:
+        """Show a study event of the trials of this ``optimize`` call (a listener of its :class:`Run`)."""
+        if isinstance(event, events.TrialReady):
+            self.trial_started(event.trial, event.total_chunks, done=event.start)
+        elif isinstance(event, events.TrialActivity):
+            self.trial_activity(event.trial, event.activity)
+        elif isinstance(event, events.ChunkReported):
+            self.chunk_done(event.trial, event.metric, event.value, event.seconds)
+        elif isinstance(event, events.TrialEnded):
+            self.trial_ended(event.trial, event.state, event.value)
+
     def trial_started(self, number: int, total_chunks: int, done: int = 0) -> None:
         with self._lock:
             self._chunks[number] = [done, total_chunks, 0.0, 0]
@@ -68,12 +80,6 @@ class Progress:
                 mininterval=0,  # one update per chunk: each is shown
                 bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {status}",  # no wall-clock rate: see the module
             )
-
-    def trial_paused(self, number: int) -> None:
-        self.trial_activity(number, "paused")
-
-    def trial_resumed(self, number: int) -> None:
-        self.trial_activity(number, "training")
 
     def trial_activity(self, number: int, activity: str) -> None:
         """What trial ``number`` does now (``training``, ``waiting at its rung after chunk 3``, ``paused``...): a

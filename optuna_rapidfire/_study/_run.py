@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from optuna_rapidfire import events
+
 if TYPE_CHECKING:
     import optuna
 
@@ -22,6 +24,8 @@ class Run:
         device: The device the trials train on.
         services: The executor's study services.
         progress: The progress display (disabled off a terminal).
+        listeners: This call's own listeners of the study's events (:meth:`tell`): the progress display and the
+            MLflow tracker.
         pool: The pool that starts trials (``None`` under a plain ``study.optimize``).
         externally_finished: Numbers of trials finished from outside (optuna-dashboard's "Fail Trial").
         error: A config error no trial can get past; ``optimize`` raises it at the end.
@@ -33,9 +37,20 @@ class Run:
         self.device = device
         self.services = services
         self.progress = progress
+        self.listeners: list[events.Listener] = [progress.hear]
+        if services.tracker is not None:
+            self.listeners.append(services.tracker.hear)
         self.pool = pool
         self.externally_finished: set[int] = set()
         self.error: BaseException | None = None
+
+    def tell(self, event: events.Event) -> None:
+        """Deliver a study event (:class:`~optuna_rapidfire.events.TrialStarted` ... ``TrialEnded``) to this call's
+        own listeners, then to those of :mod:`optuna_rapidfire.events` that want it."""
+        for listener in self.listeners:
+            listener(event)
+        if events.listening(type(event)):
+            events.emit(event)
 
     def lease(self, trial_number: int, *, resume: bool = False, by_hand: bool = False) -> Lease:
         """A live-trial slot for ``trial_number``: the one the pool took for this thread, else a new one

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 
-from optuna_rapidfire import _compat
+from optuna_rapidfire import _compat, events
 from optuna_rapidfire._engines._types import ChunkResult, TrialSpec
 from optuna_rapidfire._logging import explained, get_logger
 from optuna_rapidfire._runtime._entry import Decision, Entry, Stopped
@@ -73,7 +73,6 @@ class TrialDriver:
         self.configure = configure
         self.entry: Entry | None = None
         self._lease: Lease | None = None
-        self._run_id: int | None = None  # the trial's MLflow run handle, once tracking started it
         self._adapter_path: str | None = None
         self._total_chunks = 0
         self._interrupted = ""  # what interrupted the study (Ctrl-C, SIGTERM), once it was
@@ -99,8 +98,8 @@ class TrialDriver:
             self.device.scheduler.add(entry)
             self._lease.registered()
             self.entry = entry
-            if self.services.tracker is not None:
-                self._run_id = self.services.tracker.trial_started(self.trial, spec.kind.name, self.services.metric)
+            trial, metric = self.trial, self.services.metric
+            self.shared.tell(events.TrialStarted(self.study, trial.number, trial.params, spec.kind.name, metric))
             value = self._follow()
             state = "COMPLETE" if not math.isnan(value) else "FAIL"
             return value
@@ -129,16 +128,14 @@ class TrialDriver:
                 self.record.end("complete")
             elif state == "FAIL" and value is not None:  # returned NaN: failed on the device, or deleted
                 self.record.end("failed")
-            self.shared.progress.trial_ended(self.trial.number, state, value)
-            if self.services.tracker is not None and self._run_id is not None:
-                self.services.tracker.trial_ended(self._run_id, state, value, self._adapter_path)
+            self.shared.tell(events.TrialEnded(self.study, self.trial.number, state, value, self._adapter_path))
 
     def _follow(self) -> float:
         entry = self.entry
         assert entry is not None
         while True:
             if self.record.activity(activity := self.device.scheduler.activity(entry)):
-                self.shared.progress.trial_activity(self.trial.number, activity)
+                self.shared.tell(events.TrialActivity(self.study, self.trial.number, activity))
             try:
                 event = entry.events.get(timeout=self.services.config.poll_seconds)
             except queue.Empty:  # not training meanwhile, perhaps: a person's command applies now
@@ -180,11 +177,7 @@ class TrialDriver:
         resolve_auto_resources(self.study.pruner, event.total_chunks)
         if event.branch is not None:
             self.record.branch(event.branch)
-            if self.services.tracker is not None and self._run_id is not None:
-                self.services.tracker.branch(self._run_id, event.branch, self.services.metric)
-        self.shared.progress.trial_started(
-            trial.number, event.total_chunks, done=event.branch.step if event.branch else 0
-        )
+        self.shared.tell(_ready(self.study, trial.number, event, self.services.metric))
 
     # -- after each chunk --------------------------------------------------------------------------
 
@@ -202,11 +195,7 @@ class TrialDriver:
             self.record.chunk(event, value)
         except UpdateFinishedTrialError:
             return self._finished_elsewhere()
-        self.shared.progress.chunk_done(
-            trial.number, self.services.metric, value, event.train_seconds + event.eval_seconds
-        )
-        if self.services.tracker is not None and self._run_id is not None:
-            self.services.tracker.chunk(self._run_id, event)
+        self.shared.tell(_reported(self.study, trial.number, event, self.services.metric))
         if self._interrupted and not event.last:  # an interrupt during its last chunk: it completes
             return self._end_interrupted(step + 1)
         pruned, frozen = should_prune(self.device.scheduler, entry, self.study, self.trial, step, float(value))
@@ -324,7 +313,7 @@ class TrialDriver:
         self._lease.release()
         self._lease = None
         trial.set_user_attr(_attrs.STATUS, "paused")
-        self.shared.progress.trial_paused(trial.number)
+        self.shared.tell(events.TrialActivity(self.study, trial.number, "paused"))
         _logger.info("Trial %d paused %s.", trial.number, f"after chunk {chunks}" if chunks else "before it trained")
         self.device.paused.add(entry)
         self.record.activity("paused")
@@ -345,7 +334,7 @@ class TrialDriver:
                 if asked == "resume":
                     self._lease = self.shared.lease(trial.number, resume=True)
                     trial.set_user_attr(_attrs.STATUS, "running")
-                    self.shared.progress.trial_resumed(trial.number)
+                    self.shared.tell(events.TrialActivity(self.study, trial.number, "training"))
                     _logger.info("Trial %d resumed after chunk %d.", trial.number, chunks)
                     for event in built:
                         entry.events.put(event)
@@ -376,6 +365,27 @@ def run_length_of(configure: Configure, num_chunks: int) -> Callable[[dict[str, 
             return None
 
     return run_length
+
+
+def _ready(study: optuna.Study, number: int, event: Built, metric: str) -> events.TrialReady:
+    """The study event of a trial built: its run's length, and where it starts (a clone's or retry's branch)."""
+    branch = event.branch
+    return events.TrialReady(
+        study,
+        number,
+        event.total_chunks,
+        start=0 if branch is None else branch.step,
+        parent=None if branch is None else branch.parent,
+        warm=branch is not None and branch.warm,
+        inherited=() if branch is None or not branch.warm else tuple(h[metric] for h in branch.history),
+    )
+
+
+def _reported(study: optuna.Study, number: int, result: ChunkResult, metric: str) -> events.ChunkReported:
+    """The study event of a chunk's value reported to Optuna, with its numeric metrics and seconds."""
+    numbers = {k: float(v) for k, v in result.metrics.items() if isinstance(v, (int, float))}
+    seconds = result.train_seconds + result.eval_seconds
+    return events.ChunkReported(study, number, result.step, metric, float(result.metrics[metric]), numbers, seconds)
 
 
 def trial_spec(run: Run, trial: optuna.Trial, configure: Configure, record: TrialRecord) -> TrialSpec:

@@ -8,6 +8,7 @@ import sys
 import optuna
 from helpers import by_number, lora, sft_args
 
+from optuna_rapidfire import events
 from optuna_rapidfire._study._progress import Progress
 
 
@@ -25,6 +26,29 @@ def test_progress_shows_each_live_trial_on_a_terminal(make_executor, monkeypatch
     assert "trial 0" in text and "trial 1" in text
     assert "2/2" in text and "eval_loss=" in text
     assert "trials" in text
+
+
+def test_a_listener_hears_each_trial_start_be_built_report_and_end_as_the_bars_do(make_executor, listen) -> None:
+    import os
+
+    seen: list[events.Event] = []
+    listen(seen.append, events.TrialStarted, events.TrialReady, events.ChunkReported, events.TrialEnded)
+    study = optuna.create_study()
+    executor = make_executor(num_chunks=2, max_concurrent_trials=2)
+    executor.optimize(study, by_number([(lora(), sft_args())] * 2), n_trials=2)
+    for trial in study.trials:
+        mine = [e for e in seen if e.trial == trial.number]
+        kinds = [events.TrialStarted, events.TrialReady, events.ChunkReported, events.ChunkReported, events.TrialEnded]
+        assert [type(e) for e in mine] == kinds
+        started, ready, *chunks, ended = mine
+        assert isinstance(started, events.TrialStarted) and started.study.study_name == study.study_name
+        assert (started.kind, started.metric) == ("sft", "eval_loss")
+        assert isinstance(ready, events.TrialReady) and (ready.total_chunks, ready.start, ready.parent) == (2, 0, None)
+        assert [(c.step, c.value) for c in chunks if isinstance(c, events.ChunkReported)] == sorted(
+            trial.intermediate_values.items()
+        )
+        assert isinstance(ended, events.TrialEnded) and (ended.state, ended.value) == ("COMPLETE", trial.value)
+        assert ended.adapter is not None and os.path.isdir(ended.adapter)
 
 
 def test_off_a_terminal_each_chunk_is_one_log_line_and_disabled_is_silent(make_executor, monkeypatch, caplog) -> None:
@@ -72,14 +96,18 @@ def test_a_bar_of_a_trial_that_is_not_training_says_what_it_does_without_a_time_
         return terminal.getvalue().rsplit("\r", 1)[-1].split("\x1b")[0].rstrip()
 
     waiting = shown()
-    progress.trial_paused(0)
+    study = optuna.create_study()
+    progress.hear(events.TrialActivity(study, 0, "paused"))  # what the trial's driver tells its run's listeners
     paused = shown()
-    progress.trial_resumed(0)
+    progress.hear(events.TrialActivity(study, 0, "training"))
     training = shown()
+    progress.hear(events.ChunkReported(study, 0, 1, "eval_loss", 1.25, {"eval_loss": 1.25}, 10.0))
+    reported = shown()
     progress.close()
     assert waiting.endswith("| eval_loss=1.5, waiting at its rung after chunk 1"), waiting
     assert paused.endswith("| eval_loss=1.5, paused") and "left" not in waiting + paused
     assert training.endswith("| eval_loss=1.5, 10.0 s/chunk, 0:30 left"), training
+    assert reported.endswith("| eval_loss=1.25, 10.0 s/chunk, 0:20 left"), reported
 
 
 def test_progress_reuses_lines_of_finished_trials() -> None:
