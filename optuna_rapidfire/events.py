@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import optuna
 
 __all__ = [
+    "AdapterSaved",
     "Checkpointed",
     "ChunkReported",
     "ChunkStarting",
@@ -61,17 +62,22 @@ class TrialBuilt:
     device: str
     seconds: float
     branch_step: int | None  # the parent's chunk a warm clone or a retry continued from (``None``: fresh)
+    # The optimizer's settings per parameter group (lr, weight_decay, betas...), as the trial starts training: a
+    # warm clone's own, over its parent's moments.
+    param_groups: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
 class ChunkStarting:
     """The device is about to train these trials' next chunks, together (a fused gang) or one trial alone.
 
-    ``steps[i]`` is the chunk (Optuna step) ``trials[i]`` trains. A listener that waits here delays the chunks.
+    ``steps[i]`` is the chunk (Optuna step) ``trials[i]`` trains, ``rows[i]`` the train set's rows (indices) in
+    that chunk, in its order. A listener that waits here delays the chunks.
     """
 
     trials: tuple[int, ...]
     steps: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,14 @@ class Compiled:
 
     layout: str
     seconds: float
+
+
+@dataclass(frozen=True)
+class AdapterSaved:
+    """A trial's final adapter was written to ``path`` (PEFT's format), before its driver records it."""
+
+    trial: int
+    path: str
 
 
 @dataclass(frozen=True)
@@ -236,6 +250,7 @@ Event = Union[  # noqa: UP007
     Decoded,
     Compiled,
     Checkpointed,
+    AdapterSaved,
     TrialStarted,
     TrialReady,
     TrialActivity,

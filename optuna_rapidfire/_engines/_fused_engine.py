@@ -173,9 +173,7 @@ class FusedEngine(Engine):
             if len(runtimes) > 1:
                 self.say(f"Training time-sliced, not fused: {reason}.")
             return self._alone.run(runtimes)
-        if events.listening(events.ChunkStarting):
-            chunks = tuple(r.state.position.chunks_done for r in runtimes)
-            events.emit(events.ChunkStarting(tuple(r.spec.number for r in runtimes), chunks))
+        self.trials.starting(list(runtimes))
         start = time.perf_counter()
         try:
             with events.window(tuple(r.spec.number for r in runtimes), self.device):

@@ -246,8 +246,7 @@ class GangStream:
 
     def _seat(self, runtime: TrialRuntime, slot: int, layout: Layout, loss: FusedLoss, *, loaded: bool) -> Seat:
         """Put a member in ``slot``: its state on the device and in the slot, its next chunk laid out."""
-        if events.listening(events.ChunkStarting):
-            events.emit(events.ChunkStarting((runtime.spec.number,), (runtime.state.position.chunks_done,)))
+        self.trials.starting([runtime])
         placement = self.trials.placement
         if not loaded:
             placement.gang = [*placement.gang, runtime]

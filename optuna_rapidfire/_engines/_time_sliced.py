@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from optuna_rapidfire import events
 from optuna_rapidfire._engines._base import Engine
 from optuna_rapidfire._engines._types import ChunkResult, EngineStats, clips, train_metrics
 from optuna_rapidfire._resident._data import rows_of
@@ -41,8 +40,7 @@ class TimeSlicedEngine(Engine):
 
     def run_chunk(self, runtime: TrialRuntime) -> ChunkResult:
         """Train the trial's next chunk alone, then evaluate it."""
-        if events.listening(events.ChunkStarting):
-            events.emit(events.ChunkStarting((runtime.spec.number,), (runtime.state.position.chunks_done,)))
+        self.trials.starting([runtime])
         self.trials.placement.switch_to(runtime)
         start = time.perf_counter()
         metrics = self.train_chunk(runtime)

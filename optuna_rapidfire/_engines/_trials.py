@@ -214,6 +214,18 @@ class DeviceTrials:
     def save_adapter(self, runtime: TrialRuntime, directory: str) -> None:
         """Write the trial's adapter in PEFT's format."""
         self.resident.save_adapter(runtime.state.adapter_name, directory)
+        if events.listening(events.AdapterSaved):
+            events.emit(events.AdapterSaved(runtime.spec.number, directory))
+
+    def starting(self, runtimes: list[TrialRuntime]) -> None:
+        """Tell the listeners of :class:`~optuna_rapidfire.events.ChunkStarting` which chunks of which trials train
+        next, with their rows (nothing is gathered while nobody listens)."""
+        if not events.listening(events.ChunkStarting):
+            return
+        plan = self.data.plan
+        rows = tuple(tuple(int(i) for i in plan.rows(r.state.position.chunk(plan.num_chunks)[1])) for r in runtimes)
+        steps = tuple(r.state.position.chunks_done for r in runtimes)
+        events.emit(events.ChunkStarting(tuple(r.spec.number for r in runtimes), steps, rows))
 
     # -- parents and snapshots -------------------------------------------------------------------
 

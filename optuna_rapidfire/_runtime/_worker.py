@@ -157,7 +157,11 @@ class DeviceWorker(threading.Thread):
             if events.listening(events.TrialBuilt):
                 warm = branch is not None and (branch.warm or branch.resume)
                 seconds = time.perf_counter() - start
-                events.emit(events.TrialBuilt(entry.number, str(self.engine.device), seconds, done if warm else None))
+                groups = tuple(
+                    {k: v for k, v in group.items() if k != "params"} for group in runtime.state.optimizer.param_groups
+                )
+                step = done if warm else None
+                events.emit(events.TrialBuilt(entry.number, str(self.engine.device), seconds, step, groups))
             entry.events.put(Built(total, branch))
         elif task is Task.PAUSE:
             self.engine.pause(entry.built)

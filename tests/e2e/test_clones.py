@@ -60,28 +60,21 @@ def test_warm_clone_without_change_continues_exactly(make_executor, slow_chunks,
     assert clone.value == parent.value
 
 
-def test_warm_clone_takes_its_new_learning_rate_and_weight_decay(make_executor, slow_chunks, monkeypatch) -> None:
-    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+def test_warm_clone_takes_its_new_learning_rate_and_weight_decay(make_executor, slow_chunks, listen) -> None:
+    from optuna_rapidfire import events
 
-    groups: dict[int, list[dict]] = {}
-    original = TimeSlicedEngine.train_chunk
-
-    def record(self, runtime):
-        groups.setdefault(runtime.spec.number, []).append(
-            [{k: v for k, v in g.items() if k != "params"} for g in runtime.state.optimizer.param_groups]
-        )
-        return original(self, runtime)
-
-    monkeypatch.setattr(TimeSlicedEngine, "train_chunk", record)
+    groups: dict[int, list[dict]] = {}  # each trial's optimizer settings as it starts training (TrialBuilt)
+    listen(lambda event: groups.setdefault(event.trial, list(event.param_groups)), events.TrialBuilt)
     _study, parent, clone = _study_with_parent(
         make_executor, slow_chunks, clone_after_step=1, params={"learning_rate": 5e-3, "weight_decay": 0.3}
     )
     assert clone.user_attrs[_attrs.CLONE] == "warm"
     assert clone.user_attrs[_attrs.LEARNING_RATE] == pytest.approx(5e-3)
     assert parent.user_attrs[_attrs.LEARNING_RATE] == pytest.approx(2e-2)
-    first = groups[clone.number][0]
+    first = groups[clone.number]
     assert [g["lr"] for g in first] == [pytest.approx(5e-3)] * len(first)
     assert sorted(g["weight_decay"] for g in first) == [0.0, pytest.approx(0.3)]  # biases and norms: no decay
+    assert [g["lr"] for g in groups[parent.number]] == [pytest.approx(2e-2)] * len(first)
     branch = clone.user_attrs[_attrs.BRANCH_STEP]
     assert clone.intermediate_values[branch] != parent.intermediate_values[branch]
     for step in range(branch):

@@ -219,22 +219,20 @@ def test_fail_trial_from_outside_ends_it_cleanly_and_the_study_goes_on(
 
 
 def test_fail_trial_while_its_adapter_is_saved_ends_it_cleanly_and_the_study_goes_on(
-    make_executor, tmp_path, monkeypatch
+    make_executor, tmp_path, listen
 ) -> None:
     # optuna-dashboard's "Fail Trial" clicked while the device saves trial 1's final adapter: the trial is
     # FAIL in the storage before its driver records the adapter's path.
-    from optuna_rapidfire._engines._base import Engine
+    from optuna_rapidfire import events
 
     url = f"sqlite:///{tmp_path / 'rf.db'}"
     study = optuna.create_study(storage=url, study_name="fail-at-save", pruner=optuna.pruners.NopPruner())
-    original = Engine.save_adapter
 
-    def save_adapter(self, runtime, path):  # type: ignore[no-untyped-def]
-        original(self, runtime, path)
-        if runtime.spec.number == 1:
+    def saved(event: events.AdapterSaved) -> None:
+        if event.trial == 1:
             study._storage.set_trial_state_values(study.trials[1]._trial_id, TrialState.FAIL)
 
-    monkeypatch.setattr(Engine, "save_adapter", save_adapter)
+    listen(saved, events.AdapterSaved)
     executor = make_executor(num_chunks=2, max_concurrent_trials=2)
     executor.optimize(study, by_number(CONFIGS[:3]), n_trials=3)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]

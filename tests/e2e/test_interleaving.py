@@ -95,20 +95,16 @@ def test_epochs_cycle_chunks_with_contiguous_steps(make_executor, chunk_log) -> 
     assert second.user_attrs["rapidfire:chunks_done"] == 5
 
 
-def test_every_trial_sees_the_same_chunks_in_the_same_order(make_executor, monkeypatch) -> None:
-    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+def test_every_trial_sees_the_same_chunks_in_the_same_order(make_executor, listen) -> None:
+    from optuna_rapidfire import events
 
     seen: dict[int, list[list[str]]] = {}
-    original = TimeSlicedEngine.train_chunk
 
-    def train_chunk(self: TimeSlicedEngine, runtime):
-        data = self.trials.data
-        _, index = runtime.state.position.chunk(data.plan.num_chunks)
-        rows = data.train.select(data.plan.rows(index).tolist())
-        seen.setdefault(runtime.spec.number, []).append(rows["prompt"])
-        return original(self, runtime)
+    def starting(event: events.ChunkStarting) -> None:  # the rows of each chunk, as the device is about to train it
+        for trial, rows in zip(event.trials, event.rows, strict=True):
+            seen.setdefault(trial, []).append(executor.config.train_dataset.select(list(rows))["prompt"])
 
-    monkeypatch.setattr(TimeSlicedEngine, "train_chunk", train_chunk)
+    listen(starting, events.ChunkStarting)
     executor = make_executor(num_chunks=3, max_concurrent_trials=3)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     configs = [(lora(r=4), sft_args()), (lora(r=8), sft_args(per_device_train_batch_size=2)), (lora(), sft_args())]
