@@ -40,6 +40,7 @@ __all__ = [
     "ChunkTrained",
     "Compiled",
     "Decoded",
+    "Evaluated",
     "Event",
     "GangTrained",
     "Listener",
@@ -155,6 +156,20 @@ class Compiled:
 
 
 @dataclass(frozen=True)
+class Evaluated:
+    """Trials were evaluated: a gang together in shared forward passes (``shared``), or one trial alone by its own
+    trainer's loop. ``phase``: ``"eval"`` (after a chunk) or ``"check"`` (the first batches, to learn the metrics'
+    names, when the first trial is built). ``batch_tokens[i]``: the loss tokens of each of ``trials[i]``'s eval
+    micro-batches in a shared evaluation (empty alone)."""
+
+    trials: tuple[int, ...]
+    shared: bool
+    phase: str
+    seconds: float
+    batch_tokens: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
 class AdapterSaved:
     """A trial's final adapter was written to ``path`` (PEFT's format), before its driver records it."""
 
@@ -250,6 +265,7 @@ Event = Union[  # noqa: UP007
     Decoded,
     Compiled,
     Checkpointed,
+    Evaluated,
     AdapterSaved,
     TrialStarted,
     TrialReady,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from optuna_rapidfire import _compat
+from optuna_rapidfire import _compat, events
 from optuna_rapidfire._engines._gang_passes import Layouts, chunk_width, precision
 from optuna_rapidfire._engines._pass_graphs import replayed
 from optuna_rapidfire._fused._fused_pass import backbone_and_head
@@ -84,6 +84,10 @@ class GangEvaluation:
             )
             return [None] * len(runtimes)
         seconds = (time.perf_counter() - start) / len(runtimes)
+        if events.listening(events.Evaluated):
+            numbers = tuple(runtime.spec.number for runtime in runtimes)
+            tokens = tuple(tuple(int(sum(batch.tokens)) for batch in member) for member in sums)
+            events.emit(events.Evaluated(numbers, True, "eval", seconds * len(runtimes), tokens))
         evaluated: list[tuple[dict[str, float], float] | None] = []
         for runtime, batches in zip(runtimes, sums, strict=True):
             metrics = loss.eval_metrics(runtime.trainer, runtime.args, batches)

@@ -351,11 +351,16 @@ class DeviceTrials:
         the trial's sampling generator where it was: the check changes none of the trial's values.
         """
         adapter = runtime.state.adapter_name
-        self._evaluating[adapter] = "eval" if max_batches is None else "check"
+        phase = "eval" if max_batches is None else "check"
+        self._evaluating[adapter] = phase
+        start = time.perf_counter()
         try:
-            return _evaluate(self, runtime, max_batches)
+            metrics = _evaluate(self, runtime, max_batches)
         finally:
             self._evaluating.pop(adapter, None)
+        if events.listening(events.Evaluated):
+            events.emit(events.Evaluated((runtime.spec.number,), False, phase, time.perf_counter() - start))
+        return metrics
 
 
 @torch.no_grad()

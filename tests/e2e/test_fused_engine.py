@@ -386,43 +386,34 @@ EVAL_CONFIGS = [  # mixed ranks, targets, adapter dropout (off when evaluating) 
 def _evaluated(make_executor, monkeypatch, *, shared: bool, configs=None, **executor_kwargs) -> tuple[dict, list, int]:
     """Every chunk's full metrics (trial, step -> metrics) of a lock-step fused study, the token sums of
     each eval micro-batch of the shared evaluation, and how many trials were evaluated one at a time."""
-    from optuna_rapidfire._engines._gang_evaluation import GangEvaluation
-    from optuna_rapidfire._engines._trials import DeviceTrials
+    from optuna_rapidfire import events
     from optuna_rapidfire._trainers._dpo import DPOFusedLoss
     from optuna_rapidfire._trainers._sft import SFTFusedLoss
 
     configs = EVAL_CONFIGS if configs is None else configs
 
     metrics: dict[tuple[int, int], dict[str, float]] = {}
-    sums: list = []
+    sums: list[int] = []
     alone = [0]
-    finish, evaluate, passes = DeviceTrials.finish, DeviceTrials.evaluate, GangEvaluation.passes_of
 
-    def recording_finish(self, runtime, chunk_metrics, train_seconds, evaluated=None):
-        result = finish(self, runtime, chunk_metrics, train_seconds, evaluated)
-        metrics[(runtime.spec.number, result.step)] = dict(result.metrics)
-        return result
+    def hear(event: events.Event) -> None:
+        if isinstance(event, events.ChunkTrained):
+            metrics[(event.trial, event.step)] = dict(event.metrics)
+        elif isinstance(event, events.Evaluated) and event.phase == "eval":  # not the metric names' check
+            if event.shared:
+                sums.extend(tokens for member in event.batch_tokens for tokens in member)
+            else:
+                alone[0] += 1
 
-    def counting_evaluate(self, runtime, max_batches=None):
-        alone[0] += max_batches is None  # not the metric name's check when the first trial is built
-        return evaluate(self, runtime, max_batches)
-
-    def recording_passes(self, runtimes, loss, layout, slots=None):
-        found = passes(self, runtimes, loss, layout, slots)
-        sums.extend(batch for member in found for batch in member)
-        return found
-
-    monkeypatch.setattr(DeviceTrials, "finish", recording_finish)
-    monkeypatch.setattr(DeviceTrials, "evaluate", counting_evaluate)
-    monkeypatch.setattr(GangEvaluation, "passes_of", recording_passes)
     if not shared:
         for loss in (SFTFusedLoss, DPOFusedLoss):
             monkeypatch.setattr(loss, "eval_refusal", lambda self: "the test asks for it")
-    executor = make_executor(
-        engine="fused", schedule="lockstep", num_chunks=2, max_concurrent_trials=3, **executor_kwargs
-    )
-    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-    executor.optimize(study, by_number(configs), n_trials=len(configs))
+    with events.listen(hear, events.ChunkTrained, events.Evaluated):
+        executor = make_executor(
+            engine="fused", schedule="lockstep", num_chunks=2, max_concurrent_trials=3, **executor_kwargs
+        )
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        executor.optimize(study, by_number(configs), n_trials=len(configs))
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * len(configs)
     monkeypatch.undo()
     return metrics, sums, alone[0]
@@ -444,7 +435,7 @@ def test_a_gang_evaluates_in_shared_passes_with_each_trials_own_metrics(
 
     config = AutoConfig.from_pretrained(tiny_model)
     terms = loss_terms(config, rows=8, length=128)
-    one_token = 1 / min(sum(batch.tokens) for batch in sums)  # one prediction of the smallest eval batch
+    one_token = 1 / min(sums)  # one prediction of the smallest eval batch
     assert shared.keys() == own.keys()
     for key, expected in own.items():
         got = shared[key]
@@ -496,7 +487,7 @@ def test_a_dpo_gang_evaluates_in_shared_passes_with_trls_reward_metrics(make_exe
         assert abs(got["eval_loss"] - expected["eval_loss"]) <= 2 * reward_tolerance + bound * expected["eval_loss"]
         # A share of pairs, which TRL averages in float32.
         assert abs(got["eval_rewards/accuracies"] - expected["eval_rewards/accuracies"]) <= FLOAT32_EPS
-        one_token = 1 / min(sum(batch.tokens) for batch in sums)
+        one_token = 1 / min(sums)
         assert abs(got["eval_mean_token_accuracy"] - expected["eval_mean_token_accuracy"]) <= one_token
         assert got["eval_num_tokens"] == expected["eval_num_tokens"]
         assert any(abs(got[n]) > 0 for n in ("eval_rewards/chosen", "eval_rewards/margins"))  # trained away from base
