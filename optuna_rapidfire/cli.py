@@ -238,7 +238,7 @@ def _ls(options: argparse.Namespace) -> int:
 
 def _trial_command(options: argparse.Namespace) -> int:
     """``stop``, ``resume`` or ``delete`` one trial, and say what the executor did."""
-    act = {"stop": control.stop, "resume": control.resume, "delete": control.delete}[options.command]
+    act = control.TRIAL_COMMANDS[options.command]
     with _refusing(options.storage):
         study = _study(options)
         key = act(study, options.trial, **({"reason": options.reason} if options.command == "delete" else {}))
@@ -424,7 +424,7 @@ def _tune(options: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "tune": _tune,
     "ls": _ls,
-    **dict.fromkeys(_commands.TRIAL_OPS, _trial_command),
+    **dict.fromkeys(control.TRIAL_COMMANDS, _trial_command),
     "clone": _clone,
     "worker": _worker,
 }

@@ -30,6 +30,8 @@ from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._study._commands import enqueue_clone, find_trial
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import optuna
     from optuna.trial import FrozenTrial
 
@@ -104,6 +106,11 @@ def clone(
         The number of the new (WAITING) trial.
     """
     return enqueue_clone(study, trial_number, params, warm_start, from_chunk)
+
+
+TRIAL_COMMANDS: dict[str, Callable[..., str]] = {"stop": stop, "resume": resume, "delete": delete}
+"""The commands that act on a trial itself, by the names the CLI, the dashboard's form and the stored commands use
+(``_commands.TRIAL_OPS``); :func:`clone` makes another trial."""
 
 
 def _running(study: optuna.Study, trial_number: int, verb: str) -> FrozenTrial:

@@ -135,6 +135,11 @@ def test_each_list_of_names_is_its_registry_s() -> None:
     assert {name: kind.args_type().__name__ for name, kind in TRAINER_KINDS.items()} == _schema.TRAINERS
     assert {name: kind.default_metric for name, kind in TRAINER_KINDS.items()} == _schema.DEFAULT_METRIC
     assert set(_schema.DEMO_FORMATS) == set(TRAINER_KINDS)
+    from optuna_rapidfire import cli, control
+    from optuna_rapidfire._study import _commands
+
+    assert tuple(control.TRIAL_COMMANDS) == _commands.TRIAL_OPS
+    assert set(_commands.OPS) <= set(cli.COMMANDS) and set(_commands._FORM_VALUES.values()) == set(_commands.OPS)
     assert ("default", *SCHEDULES) == _schema.SCHEDULE_NAMES
 
 
