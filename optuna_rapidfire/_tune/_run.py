@@ -212,8 +212,8 @@ def _run_budget(
         if timeout is not None and timeout <= 0:
             return
         executor.optimize(study, configure, n_trials=left, timeout=timeout)
-        if left is None:
-            return
+        if left is None or (spec.timeout is not None and time.monotonic() - start >= spec.timeout):
+            return  # trials the timeout kept from starting are not failures to replace
         short = trials_left(study, spec.n_trials) or 0
         results = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
         if short == 0 or not results or replaced >= cap:
