@@ -21,7 +21,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -79,11 +79,14 @@ class _Section(BaseModel):
     """A mapping of known keys: strict types (``"2"`` is not a number), no unknown key."""
 
     model_config = ConfigDict(strict=True, frozen=True)
+    _empty_is_default: ClassVar[frozenset[str]] = frozenset()  # mapping keys whose null means their default
 
     @model_validator(mode="before")
     @classmethod
     def _known_keys(cls, value: Any) -> Any:
         if isinstance(value, Mapping):
+            # A key left empty in YAML (``lora:`` with its lines commented out) is null: the section's default.
+            value = {k: v for k, v in value.items() if not (v is None and k in cls._empty_is_default)}
             allowed = sorted(cls.model_fields)
             for key in value:
                 if key not in cls.model_fields:
@@ -95,6 +98,8 @@ class _Section(BaseModel):
 
 class DataSourceModel(_Section):
     """One split of the data: exactly one of ``demo``, ``path`` or ``dataset``."""
+
+    _empty_is_default = frozenset({"columns"})
 
     demo: Literal["gsm8k"] | None = Field(
         None, description="a bundled data set, in the trainer kind's format (`split`: train or test)"
@@ -215,6 +220,8 @@ _KINDS = ("float", "int", "categorical")
 
 class SearchFile(_Section):
     """A search, as a file holds it (``load_search`` turns it into a ``Search``)."""
+
+    _empty_is_default = frozenset({"model_kwargs", "objective", "lora", "training", "executor"})
 
     study_name: Text | None = Field(None, description="the Optuna study (default: the file's name)")
     model: Text = Field(

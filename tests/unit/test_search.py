@@ -179,8 +179,11 @@ def test_a_yaml_file_reads_like_the_dict_and_its_name_and_hash_are_kept(tmp_path
         "space:\n"
         "  training.learning_rate: {type: float, low: 1e-5, high: 1.0e-3, log: true}\n"
         "training: {bf16: false}\n"
+        "lora:\n"  # a section left empty (its lines commented out) is null in YAML: its default
+        "  # r: 8\n"
     )
     parsed = load_search(path)
+    assert parsed.lora == {}
     assert parsed.study_name == "my-search" and parsed.source == str(path.resolve())
     assert parsed.space["training.learning_rate"] == FloatDistribution(1e-5, 1e-3, log=True)  # 1e-5 is a float
     assert (parsed.n_trials, parsed.timeout) == (3, 60.0)
