@@ -44,6 +44,7 @@ __all__ = [
     "Event",
     "GangTrained",
     "Listener",
+    "ModelLoaded",
     "PassTrained",
     "Switched",
     "TrialActivity",
@@ -53,6 +54,16 @@ __all__ = [
     "TrialStarted",
     "listen",
 ]
+
+
+@dataclass(frozen=True)
+class ModelLoaded:
+    """The base model was loaded for a device (once per device and executor): ``model`` is the very module every
+    trial's adapter is injected into, never copied."""
+
+    device: str
+    seconds: float
+    model: Any
 
 
 @dataclass(frozen=True)
@@ -256,6 +267,7 @@ class TrialEnded:
 
 
 Event = Union[  # noqa: UP007
+    ModelLoaded,
     TrialBuilt,
     ChunkStarting,
     Switched,

@@ -52,6 +52,7 @@ from optuna_rapidfire._engines._gang_stream import GangStream
 from optuna_rapidfire._engines._gang_training import GangTraining
 from optuna_rapidfire._engines._launched import LaunchedPasses
 from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+from optuna_rapidfire._engines._trials import chunks_starting
 from optuna_rapidfire._engines._types import runtime_of
 from optuna_rapidfire._logging import get_logger
 
@@ -173,7 +174,7 @@ class FusedEngine(Engine):
             if len(runtimes) > 1:
                 self.say(f"Training time-sliced, not fused: {reason}.")
             return self._alone.run(runtimes)
-        self.trials.starting(list(runtimes))
+        chunks_starting(self.trials, list(runtimes))
         start = time.perf_counter()
         try:
             with events.window(tuple(r.spec.number for r in runtimes), self.device):

@@ -31,6 +31,7 @@ from optuna_rapidfire import _compat, events
 from optuna_rapidfire._engines._fusion import train_refusal
 from optuna_rapidfire._engines._gang_passes import chunk_width, row_bucket, split_passes, to_device_async
 from optuna_rapidfire._engines._pass_graphs import replayed
+from optuna_rapidfire._engines._trials import chunks_starting
 from optuna_rapidfire._engines._types import clips, train_metrics
 from optuna_rapidfire._fused._slots import rank_bucket
 from optuna_rapidfire._resident._state import RngState
@@ -246,7 +247,7 @@ class GangStream:
 
     def _seat(self, runtime: TrialRuntime, slot: int, layout: Layout, loss: FusedLoss, *, loaded: bool) -> Seat:
         """Put a member in ``slot``: its state on the device and in the slot, its next chunk laid out."""
-        self.trials.starting([runtime])
+        chunks_starting(self.trials, [runtime])
         placement = self.trials.placement
         if not loaded:
             placement.gang = [*placement.gang, runtime]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from optuna_rapidfire._engines._base import Engine
+from optuna_rapidfire._engines._trials import chunks_starting
 from optuna_rapidfire._engines._types import ChunkResult, EngineStats, clips, train_metrics
 from optuna_rapidfire._resident._data import rows_of
 from optuna_rapidfire._resident._state import RngState
@@ -40,7 +41,7 @@ class TimeSlicedEngine(Engine):
 
     def run_chunk(self, runtime: TrialRuntime) -> ChunkResult:
         """Train the trial's next chunk alone, then evaluate it."""
-        self.trials.starting([runtime])
+        chunks_starting(self.trials, [runtime])
         self.trials.placement.switch_to(runtime)
         start = time.perf_counter()
         metrics = self.train_chunk(runtime)

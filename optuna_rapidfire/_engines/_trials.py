@@ -217,16 +217,6 @@ class DeviceTrials:
         if events.listening(events.AdapterSaved):
             events.emit(events.AdapterSaved(runtime.spec.number, directory))
 
-    def starting(self, runtimes: list[TrialRuntime]) -> None:
-        """Tell the listeners of :class:`~optuna_rapidfire.events.ChunkStarting` which chunks of which trials train
-        next, with their rows (nothing is gathered while nobody listens)."""
-        if not events.listening(events.ChunkStarting):
-            return
-        plan = self.data.plan
-        rows = tuple(tuple(int(i) for i in plan.rows(r.state.position.chunk(plan.num_chunks)[1])) for r in runtimes)
-        steps = tuple(r.state.position.chunks_done for r in runtimes)
-        events.emit(events.ChunkStarting(tuple(r.spec.number for r in runtimes), steps, rows))
-
     # -- parents and snapshots -------------------------------------------------------------------
 
     def _live(self, number: int) -> TrialRuntime | None:
@@ -489,3 +479,14 @@ class _Writes:
                 if self._pool is not None and all(f.done() for f in self._pending.values()):
                     self._pool.shutdown()  # a later write starts another
                     self._pool = None
+
+
+def chunks_starting(trials: DeviceTrials, runtimes: list[TrialRuntime]) -> None:
+    """Tell the listeners of :class:`~optuna_rapidfire.events.ChunkStarting` which chunks of which trials train
+    next, with their rows (nothing is gathered while nobody listens)."""
+    if not events.listening(events.ChunkStarting):
+        return
+    plan = trials.data.plan
+    rows = tuple(tuple(int(i) for i in plan.rows(r.state.position.chunk(plan.num_chunks)[1])) for r in runtimes)
+    steps = tuple(r.state.position.chunks_done for r in runtimes)
+    events.emit(events.ChunkStarting(tuple(r.spec.number for r in runtimes), steps, rows))

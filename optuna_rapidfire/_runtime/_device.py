@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from optuna_rapidfire import events
 from optuna_rapidfire._engines import ENGINES
 from optuna_rapidfire._engines._trials import DeviceTrials
 from optuna_rapidfire._logging import get_logger
@@ -149,7 +151,10 @@ class DeviceRuntime:
             if self._worker is not None:
                 return
             config = self.config
+            start = time.perf_counter()
             model, tokenizer = load_model(config.model, tokenizer=config.tokenizer, model_kwargs=config.model_kwargs)
+            if events.listening(events.ModelLoaded):
+                events.emit(events.ModelLoaded(str(self.device), time.perf_counter() - start, model))
             resident = ResidentModel(model, tokenizer, self.device)
             data = PreparedData(config.train_dataset, config.eval_dataset, self.plan, config.eval_rows)
             trials = DeviceTrials(

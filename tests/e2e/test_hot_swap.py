@@ -11,19 +11,12 @@ from pathlib import Path
 import optuna
 from helpers import by_number, lora, sft_args
 
-import optuna_rapidfire._runtime._device as device_module
 
+def test_base_model_is_loaded_once_and_never_copied(make_executor, listen) -> None:
+    from optuna_rapidfire import events
 
-def test_base_model_is_loaded_once_and_never_copied(make_executor, monkeypatch) -> None:
     loads = []
-    original = device_module.load_model
-
-    def counting_load(*args, **kwargs):
-        model, tokenizer = original(*args, **kwargs)
-        loads.append(model)
-        return model, tokenizer
-
-    monkeypatch.setattr(device_module, "load_model", counting_load)
+    listen(lambda event: loads.append(event.model), events.ModelLoaded)
     executor = make_executor(schedule="lockstep", num_chunks=3, max_concurrent_trials=3)
     configure = by_number([(lora(r=2 + i), sft_args()) for i in range(5)])
     objective = executor.objective(configure)
