@@ -36,10 +36,6 @@ if TYPE_CHECKING:
     from optuna_rapidfire._tune._search import DataSource, Search
     from optuna_rapidfire.demo._data import DemoFormat
 
-HEARTBEAT_INTERVAL_S = 10
-"""Seconds between a running trial's heartbeats in a tuning step's storage: a step that was killed leaves its
-trials RUNNING, and they are retried from their last per-chunk checkpoint once their heartbeat is older than
-Optuna's grace period (twice this)."""
 MAX_RETRY = 3
 """Retries of a trial whose step was killed, before it stays FAIL."""
 
@@ -167,7 +163,7 @@ def open_storage(search: Search) -> optuna.storages.RDBStorage:
         warnings.simplefilter("ignore", ExperimentalWarning)
         return optuna.storages.RDBStorage(
             search.storage,
-            heartbeat_interval=HEARTBEAT_INTERVAL_S,
+            heartbeat_interval=search.heartbeat_interval,
             heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY),
         )
 

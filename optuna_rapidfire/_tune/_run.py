@@ -31,7 +31,6 @@ from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._study import _attrs, _commands
 from optuna_rapidfire._tune import _export, _report
 from optuna_rapidfire._tune._inputs import (
-    HEARTBEAT_INTERVAL_S,
     build_named,
     check_model,
     check_trials,
@@ -170,7 +169,7 @@ def tune(search: str | os.PathLike[str] | Mapping[str, Any], *, merge: bool = Fa
             load_if_exists=True,
         )
         _check_same_search(study, spec)
-        _wait_for_earlier_run(study)
+        _wait_for_earlier_run(study, spec.heartbeat_interval)
         started_before = {t.number for t in study.trials if t.state != TrialState.WAITING}
         error: BaseException | None = None
         try:
@@ -339,7 +338,7 @@ def _check_compatible_space(study: optuna.Study, spec: Search) -> None:
                 ) from None
 
 
-def _wait_for_earlier_run(study: optuna.Study) -> None:
+def _wait_for_earlier_run(study: optuna.Study, heartbeat_interval: int) -> None:
     """Trials an earlier run left RUNNING: wait until their heartbeats are stale (they are then retried from
     their checkpoints); trials whose heartbeats go on belong to a run still going, which is an error."""
     import time
@@ -348,7 +347,7 @@ def _wait_for_earlier_run(study: optuna.Study) -> None:
 
     from optuna_rapidfire._study._pool import fail_stale_trials
 
-    deadline = time.monotonic() + 3 * HEARTBEAT_INTERVAL_S + 5  # Optuna's grace period is twice the interval
+    deadline = time.monotonic() + 3 * heartbeat_interval + 5  # Optuna's grace period is twice the interval
     told = False
     while True:
         fail_stale_trials(study)

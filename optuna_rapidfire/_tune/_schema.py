@@ -273,6 +273,11 @@ class SearchFile(_Section):
     mlflow_tracking_uri: Text | None = Field(
         None, description="log trials to MLflow, and the best adapter to the study's run"
     )
+    heartbeat_interval: Annotated[int, Field(ge=1)] = Field(
+        10,
+        description="seconds between a running trial's heartbeats in the storage: a killed step's trials are "
+        "retried from their checkpoints once theirs is twice as old",
+    )
     merge: bool = Field(False, description="also write the base model with the best adapter merged in (as `--merge`)")
 
     @model_validator(mode="before")

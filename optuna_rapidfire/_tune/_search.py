@@ -119,6 +119,7 @@ class Search:
     storage: str
     output: str
     mlflow_tracking_uri: str | None
+    heartbeat_interval: int
     merge: bool
     raw: Mapping[str, Any]
     sha256: str
@@ -248,6 +249,7 @@ def _parse(raw: Any, digest: str, source: str | None, default_name: str | None) 
         storage=file.storage or f"sqlite:///{Path(output) / 'study.db'}",
         output=output,
         mlflow_tracking_uri=file.mlflow_tracking_uri,
+        heartbeat_interval=file.heartbeat_interval,
         merge=file.merge,
         raw=raw,
         sha256=digest,

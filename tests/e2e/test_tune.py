@@ -347,22 +347,11 @@ def _first_chunk_reported(database: Path, timeout: float = 300) -> None:
     raise AssertionError("no chunk was reported")
 
 
-def test_a_killed_step_run_again_retries_its_trials_from_their_checkpoints(
-    tiny_model: str, tmp_path: Path, monkeypatch
-) -> None:
-    from optuna_rapidfire._tune import _inputs, _run
-
-    # Heartbeats every second (a 2 s grace period) instead of 10, in the killed process and here.
-    script = (
-        "import sys, optuna_rapidfire\n"
-        "from optuna_rapidfire._tune import _inputs, _run\n"
-        "_inputs.HEARTBEAT_INTERVAL_S = _run.HEARTBEAT_INTERVAL_S = 1\n"
-        "optuna_rapidfire.tune(sys.argv[1])\n"
-    )
-    monkeypatch.setattr(_inputs, "HEARTBEAT_INTERVAL_S", 1)
-    monkeypatch.setattr(_run, "HEARTBEAT_INTERVAL_S", 1)
+def test_a_killed_step_run_again_retries_its_trials_from_their_checkpoints(tiny_model: str, tmp_path: Path) -> None:
+    script = "import sys, optuna_rapidfire\noptuna_rapidfire.tune(sys.argv[1])\n"
     search = shrunk("sft", tiny_model, tmp_path / "out")
     search["schedule"] = "lockstep"
+    search["heartbeat_interval"] = 1  # a 2 s grace period instead of 20 s, in the killed run and the next
     path = write(search, tmp_path / "search.yaml")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     process = subprocess.Popen([sys.executable, "-c", script, str(path)], cwd=tmp_path, env=env)
