@@ -49,6 +49,7 @@ from benchmarks.harness.bench import Bench
 from benchmarks.harness.hooks import DecodeLog, DecodeRequest, decode
 from benchmarks.harness.measure import drop, peak_memory_gb, release, reset_peak, sync
 from benchmarks.harness.models import build_model, lora, quiet_training
+from benchmarks.parts.grpo_processes import run_processes
 from optuna_rapidfire import RapidFireExecutor
 from optuna_rapidfire.demo import gsm8k_reward, load_gsm8k
 
@@ -71,7 +72,18 @@ GPU = Sizes(trials=8, prompts=64, num_chunks=2, eval_prompts=16, generations=4, 
 and 4 per evaluation (16 test prompts), up to 32 tokens each; a fused gang's decode holds 128 rows."""
 SMOKE = Sizes(trials=3, prompts=8, num_chunks=2, eval_prompts=4, generations=4, batch=8, completion=4)
 CEILING_REPEATS = 3
-KEYS = ("grpo_fused_over_time_sliced_k8", "grpo_generation_over_ceiling")
+ANCHORS = {
+    "decode_ceiling": "one request, one adapter, this project's decode",
+    "generate_eager": "stock generate(), no adapter, dynamic cache",
+    "generate_static": "stock generate(), no adapter, static cache compiled",
+}
+KEYS = (
+    "grpo_fused_over_time_sliced_k8",
+    "grpo_fused_over_parallel_processes",
+    "grpo_decode_over_generate",
+    "grpo_single_decode_over_generate",
+    "grpo_generation_over_ceiling",
+)
 
 
 def params(index: int) -> dict[str, Any]:
@@ -166,15 +178,13 @@ def run_study(bench: Bench, shape: str, engine: Literal["fused", "time_sliced"],
     }
 
 
-def ceiling(bench: Bench, shape: str, sizes: Sizes) -> dict[str, Any]:
-    """One request with the gang's rows of one decode, through one adapter (see the module's docstring)."""
-    model, tokenizer = build_model(shape, bench.tokenizer_dir)
-    peft_model = get_peft_model(model, lora(16))
+def _anchor_rows(bench: Bench, tokenizer: Any, sizes: Sizes) -> tuple[list[list[int]], dict[str, Any], tuple[int]]:
+    """The rows of one gang decode (trials x completions per step: the first train prompts, tokenized as
+    TRL does, each repeated per generation), the trials' sampling settings (TRL's defaults) and the EOS."""
     per_decode = sizes.batch // sizes.generations  # prompts of one trial's decode
     texts = list(load_gsm8k("train", num_rows=sizes.trials * per_decode, format="prompt_only")["prompt"])
     rows = [ids for ids in tokenizer(text=texts)["input_ids"] for _ in range(sizes.generations)]
     args = grpo_args(1e-5, 0.0, 0, sizes)
-    device = torch.device(bench.device)
     settings: dict[str, Any] = {
         "max_new_tokens": args.max_completion_length,
         "temperature": args.temperature,
@@ -184,35 +194,90 @@ def ceiling(bench: Bench, shape: str, sizes: Sizes) -> dict[str, Any]:
         "repetition_penalty": args.repetition_penalty,
         "do_sample": True,
     }
-    eos = (int(tokenizer.eos_token_id),)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
-    reset_peak()
+    return rows, settings, (int(tokenizer.eos_token_id),)
+
+
+def _timed(call: Callable[[], int], warm_ups: int = 1) -> dict[str, Any]:
+    """``call`` (which returns the tokens it generated) run ``warm_ups`` times, then timed CEILING_REPEATS
+    times, the device synchronized around each: the median's seconds and tokens/s."""
     timed: list[tuple[float, int]] = []
-    for _ in range(1 + CEILING_REPEATS):  # the first warms up
-        generator = torch.Generator(device=device).manual_seed(0)
-        request = DecodeRequest(adapter="default", prompts=rows, generator=generator, eos_token_ids=eos, **settings)
+    for _ in range(warm_ups + CEILING_REPEATS):
         sync()
         start = time.perf_counter()
-        with torch.no_grad(), autocast:
-            out = decode(peft_model, [request], int(tokenizer.pad_token_id))
+        tokens = call()
         sync()
-        timed.append((time.perf_counter() - start, sum(len(c) for c in out[0])))
-    peak = peak_memory_gb()
-    del peft_model, model
-    release()
-    seconds = statistics.median(s for s, _ in timed[1:])
-    tokens = timed[1][1]
+        timed.append((time.perf_counter() - start, tokens))
+    seconds = statistics.median(s for s, _ in timed[warm_ups:])
+    tokens = timed[warm_ups][1]
     return {
-        "rows": len(rows),
-        "prompt_width": max(len(r) for r in rows),
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tokens / seconds,
-        "warm_up_seconds": timed[0][0],
-        "repeats": [{"seconds": s, "tokens": t} for s, t in timed[1:]],
+        "warm_up_seconds": [s for s, _ in timed[:warm_ups]],
+        "repeats": [{"seconds": s, "tokens": t} for s, t in timed[warm_ups:]],
+    }
+
+
+def ceiling(bench: Bench, shape: str, sizes: Sizes) -> dict[str, Any]:
+    """The project's decode with ONE request holding one gang decode's rows, through one adapter."""
+    model, tokenizer = build_model(shape, bench.tokenizer_dir)
+    peft_model = get_peft_model(model, lora(16))
+    rows, settings, eos = _anchor_rows(bench, tokenizer, sizes)
+    device = torch.device(bench.device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    reset_peak()
+
+    def call() -> int:
+        generator = torch.Generator(device=device).manual_seed(0)
+        request = DecodeRequest(adapter="default", prompts=rows, generator=generator, eos_token_ids=eos, **settings)
+        with torch.no_grad(), autocast:
+            out = decode(peft_model, [request], int(tokenizer.pad_token_id))
+        return sum(len(c) for c in out[0])
+
+    found = _timed(call)
+    peak = peak_memory_gb()
+    peft_model = model = None  # freed before the next run
+    release()
+    return {
+        "rows": len(rows),
+        "prompt_width": max(len(r) for r in rows),
+        **found,
         "decode_settings": {**settings, "eos_token_ids": list(eos)},
         "peak_memory_gb": peak,
     }
+
+
+def generate_anchor(bench: Bench, shape: str, sizes: Sizes, static: bool) -> dict[str, Any]:
+    """Stock transformers ``generate()`` of one model without an adapter, on the rows and settings of
+    :func:`ceiling`: eager with its dynamic cache, or ``static`` (a static cache, which ``generate``
+    compiles on a GPU); completions cut after their first EOS, as TRL cuts them."""
+    from transformers import GenerationConfig
+
+    model, tokenizer = build_model(shape, bench.tokenizer_dir)
+    model.eval()
+    rows, settings, eos = _anchor_rows(bench, tokenizer, sizes)
+    pad = int(tokenizer.pad_token_id)
+    device = torch.device(bench.device)
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    config = GenerationConfig(
+        **settings, pad_token_id=pad, eos_token_id=list(eos), cache_implementation="static" if static else None
+    )
+    reset_peak()
+
+    def call() -> int:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:]
+        ended = torch.isin(out, torch.tensor(list(eos), device=device))
+        first = torch.where(ended.any(-1), ended.int().argmax(-1) + 1, out.shape[1])
+        return int(first.sum())
+
+    found = _timed(call, warm_ups=2 if static else 1)  # the static cache's compile takes the first calls
+    peak = peak_memory_gb()
+    model = None  # freed before the next run
+    release()
+    return {"rows": len(rows), "prompt_width": width, "static_cache": static, **found, "peak_memory_gb": peak}
 
 
 def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -223,7 +288,14 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
     k = sizes.trials
     # The time-sliced study is the longest: last, so that a call cut short keeps the other two (each run is
     # saved when it ends). The first study of the process pays the first kernels' start-up in its wall time.
-    labels = [f"grpo_fused_k{k}", "decode_ceiling", f"grpo_time_sliced_k{k}"]
+    labels = [
+        f"grpo_fused_k{k}",
+        "decode_ceiling",
+        "generate_eager",
+        "generate_static",
+        f"grpo_time_sliced_k{k}",
+        f"grpo_processes_k{k}",
+    ]
     chosen = bench.options.grpo_runs.split(",") if bench.options.grpo_runs else labels
     unknown = sorted(set(chosen) - set(labels))
     if unknown:
@@ -236,9 +308,18 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
             raise SystemExit(f"{earlier} holds GRPO runs of other sizes ({kept.get('sizes')}): use another --out")
         data["runs"] = kept.get("runs", {})
     for label in (label for label in labels if label in chosen):
-        if label == "decode_ceiling":
-            data["runs"][label] = ceiling(bench, shape, sizes)
-            said = f"{data['runs'][label]['tokens_per_second']:.0f} generated tokens/s"
+        if label in ("decode_ceiling", "generate_eager", "generate_static"):
+            anchor = (
+                ceiling(bench, shape, sizes)
+                if label == "decode_ceiling"
+                else generate_anchor(bench, shape, sizes, static=label == "generate_static")
+            )
+            data["runs"][label] = anchor
+            said = f"{anchor['tokens_per_second']:.0f} generated tokens/s"
+        elif label.startswith("grpo_processes"):
+            found = run_processes(shape, bench.tokenizer_dir, [params(i) for i in range(k)], asdict(sizes))
+            data["runs"][label] = found
+            said = f"{found['wall_seconds']:.1f} s"
         else:
             found = run_study(bench, shape, "fused" if "fused" in label else "time_sliced", sizes)
             data["runs"][label] = found
@@ -253,13 +334,20 @@ def ratios(data: dict[str, Any]) -> None:
     """The part's summary keys, from whichever runs ``data`` holds."""
     k = data["sizes"]["trials"]
     runs = data["runs"]
-    sliced, fused, top = runs.get(f"grpo_time_sliced_k{k}"), runs.get(f"grpo_fused_k{k}"), runs.get("decode_ceiling")
+    sliced, fused, single = runs.get(f"grpo_time_sliced_k{k}"), runs.get(f"grpo_fused_k{k}"), runs.get("decode_ceiling")
+    stock, processes = runs.get("generate_static"), runs.get(f"grpo_processes_k{k}")
+    gang_rate = fused["whole_gang_decodes"]["tokens_per_second"] if fused else None
     if sliced and fused:
         data["grpo_fused_over_time_sliced_k8"] = sliced["wall_seconds"] / fused["wall_seconds"]
-    if fused and top and fused["whole_gang_decodes"]["tokens_per_second"]:
-        data["grpo_generation_over_ceiling"] = (
-            fused["whole_gang_decodes"]["tokens_per_second"] / top["tokens_per_second"]
-        )
+    if processes and fused:
+        data["grpo_fused_over_parallel_processes"] = processes["wall_seconds"] / fused["wall_seconds"]
+    if gang_rate and single:
+        data["grpo_generation_over_ceiling"] = gang_rate / single["tokens_per_second"]
+    if stock:
+        if gang_rate:
+            data["grpo_decode_over_generate"] = gang_rate / stock["tokens_per_second"]
+        if single:
+            data["grpo_single_decode_over_generate"] = single["tokens_per_second"] / stock["tokens_per_second"]
 
 
 def summary(data: dict[str, Any]) -> dict[str, Any]:
@@ -282,11 +370,15 @@ def markdown(data: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for label, run in data["runs"].items():
-        if label == "decode_ceiling":
+        if label in ANCHORS:
             lines.append(
-                f"| {label} ({run['rows']} rows, one request) | - | 1 (1) | {run['tokens']} | {run['seconds']:.3f} | "
-                f"{run['tokens_per_second']:.0f} | - | {run['peak_memory_gb']:.2f} |"
+                f"| {label} ({run['rows']} rows, {ANCHORS[label]}) | - | 1 (1) | {run['tokens']} | "
+                f"{run['seconds']:.3f} | {run['tokens_per_second']:.0f} | - | {run['peak_memory_gb']:.2f} |"
             )
+            continue
+        if run["engine"] == "processes":
+            wall = run["wall_seconds"]
+            lines.append(f"| {label} (plain TRL, one process per trial) | {wall:.1f} | - | - | - | - | - | - |")
             continue
         lines.append(
             f"| {label} | {run['wall_seconds']:.1f} | {run['engine_decodes']} ({run['engine_decoded_requests']}) | "
@@ -295,7 +387,10 @@ def markdown(data: dict[str, Any]) -> list[str]:
         )
     said = {
         "time-sliced wall / fused wall": "grpo_fused_over_time_sliced_k8",
-        "fused gang's decodes / decode ceiling (generated tokens/s)": "grpo_generation_over_ceiling",
+        "plain-TRL processes' wall / fused wall": "grpo_fused_over_parallel_processes",
+        "fused gang's decodes / static-cache generate() (generated tokens/s)": "grpo_decode_over_generate",
+        "one request's decode / static-cache generate()": "grpo_single_decode_over_generate",
+        "fused gang's decodes / one request's decode": "grpo_generation_over_ceiling",
     }
     shown = [f"{text}: {data[key]:.3f}" for text, key in said.items() if key in data]
     return lines + (["", "; ".join(shown) + "."] if shown else [])
@@ -307,7 +402,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = data["runs"]
-    studies = {label: run for label, run in runs.items() if label != "decode_ceiling"}
+    studies = {label: run for label, run in runs.items() if label not in ANCHORS and run["engine"] != "processes"}
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     names = list(studies)
     axes[0].bar(names, [r["decode_seconds"] for r in studies.values()], label="decoding")
@@ -321,9 +416,10 @@ def plot(data: dict[str, Any], path: Path) -> None:
     axes[0].legend()
     axes[0].set_title(f"{data['sizes']['trials']} GRPO trials")
     rates = {label: run["decode"]["tokens_per_second"] for label, run in studies.items()}
-    if "decode_ceiling" in runs:
-        rates["decode_ceiling"] = runs["decode_ceiling"]["tokens_per_second"]
-    colors = ["gray" if label == "decode_ceiling" else "C0" for label in rates]
+    for label in ANCHORS:
+        if label in runs:
+            rates[label] = runs[label]["tokens_per_second"]
+    colors = ["gray" if label in ANCHORS else "C0" for label in rates]
     axes[1].bar(list(rates), [v or 0.0 for v in rates.values()], color=colors)
     axes[1].set_ylabel("generated tokens / s inside decodes")
     axes[1].set_title("Decoding: engines against one request of the gang's rows", fontsize=10)

@@ -23,7 +23,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from optuna_rapidfire._fused import _fused_decode
+from optuna_rapidfire._fused import _fused_decode, _launched_decode
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, Sampling, decode, penalize, warp
 
 PAD = 0
@@ -102,35 +102,43 @@ def _an_eos(model: PeftModel, request: DecodeRequest) -> int:
 
 
 @pytest.mark.numerics
-def test_greedy_decoding_equals_hf_generate_with_the_adapter_active(model: PeftModel) -> None:
+@pytest.mark.parametrize("launched", [True, False], ids=["launched", "hf-forward"])
+def test_greedy_decoding_equals_hf_generate_with_the_adapter_active(model: PeftModel, launched: bool) -> None:
     prompts = _prompts(1, [3, 7, 5])
     eos = _an_eos(model, DecodeRequest("t1", prompts, 10, do_sample=False))
-    ours = decode(model, [DecodeRequest("t1", prompts, 10, do_sample=False, eos_token_ids=(eos,))], PAD)[0]
+    ours = decode(
+        model, [DecodeRequest("t1", prompts, 10, do_sample=False, eos_token_ids=(eos,))], PAD, launched=launched
+    )[0]
     theirs = _hf_generate(model, "t1", prompts, 0, max_new_tokens=10, do_sample=False, eos_token_id=[eos])
     assert ours == theirs
     assert len(ours[0]) <= 4 and ours[0][-1] == eos and any(len(row) == 10 for row in ours)
 
 
 @pytest.mark.numerics
-def test_sampling_alone_draws_the_tokens_of_hf_generate_seeded_like_the_global_rng(model: PeftModel) -> None:
+@pytest.mark.parametrize("launched", [True, False], ids=["launched", "hf-forward"])
+def test_sampling_alone_draws_the_tokens_of_hf_generate_seeded_like_the_global_rng(
+    model: PeftModel, launched: bool
+) -> None:
     """The exponential race is torch.multinomial's: with the same seed, HF's own tokens."""
     prompts = _prompts(2, [4, 6, 2, 6])
     settings = {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.3}
     eos = _an_eos(model, DecodeRequest("t0", prompts, 12, do_sample=False))
     request = DecodeRequest("t0", prompts, 12, generator=_generator(7), eos_token_ids=(eos,), **settings)  # type: ignore[arg-type]
-    ours = decode(model, [request], PAD)[0]
+    ours = decode(model, [request], PAD, launched=launched)[0]
     theirs = _hf_generate(model, "t0", prompts, 7, max_new_tokens=12, do_sample=True, eos_token_id=[eos], **settings)
     assert ours == theirs
     assert len({tuple(row) for row in ours}) == len(ours)  # not a degenerate distribution
 
 
 @pytest.mark.numerics
-def test_the_repetition_penalty_leaves_the_left_padding_alone_as_hf_does(model: PeftModel) -> None:
+@pytest.mark.parametrize("launched", [True, False], ids=["launched", "hf-forward"])
+def test_the_repetition_penalty_leaves_the_left_padding_alone_as_hf_does(model: PeftModel, launched: bool) -> None:
     """Padding with the token a padded row picks first: penalized, the padding would change that pick."""
     prompts = _prompts(8, [2, 9])
     first = decode(model, [DecodeRequest("t1", prompts, 1, do_sample=False)], PAD)[0][0][0]
     assert first not in prompts[0]
-    ours = decode(model, [DecodeRequest("t1", prompts, 6, do_sample=False, repetition_penalty=5.0)], first)[0]
+    request = DecodeRequest("t1", prompts, 6, do_sample=False, repetition_penalty=5.0)
+    ours = decode(model, [request], first, launched=launched)[0]
     theirs = _hf_generate(model, "t1", prompts, 0, pad=first, max_new_tokens=6, do_sample=False, repetition_penalty=5.0)
     assert ours == theirs and ours[0][0] == first
 
@@ -144,27 +152,35 @@ def _gang_requests(seed: int = 0) -> list[DecodeRequest]:
     ]
 
 
+def _layouts(model: PeftModel, requests: list[DecodeRequest], launched: bool) -> list[list[int]]:
+    """The batch's layouts through a decode of ``requests``: per layout, the rows of each request present
+    (HF forward), or the requests in the slots (launched)."""
+    lm = model.get_base_model()
+    with torch.no_grad():
+        if launched:
+            run: Any = _launched_decode.LaunchedDecode(model, lm, requests, PAD, torch.device("cpu"))
+        else:
+            run = _fused_decode._Decode(model, lm, requests, PAD, torch.device("cpu"))
+        run.run()
+    return run.layouts
+
+
 @pytest.mark.numerics
-def test_a_request_samples_the_same_completions_alone_and_in_any_gang(
-    model: PeftModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Ended rows leave the batch (the gang shrinks) without changing the others' tokens."""
-    alone = [decode(model, [request], PAD)[0] for request in _gang_requests()]
-    gangs: list[list[int]] = []
-    original = _fused_decode.fused_forward
-
-    def recording(model: torch.nn.Module, gang: Any, plans: Any = None) -> Any:
-        gangs.append(list(gang.rows))
-        return original(model, gang, plans)
-
-    monkeypatch.setattr(_fused_decode, "fused_forward", recording)
+@pytest.mark.parametrize("launched", [True, False], ids=["launched", "hf-forward"])
+def test_a_request_samples_the_same_completions_alone_and_in_any_gang(model: PeftModel, launched: bool) -> None:
+    """Ended rows (HF forward) or ended requests (launched) leave the batch without changing the others' tokens."""
+    alone = [decode(model, [request], PAD, launched=launched)[0] for request in _gang_requests()]
     model.train()  # decode runs in eval mode (t0's dropout off) and gives the mode back
-    together = decode(model, _gang_requests(), PAD)
+    together = decode(model, _gang_requests(), PAD, launched=launched)
     assert model.training and all(m.training for m in model.modules())
     model.eval()
     assert together == alone
-    assert gangs[0] == [3, 2, 4] and gangs[-1] == [2]  # t2 (4 tokens), then t0 (7) left; t1 goes on to 12
-    reordered = decode(model, [_gang_requests()[2], _gang_requests()[0]], PAD)
+    layouts = _layouts(model, _gang_requests(), launched)
+    if launched:  # t2 (4 tokens) and t0 (7) have ended at the first check (8 steps); t1 goes on to 12
+        assert layouts == [[0, 1, 2], [1]]
+    else:  # t2 (4 tokens), then t0 (7) left; t1 goes on to 12
+        assert layouts[0] == [3, 2, 4] and layouts[-1] == [2]
+    reordered = decode(model, [_gang_requests()[2], _gang_requests()[0]], PAD, launched=launched)
     assert reordered == [alone[2], alone[0]]
 
 

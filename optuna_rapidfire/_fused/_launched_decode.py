@@ -1,0 +1,450 @@
+"""The launched decode: a gang's decode step as one captured CUDA graph over a static KV cache.
+
+:func:`~optuna_rapidfire._fused._fused_decode.decode` runs here for the decoders this module knows (Llama,
+Mistral and Qwen2 layouts with full attention, :func:`supports`). The HF forward it replaces launches a few
+thousand small kernels per generated token from Python, and a dynamic KV cache grows by copies; at a
+gang's batch the GPU then waits on the host (about 60-150 ms per step on an H200 for a 1B model, whose
+weights read in ~0.5 ms). Here, as in vLLM's multi-LoRA decode:
+
+- **A static workspace** per batch shape: a KV cache of ``rows x heads x columns`` per layer, every
+  row's state (next token, position, valid key columns, ended, its output) and every adapter's LoRA
+  projections stacked as ``[K, in, R]`` and ``[K, R, out]`` (ranks zero-padded to the largest, scalings
+  folded in, an adapter that does not target a projection adds zeros). Workspaces are kept per model and
+  reused by later decodes of the same shape (weights and state copied in), so their graphs are too.
+- **Per-row adapters without a per-adapter loop**: the rows sit in K slots of S rows (a request's rows,
+  then idle rows up to S), so a projection's update is two batched matmuls over a view of its input,
+  each slot reading its own adapter's stacked A and B (SGMV, Punica's segmented form).
+- **One step = one graph replay**: sampling (HF's processors, vectorised as in
+  :func:`~optuna_rapidfire._fused._fused_decode.warp`), the step's bookkeeping and the next forward are
+  recorded once per workspace with ``torch.cuda.graph`` and replayed; each request's exponential noise is
+  drawn from its own generator into a static buffer before the replay (a request's draws stay its own).
+- **No host synchronisation per token**: ended rows are read back every :data:`CHECK_EVERY` steps; a
+  request draws every step until a check sees all its rows ended, so its draws (and its generator's
+  state after the decode) depend on it alone. When a check finds whole requests ended, the live ones
+  move to a workspace of fewer slots (their KV cache and state selected), so a finished request stops
+  costing compute.
+
+The prefill runs the same layer code eagerly over the prompts (left-padded, as HF pads them). On a CPU
+there is no graph: the step runs eagerly, the same code, which the tests check against HF ``generate``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from optuna_rapidfire._fused._sampling import DecodeRequest, Sampling, penalize, warp
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+CHECK_EVERY = 8
+"""Steps between two reads of the rows' ended flags (the decode's only host synchronisations)."""
+
+_COLUMN_BUCKET = 64  # the KV cache's columns are a multiple of this, so decodes of close lengths share graphs
+_KEPT = 6  # workspaces kept per model (least recently used dropped)
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_WORKSPACES: weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict[_Shape, _Workspace]] = weakref.WeakKeyDictionary()
+
+
+def supports(lm: Any) -> str | None:
+    """Why the launched decode cannot run ``lm`` (``None``: it can).
+
+    It needs a Llama-layout decoder (``model.layers[i]`` with ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,
+    up,down}_proj``, two RMS norms, ``model.rotary_emb``) and full attention on every layer.
+    """
+    model = getattr(lm, "model", None)
+    layers = getattr(model, "layers", None)
+    if model is None or layers is None or not hasattr(model, "rotary_emb") or not hasattr(model, "norm"):
+        return f"{type(lm).__name__} has no Llama-layout decoder"
+    for layer in layers:
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attention is None or mlp is None or not hasattr(layer, "post_attention_layernorm"):
+            return f"{type(lm).__name__}'s layers are not Llama-layout"
+        if any(not hasattr(attention if name in _PROJECTIONS[:4] else mlp, name) for name in _PROJECTIONS):
+            return f"{type(lm).__name__}'s layers miss a projection of {_PROJECTIONS}"
+        if getattr(attention, "sliding_window", None) is not None or hasattr(attention, "q_norm"):
+            return f"{type(lm).__name__} uses sliding-window attention or query/key norms"
+    return None
+
+
+def _projection(layer: Any, name: str) -> Any:
+    owner = layer.self_attn if name in _PROJECTIONS[:4] else layer.mlp
+    return getattr(owner, name)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a workspace's graph is built for: slots, rows per slot, KV columns, output columns, the largest
+    rank, the targeted projections and which sampling stages run."""
+
+    slots: int
+    rows: int
+    columns: int
+    rank: int
+    targets: tuple[tuple[int, str], ...]
+    stages: tuple[bool, bool, bool, bool, bool]  # sample, top-k, top-p, min-p, repetition penalty
+    dtype: torch.dtype
+    eos: int  # EOS ids per row (padded with -1)
+
+
+class _Workspace:
+    """Static buffers of one decode shape, and the graph of its step once captured."""
+
+    def __init__(self, lm: Any, shape: _Shape, device: torch.device, vocab: int) -> None:
+        config, rows = lm.config, shape.slots * shape.rows
+        attention = lm.model.layers[0].self_attn
+        heads = config.num_key_value_heads
+        head_dim = getattr(attention, "head_dim", config.hidden_size // config.num_attention_heads)
+        self.shape, self.device, self.vocab = shape, device, vocab
+        cache = (rows, heads, shape.columns, head_dim)
+        self.keys = [torch.zeros(cache, dtype=shape.dtype, device=device) for _ in lm.model.layers]
+        self.values = [torch.zeros(cache, dtype=shape.dtype, device=device) for _ in lm.model.layers]
+        self.down: dict[tuple[int, str], torch.Tensor] = {}
+        self.up: dict[tuple[int, str], torch.Tensor] = {}
+        for index, name in shape.targets:
+            base = _projection(lm.model.layers[index], name).base_layer
+            self.down[index, name] = torch.zeros(
+                shape.slots, base.in_features, shape.rank, dtype=shape.dtype, device=device
+            )
+            self.up[index, name] = torch.zeros(
+                shape.slots, shape.rank, base.out_features, dtype=shape.dtype, device=device
+            )
+
+        def new(*size: int, dtype: torch.dtype = torch.long, fill: float = 0) -> torch.Tensor:
+            return torch.full(size, fill, dtype=dtype, device=device)
+
+        self.token, self.position = new(rows), new(rows)
+        self.column, self.step = new(1), new(1)
+        self.valid = new(rows, shape.columns, dtype=torch.bool)
+        self.done = new(rows, dtype=torch.bool)
+        self.out, self.lengths = new(rows, shape.columns), new(rows)
+        self.max_new, self.eos = new(rows), new(rows, max(shape.eos, 1), fill=-1)
+        self.noise = new(rows, vocab, dtype=torch.float32, fill=1.0)
+        self.logits = new(rows, vocab, dtype=torch.float32)
+        self.seen = new(rows, vocab, dtype=torch.bool) if shape.stages[4] else None
+        self.samples = new(rows, dtype=torch.bool)
+        floats = [new(rows, dtype=torch.float32) for _ in range(4)]
+        self.sampling = Sampling(floats[0], new(rows), floats[1], floats[2], floats[3])
+        self.pad = new(1)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def load(self, lm: Any, names: Sequence[str | None]) -> None:
+        """Copy the slots' adapters' projections in (``None``: an idle slot, zeros)."""
+        for (index, name), down in self.down.items():
+            layer, up = _projection(lm.model.layers[index], name), self.up[index, name]
+            down.zero_()
+            up.zero_()
+            for slot, adapter in enumerate(names):
+                if adapter is None or adapter not in layer.lora_A:
+                    continue
+                a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight  # [r, in], [out, r]
+                rank = a.shape[0]
+                down[slot, :, :rank].copy_(a.t())
+                up[slot, :rank].copy_(b.t() * float(layer.scaling[adapter]))
+
+
+class LaunchedDecode:
+    """One decode over ``requests`` with the launched step (see the module's docstring)."""
+
+    def __init__(
+        self, model: torch.nn.Module, lm: Any, requests: list[DecodeRequest], pad: int, device: torch.device
+    ) -> None:
+        self.model, self.lm, self.requests, self.pad, self.device = model, lm, requests, pad, device
+        self.vocab = lm.get_output_embeddings().weight.shape[0]
+        self.autocast = torch.is_autocast_enabled(device.type)
+        weight = lm.get_input_embeddings().weight
+        self.dtype = torch.get_autocast_dtype(device.type) if self.autocast else weight.dtype
+        self.steps = max(r.max_new_tokens for r in requests)
+        self.width = max(len(p) for r in requests for p in r.prompts)
+        self.rows = max(len(r.prompts) for r in requests)
+        layers = lm.model.layers
+        self.rope = sys.modules[type(layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.targets = tuple(
+            (index, name)
+            for index, layer in enumerate(layers)
+            for name in _PROJECTIONS
+            if any(r.adapter in getattr(_projection(layer, name), "lora_A", {}) for r in requests)
+        )
+        rank = 0
+        for index, name in self.targets:
+            adapters = _projection(layers[index], name).lora_A
+            rank = max([rank] + [adapters[r.adapter].weight.shape[0] for r in requests if r.adapter in adapters])
+        self.rank = rank
+        self.layouts: list[list[int]] = []  # the requests in the slots, per layout (a compaction adds one)
+
+    # -- the decode ------------------------------------------------------------------------------
+
+    def run(self) -> list[list[list[int]]]:
+        """Each request's completions, one token list per prompt (cut at its length, as the HF path cuts)."""
+        live = list(range(len(self.requests)))
+        self.layouts = [list(live)]
+        space = self._workspace(len(live))
+        self._start(space, live)
+        tokens: dict[int, torch.Tensor] = {}
+        lengths: dict[int, torch.Tensor] = {}
+        ended = [False] * len(self.requests)
+        for step in range(self.steps):
+            self._draw(space, live, ended, step)
+            self._step(space)
+            if (step + 1) % CHECK_EVERY and step + 1 < self.steps:
+                continue
+            done = space.done.view(len(live), self.rows).all(-1).tolist()  # the check: one synchronisation
+            for slot, k in enumerate(live):
+                ended[k] = done[slot] or step + 1 >= self.requests[k].max_new_tokens
+            if all(ended[k] for k in live) or step + 1 >= self.steps:
+                break
+            if any(ended[k] for k in live):  # whole requests ended: the others move to fewer slots
+                keep = [slot for slot, k in enumerate(live) if not ended[k]]
+                for slot, k in enumerate(live):
+                    if ended[k]:
+                        tokens[k], lengths[k] = self._output(space, slot)
+                moved = self._workspace(len(keep))
+                self._move(space, moved, keep, [live[slot] for slot in keep])
+                space, live = moved, [live[slot] for slot in keep]
+                self.layouts.append(list(live))
+        for slot, k in enumerate(live):
+            tokens[k], lengths[k] = self._output(space, slot)
+        out = []
+        for k, request in enumerate(self.requests):
+            rows, counts = tokens[k].tolist(), lengths[k].tolist()
+            out.append([rows[j][: counts[j]] for j in range(len(request.prompts))])
+        return out
+
+    def _output(self, space: _Workspace, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = slice(slot * self.rows, (slot + 1) * self.rows)
+        return space.out[rows, : self.steps].clone(), space.lengths[rows].clone()
+
+    def _workspace(self, slots: int) -> _Workspace:
+        """The model's workspace of this decode's shape with ``slots`` slots (made, or reused)."""
+        columns = math.ceil((self.width + self.steps) / _COLUMN_BUCKET) * _COLUMN_BUCKET
+        chosen = self.requests
+        stages = (
+            any(r.do_sample for r in chosen),
+            any(r.do_sample and r.top_k for r in chosen),
+            any(r.do_sample and r.top_p < 1 for r in chosen),
+            any(r.do_sample and r.min_p for r in chosen),
+            any(r.repetition_penalty != 1.0 for r in chosen),
+        )
+        eos = max(len(r.eos_token_ids) for r in chosen)
+        shape = _Shape(slots, self.rows, columns, self.rank, self.targets, stages, self.dtype, eos)
+        kept = _WORKSPACES.setdefault(self.model, OrderedDict())
+        space = kept.pop(shape, None)
+        if space is None or space.device != self.device:
+            space = _Workspace(self.lm, shape, self.device, self.vocab)
+        kept[shape] = space
+        while len(kept) > _KEPT:
+            kept.popitem(last=False)
+        return space
+
+    def _start(self, space: _Workspace, live: list[int]) -> None:
+        """Fill the workspace with the requests' rows and run the prefill (its logits for the first step)."""
+        requests, rows, width, device = [self.requests[k] for k in live], self.rows, self.width, self.device
+        space.load(self.lm, [r.adapter for r in requests])
+        prompts, real = [], []
+        for r in requests:
+            for j in range(rows):
+                real.append(j < len(r.prompts))
+                prompts.append(r.prompts[j] if j < len(r.prompts) else [self.pad])  # an idle row
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device, dtype=torch.bool)
+        real_rows = torch.tensor(real, device=device)
+        space.valid.zero_()
+        space.valid[:, :width].copy_(mask)
+        space.done.copy_(~real_rows)
+        space.out.fill_(self.pad)
+        space.lengths.zero_()
+        space.pad.fill_(self.pad)
+        space.max_new.copy_(torch.tensor([r.max_new_tokens for r in requests for _ in range(rows)], device=device))
+        eos = space.eos.shape[1]
+        space.eos.copy_(
+            torch.tensor(
+                [list(r.eos_token_ids) + [-1] * (eos - len(r.eos_token_ids)) for r in requests for _ in range(rows)],
+                device=device,
+            )
+        )
+        space.samples.copy_(torch.tensor([r.do_sample for r in requests for _ in range(rows)], device=device))
+        padded = [r if len(r.prompts) == rows else _padded(r, rows) for r in requests]
+        _copy_sampling(space.sampling, Sampling.of(padded, self.vocab, device))
+        space.noise.fill_(1.0)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        columns = torch.arange(width, device=device)
+        keys = torch.arange(space.valid.shape[1], device=device)
+        # Causal over the real tokens; a padding query sees itself (no row of the mask is empty).
+        see = (keys[None, :] <= columns[:, None])[None] & space.valid[:, None, :]
+        see |= (keys[None, :] == columns[:, None])[None]
+        hidden = self._layers(space, ids, positions, columns, see[:, None])
+        space.logits.copy_(self._head(hidden[:, -1]))
+        if space.seen is not None:
+            pointed = ids.clamp(max=self.vocab).masked_fill(~mask, self.vocab)
+            seen = torch.zeros(len(prompts), self.vocab + 1, dtype=torch.bool, device=device).scatter_(1, pointed, True)
+            space.seen.copy_(seen[:, : self.vocab])
+        space.token.copy_(ids[:, -1])
+        space.position.copy_(mask.sum(-1))
+        space.column.fill_(width)
+        space.step.zero_()
+
+    def _move(self, source: _Workspace, target: _Workspace, slots: list[int], live: list[int]) -> None:
+        """Carry the rows of ``slots`` (of ``source``) into ``target``, in order: the next slots' layout."""
+        rows = self.rows
+        index = torch.tensor([s * rows + j for s in slots for j in range(rows)], device=self.device)
+        target.load(self.lm, [self.requests[k].adapter for k in live])
+        for mine, theirs in ((target.keys, source.keys), (target.values, source.values)):
+            for a, b in zip(mine, theirs, strict=True):
+                a.copy_(b.index_select(0, index))
+        for name in ("token", "position", "valid", "done", "out", "lengths", "max_new", "eos", "samples", "logits"):
+            getattr(target, name).copy_(getattr(source, name).index_select(0, index))
+        if target.seen is not None and source.seen is not None:
+            target.seen.copy_(source.seen.index_select(0, index))
+        _copy_sampling(target.sampling, source.sampling.select(index))
+        target.noise.fill_(1.0)
+        target.pad.copy_(source.pad)
+        target.column.copy_(source.column)
+        target.step.copy_(source.step)
+
+    def _draw(self, space: _Workspace, live: list[int], ended: list[bool], step: int) -> None:
+        """Each sampling request still going draws its rows' exponential noise for this step."""
+        if not space.shape.stages[0]:
+            return
+        for slot, k in enumerate(live):
+            request = self.requests[k]
+            if request.do_sample and not ended[k] and step < request.max_new_tokens:
+                start = slot * self.rows
+                space.noise[start : start + len(request.prompts)].exponential_(generator=request.generator)
+
+    def _step(self, space: _Workspace) -> None:
+        """One step: a replay of the captured graph on CUDA (captured at the workspace's first step)."""
+        if self.device.type != "cuda":
+            self._body(space)
+            return
+        if space.graph is None:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._body(space)  # the step itself, and the warm-up the capture needs
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with _autocast(self), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._body(space)
+            space.graph = graph
+            return
+        space.graph.replay()
+
+    # -- the step's code (captured) --------------------------------------------------------------
+
+    def _body(self, space: _Workspace) -> None:
+        """Sample from the logits, record the tokens, then the next forward: device work only."""
+        sample, top_k, top_p, min_p, _ = space.shape.stages
+        scores = penalize(space.logits, space.seen, space.sampling.penalty)
+        token = scores.argmax(dim=-1)
+        if sample:
+            warped = warp(scores, space.sampling, top_k=top_k, top_p=top_p, min_p=min_p)
+            drawn = (warped.softmax(dim=-1) / space.noise).argmax(dim=-1)
+            token = torch.where(space.samples, drawn, token)
+        if space.seen is not None:
+            space.seen.scatter_(1, token[:, None], True)
+        token = torch.where(space.done, space.pad, token)
+        space.out.index_copy_(1, space.step, token[:, None])
+        space.lengths.add_((~space.done).long())
+        ended = (token[:, None] == space.eos).any(-1) | (space.max_new <= space.step + 1)
+        space.done.logical_or_(ended)
+        space.token.copy_(token)
+        space.valid.index_fill_(1, space.column, True)
+        hidden = self._layers(space, token[:, None], space.position[:, None], space.column, space.valid[:, None, None])
+        space.logits.copy_(self._head(hidden[:, -1]))
+        space.position.add_(1)
+        space.column.add_(1)
+        space.step.add_(1)
+
+    def _layers(
+        self,
+        space: _Workspace,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        columns: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """The decoder over ``ids`` (rows x tokens) at ``positions``, writing the KV cache at ``columns``;
+        ``mask``: which cache columns each query sees (rows x 1 x tokens x columns, or broadcast)."""
+        lm = self.lm
+        hidden = lm.model.embed_tokens(ids)
+        cos, sin = lm.model.rotary_emb(hidden, positions)
+        for index, layer in enumerate(lm.model.layers):
+            attention = layer.self_attn
+            normed = layer.input_layernorm(hidden)
+            shape = (*normed.shape[:-1], -1, attention.head_dim)
+            q = self._linear(space, layer, index, "q_proj", normed).view(shape).transpose(1, 2)
+            k = self._linear(space, layer, index, "k_proj", normed).view(shape).transpose(1, 2)
+            v = self._linear(space, layer, index, "v_proj", normed).view(shape).transpose(1, 2)
+            q, k = self.rope(q, k, cos, sin)
+            space.keys[index].index_copy_(2, columns, k.to(space.shape.dtype))
+            space.values[index].index_copy_(2, columns, v.to(space.shape.dtype))
+            keys, values = space.keys[index], space.values[index]
+            attended = F.scaled_dot_product_attention(
+                q.to(keys.dtype),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=attention.scaling,
+                enable_gqa=keys.shape[1] != q.shape[1],
+            )
+            attended = attended.transpose(1, 2).reshape(*normed.shape[:-1], -1)
+            hidden = hidden + self._linear(space, layer, index, "o_proj", attended)
+            normed = layer.post_attention_layernorm(hidden)
+            mlp = layer.mlp
+            gated = mlp.act_fn(self._linear(space, layer, index, "gate_proj", normed))
+            inner = gated * self._linear(space, layer, index, "up_proj", normed)
+            hidden = hidden + self._linear(space, layer, index, "down_proj", inner)
+        return lm.model.norm(hidden)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm.get_output_embeddings()(hidden).float()
+
+    def _linear(self, space: _Workspace, layer: Any, index: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        """A projection's frozen base on every row, plus each slot's adapter update on its rows."""
+        module = _projection(layer, name)
+        down = space.down.get((index, name))
+        if down is None:
+            return module.base_layer(x) if hasattr(module, "base_layer") else module(x)
+        result = module.base_layer(x)
+        slots = space.shape.slots
+        stacked = x.reshape(slots, -1, x.shape[-1])
+        if not self.autocast:
+            stacked = stacked.to(down.dtype)
+        update = torch.bmm(torch.bmm(stacked, down), space.up[index, name])
+        return result + update.view(result.shape).to(result.dtype)
+
+
+def _padded(request: DecodeRequest, rows: int) -> DecodeRequest:
+    """``request`` with idle rows up to ``rows`` (repeats of its last prompt: only its settings are read)."""
+    from dataclasses import replace
+
+    return replace(request, prompts=request.prompts + [request.prompts[-1]] * (rows - len(request.prompts)))
+
+
+def _autocast(decode: LaunchedDecode) -> Any:
+    """The caller's autocast for the capture, without its weight cache (a graph must not keep casts it did
+    not make); nothing when the caller had none."""
+    import contextlib
+
+    if not decode.autocast:
+        return contextlib.nullcontext()
+    return torch.autocast(decode.device.type, dtype=decode.dtype, cache_enabled=False)
+
+
+def forget(model: torch.nn.Module) -> None:
+    """Drop the workspaces (and graphs) kept for ``model``."""
+    _WORKSPACES.pop(model, None)
+
+
+def _copy_sampling(target: Sampling, source: Sampling) -> None:
+    """Copy ``source``'s settings into ``target``'s tensors (a graph reads them where they are)."""
+    for field in fields(source):
+        getattr(target, field.name).copy_(getattr(source, field.name))
