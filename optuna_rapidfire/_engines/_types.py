@@ -138,6 +138,8 @@ class EngineStats:
         decodes: Decode batches run for trials that sample completions (GRPO).
         decoded_requests: The trials' generation requests those batches served (more than ``decodes``
             when the members of a gang decoded together).
+        scoring_passes: Shared passes without gradients of GRPO gangs: the members' references (adapters
+            off) or their evaluations' policies, each one pass for every member waiting.
         launched_steps: Of ``fused_steps``, those that took the launched pass (compiled or not).
         compiles: Graphs the launched pass compiled (per layout and shape; a trial joining a seen layout
             adds none).
@@ -161,6 +163,7 @@ class EngineStats:
     eval_rows: int = 0
     decodes: int = 0
     decoded_requests: int = 0
+    scoring_passes: int = 0
     launched_steps: int = 0
     compiles: int = 0
     compile_failures: int = 0

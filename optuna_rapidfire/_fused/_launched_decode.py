@@ -107,16 +107,20 @@ class _Workspace:
         cache = (rows, heads, shape.columns, head_dim)
         self.keys = [torch.zeros(cache, dtype=shape.dtype, device=device) for _ in lm.model.layers]
         self.values = [torch.zeros(cache, dtype=shape.dtype, device=device) for _ in lm.model.layers]
+        # Each targeted projection's A and B of every slot, as PEFT lays them out ([r, in] and [out, r]),
+        # zero-padded to the largest rank, and each slot's scaling.
         self.down: dict[tuple[int, str], torch.Tensor] = {}
         self.up: dict[tuple[int, str], torch.Tensor] = {}
         for index, name in shape.targets:
             base = _projection(lm.model.layers[index], name).base_layer
             self.down[index, name] = torch.zeros(
-                shape.slots, base.in_features, shape.rank, dtype=shape.dtype, device=device
+                shape.slots, shape.rank, base.in_features, dtype=shape.dtype, device=device
             )
             self.up[index, name] = torch.zeros(
-                shape.slots, shape.rank, base.out_features, dtype=shape.dtype, device=device
+                shape.slots, base.out_features, shape.rank, dtype=shape.dtype, device=device
             )
+        self.target = {target: t for t, target in enumerate(shape.targets)}
+        self.scales = torch.zeros(len(shape.targets), shape.slots, 1, 1, dtype=shape.dtype, device=device)
 
         def new(*size: int, dtype: torch.dtype = torch.long, fill: float = 0) -> torch.Tensor:
             return torch.full(size, fill, dtype=dtype, device=device)
@@ -137,18 +141,28 @@ class _Workspace:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def load(self, lm: Any, names: Sequence[str | None]) -> None:
-        """Copy the slots' adapters' projections in (``None``: an idle slot, zeros)."""
+        """Copy the slots' adapters in (``None``: an idle slot, zeros): two multi-tensor copies, whatever K."""
+        sources: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        scales = torch.zeros(self.scales.shape[:2])
         for (index, name), down in self.down.items():
             layer, up = _projection(lm.model.layers[index], name), self.up[index, name]
-            down.zero_()
-            up.zero_()
             for slot, adapter in enumerate(names):
                 if adapter is None or adapter not in layer.lora_A:
+                    down[slot].zero_()
+                    up[slot].zero_()
                     continue
                 a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight  # [r, in], [out, r]
                 rank = a.shape[0]
-                down[slot, :, :rank].copy_(a.t())
-                up[slot, :rank].copy_(b.t() * float(layer.scaling[adapter]))
+                if rank < self.shape.rank:
+                    down[slot].zero_()
+                    up[slot].zero_()
+                sources += [a, b]
+                targets += [down[slot, :rank], up[slot, :, :rank]]
+                scales[self.target[index, name], slot] = float(layer.scaling[adapter])
+        if sources:
+            torch._foreach_copy_(targets, sources)
+        self.scales.copy_(scales[..., None, None])
 
 
 class LaunchedDecode:
@@ -276,11 +290,10 @@ class LaunchedDecode:
         space.noise.fill_(1.0)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         columns = torch.arange(width, device=device)
-        keys = torch.arange(space.valid.shape[1], device=device)
         # Causal over the real tokens; a padding query sees itself (no row of the mask is empty).
-        see = (keys[None, :] <= columns[:, None])[None] & space.valid[:, None, :]
-        see |= (keys[None, :] == columns[:, None])[None]
-        hidden = self._layers(space, ids, positions, columns, see[:, None])
+        see = (columns[None, :] <= columns[:, None])[None] & mask[:, None, :]
+        see |= torch.eye(width, dtype=torch.bool, device=device)[None]
+        hidden = self._layers(space, ids, positions, columns, see[:, None], prefill=True)
         space.logits.copy_(self._head(hidden[:, -1]))
         if space.seen is not None:
             pointed = ids.clamp(max=self.vocab).masked_fill(~mask, self.vocab)
@@ -370,9 +383,11 @@ class LaunchedDecode:
         positions: torch.Tensor,
         columns: torch.Tensor,
         mask: torch.Tensor,
+        prefill: bool = False,
     ) -> torch.Tensor:
         """The decoder over ``ids`` (rows x tokens) at ``positions``, writing the KV cache at ``columns``;
-        ``mask``: which cache columns each query sees (rows x 1 x tokens x columns, or broadcast)."""
+        ``mask``: which cache columns each query sees (rows x 1 x tokens x columns); ``prefill``: the
+        prompts, which see only the first ``tokens`` columns (``mask`` is rows x 1 x tokens x tokens)."""
         lm = self.lm
         hidden = lm.model.embed_tokens(ids)
         cos, sin = lm.model.rotary_emb(hidden, positions)
@@ -387,6 +402,10 @@ class LaunchedDecode:
             space.keys[index].index_copy_(2, columns, k.to(space.shape.dtype))
             space.values[index].index_copy_(2, columns, v.to(space.shape.dtype))
             keys, values = space.keys[index], space.values[index]
+            if prefill:  # only the prompts' columns; heads repeated, for the kernels that take a mask
+                width, groups = ids.shape[1], q.shape[1] // keys.shape[1]
+                keys = keys[:, :, :width].repeat_interleave(groups, dim=1)
+                values = values[:, :, :width].repeat_interleave(groups, dim=1)
             attended = F.scaled_dot_product_attention(
                 q.to(keys.dtype),
                 keys,
@@ -418,7 +437,9 @@ class LaunchedDecode:
         stacked = x.reshape(slots, -1, x.shape[-1])
         if not self.autocast:
             stacked = stacked.to(down.dtype)
-        update = torch.bmm(torch.bmm(stacked, down), space.up[index, name])
+        # Each slot's rows through its own A, scaled, then its own B (as PEFT computes B(A(x)) * scaling).
+        hidden = torch.bmm(stacked, down.transpose(1, 2)) * space.scales[space.target[index, name]]
+        update = torch.bmm(hidden, space.up[index, name].transpose(1, 2))
         return result + update.view(result.shape).to(result.dtype)
 
 

@@ -83,7 +83,8 @@ def _run(make_executor, monkeypatch, prompts, configs, engine: str):
 def test_a_grpo_trial_generates_and_trains_the_same_alone_and_in_a_gang(
     make_executor, monkeypatch, prompts, tiny_model, caplog
 ) -> None:
-    """Fused, a gang decodes together and shares its policy passes; a trial's completions, rewards and
+    """Fused, a gang decodes together and shares its policy passes (its references and evaluations' scores
+    too); a trial's completions, rewards and
     per-chunk metrics are its own alone or in the gang, and those of the time-sliced engine where the
     engines draw the same (no adapter dropout: the fused passes draw masks from the trial's generator)."""
     alone, alone_metrics, alone_stats = _run(make_executor, monkeypatch, prompts, [TARGET], "fused")
@@ -94,9 +95,12 @@ def test_a_grpo_trial_generates_and_trains_the_same_alone_and_in_a_gang(
     # Time-sliced, every request decodes alone and every step scores alone; fused, the members waiting
     # decode together and every training step went through shared passes.
     assert sliced_stats.decodes == sliced_stats.decoded_requests and sliced_stats.fused_steps == 0
+    assert sliced_stats.scoring_passes == 0
     assert fused_stats.decoded_requests == sliced_stats.decoded_requests
     assert fused_stats.decodes < fused_stats.decoded_requests
     assert fused_stats.fused_steps > 0 and alone_stats.fused_steps > 0
+    # The references (a member has beta > 0) and the evaluations' losses were scored in shared passes too.
+    assert fused_stats.scoring_passes > 0
     assert "not together" not in caplog.text and "alone, not in shared passes" not in caplog.text
 
     # Training moved every trial (a reward that varies gives advantages that are not 0).

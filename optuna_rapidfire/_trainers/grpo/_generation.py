@@ -28,7 +28,7 @@ import torch
 
 from optuna_rapidfire import _compat, events
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
-from optuna_rapidfire._fused._fused_pass import pad_token_id
+from optuna_rapidfire._fused._fused_pass import lora_layers, pad_token_id
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._resident._state import RngState
 from optuna_rapidfire._trainers.grpo._policy_pass import BackwardRequest, LogpsRequest, PolicyPasses
@@ -66,6 +66,12 @@ _COVERED = {
 Completions = list[list[int]]
 
 
+def _set_adapters_off(layers: Sequence[Any], off: bool) -> None:
+    """Turn PEFT's LoRA ``layers`` off or on (what ``disable_adapter()`` does, without its other effects)."""
+    for layer in layers:
+        layer._disable_adapters = off
+
+
 def refusal(trainer: Any) -> str | None:
     """Why a GRPO trainer's generation cannot go through the shared decode (``None``: it can).
 
@@ -96,8 +102,14 @@ class Generation:
         self.requests = 0  # requests they served (more than the batches when gangs decode together)
 
     def counters(self) -> dict[str, int]:
-        """Decode batches, the requests they served, and the gangs' shared policy passes (fused steps)."""
-        return {"decodes": self.decodes, "decoded_requests": self.requests, "fused_steps": self.policy.passes}
+        """Decode batches, the requests they served, the gangs' shared policy passes (fused steps) and their
+        shared passes without gradients (references, evaluations)."""
+        return {
+            "decodes": self.decodes,
+            "decoded_requests": self.requests,
+            "fused_steps": self.policy.passes,
+            "scoring_passes": self.policy.scoring_passes,
+        }
 
     def install(self, runtime: Member) -> None:
         """Make the trial's GRPO trainer generate through here (or as TRL does, where :func:`refusal` says so),
@@ -178,19 +190,29 @@ class Generation:
             alone = functools.partial(
                 logps, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
             )
+            grad = torch.is_grad_enabled()
+            layers = [] if grad else lora_layers(self.trials.resident.module)
+            reference = bool(layers) and bool(layers[0].disable_adapters)  # TRL's reference: the adapters off
+            training = self.trials.resident.module.training
             shared = (
                 self._share_policy
                 and self._inside()
-                and torch.is_grad_enabled()
+                and (grad or reference or not training)  # an old policy in train mode keeps its own dropout
                 and not compute_aux_loss
                 and all(value is None for value in others.values())  # no images
             )
             if not shared:
                 return alone(**others)
+            request = LogpsRequest(
+                runtime, input_ids, attention_mask, logits_to_keep, compute_entropy, grad, reference, training
+            )
             try:
-                answer = self._meet(
-                    runtime, LogpsRequest(runtime, input_ids, attention_mask, logits_to_keep, compute_entropy)
-                )
+                # While this member waits, the others run with the adapters on (as PEFT's context left them).
+                _set_adapters_off(layers, False)
+                try:
+                    answer = self._meet(runtime, request)
+                finally:
+                    _set_adapters_off(layers, reference)
             except Exception as error:  # the shared pass failed: this step (and the gang's next) score alone
                 if isinstance(error, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
@@ -199,7 +221,8 @@ class Generation:
                     "A shared policy pass failed (%s: %s); the gang's trials score alone.", type(error).__name__, error
                 )
                 return alone(**others)
-            self._shared_forward.add(runtime)
+            if grad:
+                self._shared_forward.add(runtime)
             return answer
 
         def shared_backward(loss: torch.Tensor, **kwargs: Any) -> None:

@@ -14,20 +14,23 @@ then clips and steps its own optimizer, as alone.
 
 Rows are padded on the right to the pass's longest (causal attention: a row's tokens never see its
 padding), adapter dropout masks come from each trial's own stream (as in the fused engine's SFT
-passes), and only grad-enabled calls are shared: the log-probabilities TRL computes without gradients
-(the old policy's, the reference's, evaluation's) stay each trial's own.
+passes). The log-probabilities TRL computes without gradients are shared too where that changes nothing:
+the references (adapters off: one pass of the frozen base over every member's rows) and the policies of
+evaluations (eval mode); an old policy's scored in train mode (with its dropout) stays the trial's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from optuna_rapidfire._fused._fused_pass import (
     Gang,
     backbone_and_head,
+    base_only,
     fused_forward,
     layer_plans,
     pad_right,
@@ -44,13 +47,21 @@ if TYPE_CHECKING:
 @dataclass(eq=False)
 class LogpsRequest:
     """A member's rows to score: token ids and attention (prompt then completion), and the completion's
-    last ``logits_to_keep`` positions to score; ``entropy``: whether it needs each position's entropy."""
+    last ``logits_to_keep`` positions to score; ``entropy``: whether it needs each position's entropy.
+
+    ``grad``: scored for the member's backward (its policy step); else without gradients, either its
+    ``reference`` (TRL's pass with the adapters off, for the KL term) or its policy in eval mode (an
+    evaluation's loss). ``training``: the model's mode when the member asked.
+    """
 
     runtime: Member
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     logits_to_keep: int
     entropy: bool
+    grad: bool = True
+    reference: bool = False
+    training: bool = True
 
 
 @dataclass(eq=False)
@@ -67,13 +78,30 @@ class PolicyPasses:
     def __init__(self, trials: GangHost) -> None:
         self.trials = trials
         self.passes = 0
+        self.scoring_passes = 0  # shared passes without gradients (references, evaluations)
         self._open: set[Member] = set()  # members of passes whose backward has not run yet
         self._trainable: set[str] = set()
 
     def forward(self, requests: Sequence[LogpsRequest]) -> list[tuple[torch.Tensor, torch.Tensor | None, None]]:
         """Each member's ``(log-probabilities, entropies or None, None)`` of its scored positions, as TRL's
-        ``_get_per_token_logps_and_entropies`` returns them, from one forward pass over all their rows."""
-        trials, first = self.trials, requests[0].runtime
+        ``_get_per_token_logps_and_entropies`` returns them: one pass for the members scoring their policy
+        step, one for those scoring their reference, one for those scoring an evaluation."""
+        answers: list[Any] = [None] * len(requests)
+        groups: dict[tuple[bool, bool, bool], list[int]] = {}
+        for i, request in enumerate(requests):
+            groups.setdefault((request.grad, request.reference, request.training), []).append(i)
+        for positions in groups.values():
+            for i, answer in zip(positions, self._pass([requests[i] for i in positions]), strict=True):
+                answers[i] = answer
+        return answers
+
+    def _pass(self, requests: Sequence[LogpsRequest]) -> list[tuple[torch.Tensor, torch.Tensor | None, None]]:
+        """One forward pass over the rows of ``requests``, which agree on ``grad``, ``reference`` and the mode.
+
+        Without gradients nothing is kept for a backward, and no dropout stream moves: a reference has its
+        adapters off, and an evaluation runs in eval mode (other no-grad calls are not shared).
+        """
+        trials, first, grad = self.trials, requests[0].runtime, requests[0].grad
         resident = trials.resident
         names = [request.runtime.state.adapter_name for request in requests]
         rows = [len(request.input_ids) for request in requests]
@@ -81,27 +109,36 @@ class PolicyPasses:
         pad = pad_token_id(first.trainer)
         input_ids = torch.cat([pad_right(request.input_ids, length, pad) for request in requests])
         attention = torch.cat([pad_right(request.attention_mask, length, 0) for request in requests])
-        streams = [trials.dropout_stream(request.runtime) for request in requests]
-        gang = Gang(names, rows, [stream.next_key() for stream in streams])
+        streams = [trials.dropout_stream(request.runtime) for request in requests] if grad else []
+        gang = Gang(names, rows, [stream.next_key() for stream in streams] if grad else [0] * len(requests))
         base = resident.base
         backbone, head = backbone_and_head(base)
         resident.set_base_dropout(first.spec.kind.base_dropout_off(first.args))  # the gang's members agree
-        resident.set_trainable(names, True)
-        self._trainable.update(names)
         model = resident.module
-        model.train()
-        with fused_forward(model, gang, layer_plans(model, gang)), first.spec.kind.autocast(first.args, trials.device):
+        if grad:
+            resident.set_trainable(names, True)
+            self._trainable.update(names)
+            model.train()
+        else:
+            model.train(requests[0].training)
+        plans = layer_plans(model, gang)
+        adapters = base_only(plans) if requests[0].reference else fused_forward(model, gang, plans)
+        with (
+            adapters,
+            first.spec.kind.autocast(first.args, trials.device),
+            contextlib.nullcontext() if grad else torch.no_grad(),
+        ):
             hidden = backbone(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
         answers: list[tuple[torch.Tensor, torch.Tensor | None, None]] = []
         start = 0
-        for request, count, stream in zip(requests, rows, streams, strict=True):
+        for index, (request, count) in enumerate(zip(requests, rows, strict=True)):
             own = request.input_ids.shape[1]
             keep = request.logits_to_keep
             # Position j predicts token j + 1: the last ``keep`` tokens are predicted from the ``keep`` before.
             states = hidden[start : start + count, own - keep - 1 : own - 1]
             targets = request.input_ids[:, own - keep :]
             mask = request.attention_mask[:, own - keep :].bool()
-            with first.spec.kind.autocast(first.args, trials.device):
+            with first.spec.kind.autocast(first.args, trials.device), torch.set_grad_enabled(grad):
                 log_probs, entropy, _, _ = token_stats(
                     states.reshape(-1, states.shape[-1]),
                     head,
@@ -114,10 +151,14 @@ class PolicyPasses:
             if entropy is not None:
                 entropy = entropy.view(count, keep).masked_fill(~mask, 0.0)
             answers.append((log_probs, entropy, None))
-            request.runtime.state.dropout_rng = stream.state()
+            if grad:
+                request.runtime.state.dropout_rng = streams[index].state()
             start += count
-        self.passes += 1
-        self._open.update(request.runtime for request in requests)
+        if grad:
+            self.passes += 1
+            self._open.update(request.runtime for request in requests)
+        else:
+            self.scoring_passes += 1
         return answers
 
     def backward(self, requests: Sequence[BackwardRequest]) -> list[None]:
