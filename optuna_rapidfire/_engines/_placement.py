@@ -126,7 +126,8 @@ class Placement:
         enabled, kwargs = runtime.spec.kind.checkpointing(runtime.args)
         self.resident.set_checkpointing(enabled, kwargs)
         rng.restore(self.device)
-        self.resident.module.train(training)
+        if self.resident.module.training != training:  # a walk of every module: only when it changes
+            self.resident.module.train(training)
         self.current = runtime
 
     @staticmethod

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Union, cast
 
 import torch
@@ -12,8 +13,6 @@ import torch
 from optuna_rapidfire import _compat
 
 if TYPE_CHECKING:
-    import contextlib
-
     from peft import PeftConfig, PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -154,6 +153,9 @@ class ResidentModel:
                         peft = get_peft_model(self.base, config, adapter_name=name)
                         assert isinstance(peft, PeftModel)
                         self.peft = peft
+                        # TRL's reference pass (GRPO, DPO with beta) enters disable_adapter() every step; PEFT's
+                        # walks every module three times (its status check, then off and on again).
+                        peft.__dict__["disable_adapter"] = self.adapters_off
                     else:
                         # PEFT's injection walks every module several times: the other adapters' are hidden.
                         with self.alone(name):
@@ -233,6 +235,35 @@ class ResidentModel:
             for param in self._named_params(name).values():
                 param.requires_grad_(True)
             self._active = name
+
+    @contextlib.contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """Within the context, every adapter is off (the frozen base computes alone), as PEFT's
+        ``PeftModel.disable_adapter()`` makes it, from the adapter layers listed once."""
+        self.set_adapters_off(True)
+        try:
+            yield
+        finally:
+            self.set_adapters_off(False)
+
+    def adapter_layers(self) -> list[Any]:
+        """PEFT's adapter layers of the model, listed once (again after an adapter was added)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        assert self.peft is not None
+        if self._layers is None:
+            self._layers = [m for m in self.peft.modules() if isinstance(m, BaseTunerLayer)]
+        return cast("list[Any]", self._layers)
+
+    def adapters_are_off(self) -> bool:
+        """Whether the adapters are off (inside :meth:`adapters_off` or PEFT's ``disable_adapter()``)."""
+        layers = self.adapter_layers() if self.peft is not None else []
+        return bool(layers) and bool(layers[0].disable_adapters)
+
+    def set_adapters_off(self, off: bool) -> None:
+        """Turn every adapter layer off or on."""
+        for layer in self.adapter_layers():
+            layer._disable_adapters = off
 
     def _point_at(self, name: str) -> None:
         """Make ``name`` the adapter PEFT's layers and models name as active (``requires_grad`` untouched)."""

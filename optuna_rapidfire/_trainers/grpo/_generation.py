@@ -28,7 +28,7 @@ import torch
 
 from optuna_rapidfire import _compat, events
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
-from optuna_rapidfire._fused._fused_pass import lora_layers, pad_token_id
+from optuna_rapidfire._fused._fused_pass import pad_token_id
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._resident._state import RngState
 from optuna_rapidfire._trainers.grpo._policy_pass import BackwardRequest, LogpsRequest, PolicyPasses
@@ -64,12 +64,6 @@ _COVERED = {
 }
 
 Completions = list[list[int]]
-
-
-def _set_adapters_off(layers: Sequence[Any], off: bool) -> None:
-    """Turn PEFT's LoRA ``layers`` off or on (what ``disable_adapter()`` does, without its other effects)."""
-    for layer in layers:
-        layer._disable_adapters = off
 
 
 def refusal(trainer: Any) -> str | None:
@@ -191,8 +185,8 @@ class Generation:
                 logps, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
             )
             grad = torch.is_grad_enabled()
-            layers = [] if grad else lora_layers(self.trials.resident.module)
-            reference = bool(layers) and bool(layers[0].disable_adapters)  # TRL's reference: the adapters off
+            resident = self.trials.resident
+            reference = not grad and resident.adapters_are_off()  # TRL's reference: the adapters off
             training = self.trials.resident.module.training
             shared = (
                 self._share_policy
@@ -207,12 +201,14 @@ class Generation:
                 runtime, input_ids, attention_mask, logits_to_keep, compute_entropy, grad, reference, training
             )
             try:
-                # While this member waits, the others run with the adapters on (as PEFT's context left them).
-                _set_adapters_off(layers, False)
+                # While this member waits, the others run with the adapters on (as they found them).
+                if reference:
+                    resident.set_adapters_off(False)
                 try:
                     answer = self._meet(runtime, request)
                 finally:
-                    _set_adapters_off(layers, reference)
+                    if reference:
+                        resident.set_adapters_off(True)
             except Exception as error:  # the shared pass failed: this step (and the gang's next) score alone
                 if isinstance(error, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()

@@ -118,9 +118,9 @@ class PolicyPasses:
         if grad:
             resident.set_trainable(names, True)
             self._trainable.update(names)
-            model.train()
-        else:
-            model.train(requests[0].training)
+        training = grad or requests[0].training
+        if model.training != training:  # a walk of every module: only when it changes
+            model.train(training)
         plans = layer_plans(model, gang)
         adapters = base_only(plans) if requests[0].reference else fused_forward(model, gang, plans)
         with (
