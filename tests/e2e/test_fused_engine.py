@@ -303,31 +303,27 @@ def test_dpo_losses_the_fused_pass_does_not_compute_train_time_sliced_and_say_wh
     assert "not fused: trial 0 uses DPO loss_type ['hinge']" in caplog.text
 
 
-def test_a_failed_shared_pass_fails_only_the_trial_that_fails_alone(
-    make_executor, tiny_model, monkeypatch, caplog
-) -> None:
+def test_a_failed_shared_pass_fails_only_the_trial_that_fails_alone(make_executor, tiny_model, listen, caplog) -> None:
     """A pass that runs out of memory with several members is retried one by one (and later passes get
     smaller); a trial that fails on its own fails alone, the others report the time-sliced values."""
     import torch
 
-    from optuna_rapidfire._engines._gang_training import GangTraining
-    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+    from optuna_rapidfire import events
 
     sliced = _values(make_executor, "time_sliced")
-    shared_pass, own_chunk = GangTraining.run_pass, TimeSlicedEngine.train_chunk
 
-    def crowded(self, first, shared):
-        if len(shared.group) > 1:
+    def crowded(event: events.Event) -> None:  # a shared pass of several members runs out of memory
+        assert isinstance(event, events.PassStarting)
+        if len(event.trials) > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return shared_pass(self, first, shared)
 
-    def broken(self, runtime):
-        if runtime.spec.number == 1:
+    def broken(event: events.Event) -> None:  # trial 1 fails whenever the device is set up for it alone
+        assert isinstance(event, events.Switched)
+        if event.trial == 1:
             raise RuntimeError("trial 1 breaks on its own")
-        return own_chunk(self, runtime)
 
-    monkeypatch.setattr(GangTraining, "run_pass", crowded)
-    monkeypatch.setattr(TimeSlicedEngine, "train_chunk", broken)
+    listen(crowded, events.PassStarting)
+    listen(broken, events.Switched)
     executor = make_executor(engine="fused", num_chunks=3, max_concurrent_trials=3)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     for i in range(len(CONFIGS)):

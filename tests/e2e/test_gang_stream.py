@@ -16,8 +16,6 @@ from transformers import AutoConfig
 from optuna_rapidfire import events
 from optuna_rapidfire._engines import _launched
 from optuna_rapidfire._engines._gang_passes import row_bucket
-from optuna_rapidfire._engines._gang_stream import GangStream
-from optuna_rapidfire._engines._gang_training import GangTraining
 from optuna_rapidfire._engines._pass_graphs import PassGraphs, Reenactment
 from optuna_rapidfire.schedules import BaseSchedule
 
@@ -73,22 +71,13 @@ def test_row_buckets_are_a_few_sizes_of_whole_units() -> None:
 
 
 @pytest.mark.numerics
-def test_members_at_different_steps_report_what_they_report_alone(
-    make_executor, tiny_model, monkeypatch, listen
-) -> None:
+def test_members_at_different_steps_report_what_they_report_alone(make_executor, tiny_model, listen) -> None:
     """Two slots, three trials of batch 8, 2 and 4: the first ends its chunk after a quarter of the second's
     passes and goes on to its second chunk beside the second's first, then the third takes its slot while the
     second is midway. Each trial's per-chunk values are those of the trial trained alone, and each chunk's
     training time is its share of the passes it was in (the members' times add up to the passes')."""
-    seen: list[list[tuple[int, int]]] = []
-    original = GangStream._pass
-
-    def recording(stream, seated, *args):
-        seen.append([(seat.runtime.state.position.chunks_done, seat.index) for seat in seated])
-        return original(stream, seated, *args)
-
+    seen: list[list[tuple[int, int]]] = []  # each stream pass: each member's chunk and micro-batch in it
     alone = [_values(make_executor, 1, configs=(config,))[0][0] for config in range(3)]
-    monkeypatch.setattr(GangStream, "_pass", recording)
     shares: dict[int, float] = {}
     passes: dict[int, float] = {}
 
@@ -96,6 +85,7 @@ def test_members_at_different_steps_report_what_they_report_alone(
         if isinstance(event, events.ChunkTrained):
             shares[event.trial] = shares.get(event.trial, 0.0) + event.train_seconds
         elif isinstance(event, events.PassTrained) and event.engine == "stream":
+            seen.append(list(zip(event.steps, event.batches, strict=True)))
             for trial in event.trials:
                 passes[trial] = passes.get(trial, 0.0) + event.seconds / len(event.trials)
 
@@ -112,21 +102,12 @@ def test_members_at_different_steps_report_what_they_report_alone(
         assert_within_rounding(shared, own, terms=_terms(tiny_model))
 
 
-def test_a_member_leaving_or_joining_mid_chunk_compiles_nothing(make_executor, monkeypatch) -> None:
+def test_a_member_leaving_or_joining_mid_chunk_compiles_nothing(make_executor, listen) -> None:
     """Members leave and join inside their chunks, and the passes' rows take a few sizes: the compiler compiles
     the training pass for the first, generalises it at the second (two compilations), and compiles nothing after
     that whatever the gang does."""
-    counts: list[int] = []
-    original = GangTraining.run_pass
-
-    def counting(training, first, shared):
-        before = training.launched.compiles
-        try:
-            return original(training, first, shared)
-        finally:
-            counts.append(training.launched.compiles - before)
-
-    monkeypatch.setattr(GangTraining, "run_pass", counting)
+    counts: list[int] = []  # each stream pass: the compilations its forward and backward waited for
+    listen(lambda event: counts.append(event.compiles) if event.engine == "stream" else None, events.PassTrained)
     _, executor = _values(make_executor, 2, compile="aot_eager")
     stats = executor.stats()
     assert stats.compiles > 0 and stats.compile_failures == 0
