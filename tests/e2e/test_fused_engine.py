@@ -383,8 +383,7 @@ def _evaluated(make_executor, monkeypatch, *, shared: bool, configs=None, **exec
     """Every chunk's full metrics (trial, step -> metrics) of a lock-step fused study, the token sums of
     each eval micro-batch of the shared evaluation, and how many trials were evaluated one at a time."""
     from optuna_rapidfire import events
-    from optuna_rapidfire._trainers._dpo import DPOFusedLoss
-    from optuna_rapidfire._trainers._sft import SFTFusedLoss
+    from optuna_rapidfire._engines import _environment
 
     configs = EVAL_CONFIGS if configs is None else configs
 
@@ -401,9 +400,8 @@ def _evaluated(make_executor, monkeypatch, *, shared: bool, configs=None, **exec
             else:
                 alone[0] += 1
 
-    if not shared:
-        for loss in (SFTFusedLoss, DPOFusedLoss):
-            monkeypatch.setattr(loss, "eval_refusal", lambda self: "the test asks for it")
+    if not shared:  # every member by its own trainer's loop, as for a kind without shared evaluation
+        monkeypatch.setenv(_environment.SHARED_EVALUATION, "0")
     with events.listen(hear, events.ChunkTrained, events.Evaluated):
         executor = make_executor(
             engine="fused", schedule="lockstep", num_chunks=2, max_concurrent_trials=3, **executor_kwargs
@@ -427,7 +425,8 @@ def test_a_gang_evaluates_in_shared_passes_with_each_trials_own_metrics(
     with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
         own, _, alone = _evaluated(make_executor, monkeypatch, shared=False)
     assert alone == len(own) == 2 * len(EVAL_CONFIGS)
-    assert caplog.text.count("Evaluating trial by trial, not in shared passes: the test asks for it.") == 1
+    said = "Evaluating trial by trial, not in shared passes: RAPIDFIRE_SHARED_EVALUATION=0."
+    assert caplog.text.count(said) == 1
 
     config = AutoConfig.from_pretrained(tiny_model)
     terms = loss_terms(config, rows=8, length=128)
