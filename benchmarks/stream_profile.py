@@ -3,10 +3,12 @@
 Runs the search part's executor study (its 16 configs of one seed, its data, pruner and default schedule) on a
 base model: the search part's pretrained base (``--base``, as ``--search-base`` left it) or, without one, a
 random-weight model of the same shape (speed does not depend on the weights; which trials the pruner stops
-does). Every shared pass is timed on the host (its launch) and on the device (CUDA events, read at the end:
-nothing waits for them); the time between passes is split into its parts (the members that end a chunk: their
-evaluation; the refill: builds and waiting housekeeping). A window of passes runs under torch's profiler:
-kernels per pass, host synchronisations per pass, and the top operators by host and device time.
+does). Every streamed pass is timed on the host (its launch) and on the device (CUDA events, read at the end:
+nothing waits for them); of the time between passes, the members' evaluations at their chunks' ends and the
+refills' trial builds are told apart. A window of passes runs under torch's profiler: kernels per pass, host
+synchronisations per pass, and the top operators by host and device time, with each pass and each gap a range
+of its own. All of it from the package's events (:mod:`optuna_rapidfire.events`): nothing of the package is
+patched.
 
     python -m benchmarks.stream_profile --base /tmp/sb/base --compile auto --window 60:80 --out /tmp/profile
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -32,10 +35,7 @@ from benchmarks.harness.hooks import PackageLog
 from benchmarks.parts.search.base import model_kwargs
 from benchmarks.parts.search.settings import Settings, configure, eval_rows, train_rows
 from benchmarks.parts.search.space import make_pruner, sample_configs
-from optuna_rapidfire import RapidFireExecutor
-from optuna_rapidfire._engines._gang_passes import GangPasses
-from optuna_rapidfire._engines._gang_stream import GangStream
-from optuna_rapidfire._engines._launched import LaunchedPasses
+from optuna_rapidfire import RapidFireExecutor, events
 
 # Host calls that make the host wait for the device.
 _SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
@@ -63,72 +63,83 @@ def _random_base(folder: Path, shape: dict[str, Any]) -> Path:
 
 
 class _Timed:
-    """Patches the stream's pass, end and refill to time them; profiles passes ``window`` (start, end)."""
+    """Times the stream's passes and the gaps between them from the package's events, and profiles passes
+    ``window`` (start, end): each pass and each gap is a range of the profiler's table ("stream: pass", "stream:
+    gap"). A pass starts at its first :class:`~optuna_rapidfire.events.PassStarting` and ends at the stream's
+    :class:`~optuna_rapidfire.events.PassTrained`; its host seconds are the event's, its device seconds those
+    between CUDA events recorded at both ends (read at the end: nothing waits for them). ``rows``: each trial's
+    micro-batch rows."""
 
-    def __init__(self, window: tuple[int, int], device: torch.device) -> None:
+    KINDS = (events.PassStarting, events.PassTrained, events.Evaluated, events.TrialBuilt)
+
+    def __init__(self, window: tuple[int, int], device: torch.device, rows: dict[int, int]) -> None:
         self.window = window
         self.device = device
+        self.rows = rows
         self.passes: list[dict[str, Any]] = []
-        self.between: dict[str, float] = {"end": 0.0, "refill": 0.0}
+        # gaps: the host's time between passes; evaluations: the members' at their chunks' ends (in the gaps);
+        # builds: every trial's build (the refills' in the gaps, and those before the first pass).
+        self.between: dict[str, float] = {"gaps": 0.0, "evaluations": 0.0, "builds": 0.0}
         self.profiler: Any = None
         self._events: list[tuple[Any, Any]] = []
         self._stopped = False
-        self._originals = (GangStream._pass, GangStream._end, GangStream._refill)
-        # The parts of a pass, as ranges of the profiler's table ("stream: ...").
-        self._parts = [
-            (GangPasses, "lay_out"),
-            (LaunchedPasses, "hidden"),
-            (GangPasses, "token_nll"),
-            (LaunchedPasses, "step"),
-            (torch.Tensor, "backward"),
-        ]
-        self._part_originals = [getattr(owner, name) for owner, name in self._parts]
+        self._begin: tuple[float, Any] | None = None  # the pass under way: its host start and CUDA event
+        self._last_end: float | None = None
+        self._range: Any = None  # the profiler range open now
+        self._registration: Any = None
 
     def __enter__(self) -> _Timed:
-        timed, (passed, ended, refilled) = self, self._originals
-        cuda = self.device.type == "cuda"
-
-        def one_pass(stream: GangStream, seated: Any, *args: Any) -> Any:
-            index = len(timed.passes)
-            if index == timed.window[0]:
-                timed._start_profiler()
-            begin = torch.cuda.Event(enable_timing=True) if cuda else None
-            finish = torch.cuda.Event(enable_timing=True) if cuda else None
-            if begin is not None:
-                begin.record()
-            start = time.perf_counter()
-            try:
-                return passed(stream, seated, *args)
-            finally:
-                host = time.perf_counter() - start
-                if finish is not None:
-                    finish.record()
-                timed._events.append((begin, finish))
-                rows = sum(int(seat.runtime.args.per_device_train_batch_size) for seat in seated)
-                timed.passes.append({"members": len(seated), "rows": rows, "host": host, "at": start})
-                if index + 1 == timed.window[1]:
-                    timed._stop_profiler()
-
-        def summed(key: str, original: Any) -> Any:
-            def timed_part(stream: GangStream, *args: Any) -> Any:
-                start = time.perf_counter()
-                try:
-                    return original(stream, *args)
-                finally:
-                    timed.between[key] += time.perf_counter() - start
-
-            return timed_part
-
-        end, refill = summed("end", ended), summed("refill", refilled)
-        GangStream._pass, GangStream._end, GangStream._refill = one_pass, end, refill  # type: ignore[method-assign,assignment]
-        for (owner, name), original in zip(self._parts, self._part_originals, strict=True):
-            setattr(owner, name, _ranged(f"stream: {name}", original))
+        self._registration = events.listen(self._hear, *self.KINDS)
         return self
 
+    def _mark(self) -> Any:
+        if self.device.type != "cuda":
+            return None
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def _open(self, label: str) -> None:
+        self._close()
+        self._range = torch.profiler.record_function(label)
+        self._range.__enter__()
+
+    def _close(self) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+
+    def _hear(self, event: events.Event) -> None:
+        now = time.perf_counter()
+        if isinstance(event, events.PassStarting) and self._begin is None:  # a stream pass's first shared pass
+            if self._last_end is not None:
+                self.between["gaps"] += now - self._last_end
+            if len(self.passes) == self.window[0]:
+                self._start_profiler()
+            self._open("stream: pass")
+            self._begin = (now, self._mark())
+        elif isinstance(event, events.PassTrained) and event.engine == "stream" and self._begin is not None:
+            start, begin = self._begin
+            self._events.append((begin, self._mark()))
+            rows = sum(self.rows.get(trial, 0) for trial in event.trials)
+            self.passes.append({"members": len(event.trials), "rows": rows, "host": event.seconds, "at": start})
+            self._begin, self._last_end = None, now
+            if len(self.passes) == self.window[1]:
+                self._close()
+                self._stop_profiler()
+            else:
+                self._open("stream: gap")
+        elif isinstance(event, events.PassTrained) and event.engine != "stream":  # a fixed gang's: not timed
+            self._begin = None
+            self._close()
+        elif isinstance(event, events.Evaluated) and event.phase == "eval":
+            self.between["evaluations"] += event.seconds
+        elif isinstance(event, events.TrialBuilt):
+            self.between["builds"] += event.seconds
+
     def __exit__(self, *exc: object) -> None:
-        GangStream._pass, GangStream._end, GangStream._refill = self._originals  # type: ignore[method-assign]
-        for (owner, name), original in zip(self._parts, self._part_originals, strict=True):
-            setattr(owner, name, original)
+        self._registration()
+        self._close()
         self._stop_profiler()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -146,17 +157,6 @@ class _Timed:
         if self.profiler is not None and not self._stopped:
             self._stopped = True
             self.profiler.__exit__(None, None, None)
-
-
-def _ranged(label: str, function: Any) -> Any:
-    """``function`` inside a profiler range named ``label``."""
-
-    @functools.wraps(function)
-    def ranged(*args: Any, **kwargs: Any) -> Any:
-        with torch.profiler.record_function(label):
-            return function(*args, **kwargs)
-
-    return ranged
 
 
 def _window_counts(profiler: Any, passes: int) -> dict[str, Any]:
@@ -191,15 +191,7 @@ def main() -> None:
     compile_option: Any = {"auto": "auto", "false": False, "true": True}.get(options.compile, options.compile)
     start, end = (-1, -1) if options.window == "none" else (int(v) for v in options.window.split(":"))
     if options.warm_child:
-        from optuna_rapidfire._engines import _background
-
-        made = _background.BackgroundCompiler.__init__
-
-        def warming(background: Any, owner: Any) -> None:
-            made(background, owner)
-            background.warms = True
-
-        _background.BackgroundCompiler.__init__ = warming  # type: ignore[method-assign,assignment]
+        os.environ["RAPIDFIRE_WARM_COMPILER"] = "1"  # the background compiler warms in a child first
     settings = Settings.from_options(SimpleNamespace(smoke=options.smoke))
     configs = sample_configs(options.seed, settings.configs)
     out = Path(options.out)
@@ -227,7 +219,8 @@ def main() -> None:
             **extra,
         )
         began = time.perf_counter()
-        with _Timed((start, end), device) as timed, PackageLog() as log:
+        rows = {number: int(config["batch_size"]) for number, config in enumerate(configs)}  # enqueued in order
+        with _Timed((start, end), device, rows) as timed, PackageLog() as log:
             executor.optimize(study, functools.partial(configure, settings=settings), n_trials=len(configs))
         wall = time.perf_counter() - began
         stats = executor.stats()

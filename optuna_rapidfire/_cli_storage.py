@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     import optuna
     from sqlalchemy.engine import URL
 
-_DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "oracle": 1521, "mssql": 1433}
 # A server that drops packets would otherwise keep the command waiting for the operating system's timeout.
 _CONNECT_TIMEOUT_S = 10
 
@@ -28,7 +27,7 @@ def unreachable(url: str, error: Exception) -> str:
         reason = reason.replace(str(parsed.password), "***")
     if parsed.get_backend_name() == "sqlite":
         return f"cannot open {hide_password(url)}: {reason}"
-    port = parsed.port or _DEFAULT_PORTS.get(parsed.get_backend_name()) or "default port"
+    port = parsed.port or RDB_BACKENDS.get(parsed.get_backend_name()) or "default port"
     return f"cannot connect to {parsed.host or 'localhost'}:{port} ({hide_password(url)}): {reason}"
 
 

@@ -104,7 +104,8 @@ class RapidFireExecutor:
         mlflow_tracking_uri: Log each trial as an MLflow run (nested under a run for the study, in an
             experiment named after the study): params, per-chunk metrics at step = chunk index, tags,
             the final state and the final adapter. Needs MLflow (``pip install mlflow``, or the project's
-            ``mlflow`` extra).
+            ``mlflow`` extra). Or the ``MlflowClient`` to log through (made with settings of your own; with
+            several devices each worker process logs through a copy of it).
         output_dir: Where final adapters go: ``output_dir/<study name>/trial-<number>``.
         devices: ``"auto"`` (every visible GPU, else the CPU), a device such as ``"cuda:1"``, or a list of
             devices. With several, :meth:`optimize` runs one worker process per device, each with its own

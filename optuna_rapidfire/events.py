@@ -45,6 +45,7 @@ __all__ = [
     "GangTrained",
     "Listener",
     "ModelLoaded",
+    "PassStarting",
     "PassTrained",
     "Switched",
     "TrialActivity",
@@ -116,18 +117,31 @@ class ChunkTrained:
 
 
 @dataclass(frozen=True)
+class PassStarting:
+    """The device is about to run one shared forward/backward pass of these trials (a fused gang's or a stream's;
+    the optimizer steps of those whose accumulation ends follow it). A listener that raises fails the pass as an
+    error of the pass would: before any member stepped, the members are trained one by one, alone."""
+
+    trials: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class PassTrained:
     """The device trained, in ``seconds``: what the scheduler handed an engine (``engine`` ``"time_sliced"``: one
     trial's chunk; ``"fused"``: a gang's chunks, each member its own, in shared passes or in turns), or one
     shared pass of a stream (``"stream"``: one step of each seated member, members joining and leaving between
     passes). ``steps[i]`` is the chunk ``trials[i]`` was in. ``seconds`` is the host's: a stream's pass is
     queued on a GPU and may still run when it is emitted, unless someone listens to :class:`GangTrained` (which
-    synchronizes the device around each pass)."""
+    synchronizes the device around each pass). A stream's pass says too which micro-batch of its chunk each member
+    trained (``batches[i]``, from 0) and how many compilations its forward and backward passes waited for
+    (``compiles``: a compiled launched pass meeting a new layout or shape); both are empty and 0 elsewhere."""
 
     trials: tuple[int, ...]
     steps: tuple[int, ...]
     seconds: float
     engine: str
+    batches: tuple[int, ...] = ()
+    compiles: int = 0
 
 
 @dataclass(frozen=True)
@@ -272,6 +286,7 @@ Event = Union[  # noqa: UP007
     ChunkStarting,
     Switched,
     ChunkTrained,
+    PassStarting,
     PassTrained,
     GangTrained,
     Decoded,

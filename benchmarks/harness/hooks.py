@@ -1,9 +1,9 @@
 """How this benchmark watches the package, and every private name of it that the parts read, in one place.
 
 When the package's internals move (engine classes split, modules renamed), this module is the one to fix: the
-parts import only its public names. (The standalone probes, ``benchmarks/fused_*.py``,
-``benchmarks/compile_probe.py`` and ``benchmarks/stream_profile.py``, call or wrap the fused pass's functions
-themselves: that is what they measure.) Every log is a context manager that stops listening on exit.
+parts import only its public names. (The standalone probes, ``benchmarks/fused_*.py`` and
+``benchmarks/compile_probe.py``, call the fused pass's functions themselves: that is what they measure;
+``benchmarks/stream_profile.py`` listens to the events.) Every log is a context manager that stops listening on exit.
 
 Listened to (the package's events, :mod:`optuna_rapidfire.events`, no patch):
 

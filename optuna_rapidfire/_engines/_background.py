@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from optuna_rapidfire import _compat
-from optuna_rapidfire._engines import _warm
+from optuna_rapidfire._engines import _environment, _warm
 from optuna_rapidfire._logging import get_logger
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class BackgroundCompiler:
         # (the compiler generalises a shape the second time it changes).
         self._history: dict[str, list[dict[str, Any]]] = {}
         # Off by default: on the H200 its first study did not finish in time (not yet understood, see issue 31).
-        self.warms = False
+        self.warms = _environment.flag(_environment.WARM_COMPILER) is True
         self.warmed = 0  # calls whose child ended well
         self.warm_seconds = 0.0  # spent waiting for children (the training thread runs meanwhile)
 

@@ -117,6 +117,7 @@ class FusedEngine(Engine):
             graphs_recorded=0 if graphs is None else graphs.captured,
             graph_replays=0 if graphs is None else graphs.replays,
             graph_failures=0 if graphs is None else graphs.failures,
+            graph_calls={} if graphs is None else dict(graphs.calls),
         )
 
     def stream_refusal(self, runtimes: Sequence[TrialRuntime]) -> str | None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from optuna_rapidfire import _compat, events
+from optuna_rapidfire._engines._environment import evaluation_refusal
 from optuna_rapidfire._engines._gang_passes import Layouts, chunk_width, precision
 from optuna_rapidfire._engines._pass_graphs import replayed
 from optuna_rapidfire._fused._fused_pass import backbone_and_head
@@ -60,7 +61,7 @@ class GangEvaluation:
         ``slots``: each member's slot in ``layout`` (default: member k in slot k)."""
         loss = runtimes[0].spec.kind.fused_loss
         assert loss is not None  # train_refusal() lets only kinds with a fused loss through
-        reason = loss.eval_refusal()
+        reason = loss.eval_refusal() or evaluation_refusal()
         if reason is not None:
             self.say(f"Evaluating trial by trial, not in shared passes: {reason}.")
             return [None] * len(runtimes)

@@ -210,16 +210,18 @@ class GangStream:
             numbers = tuple(seat.runtime.spec.number for seat in seated)
             start = time.perf_counter()
             began = clock.start()
+            heard = events.listening(events.PassTrained)
+            batches = tuple(seat.index for seat in seated) if heard else ()
             with events.window(numbers, self.trials.device):
-                self._pass(seated, layout, loss, unit, layout.width)
+                compiles = self._pass(seated, layout, loss, unit, layout.width)
             elapsed = time.perf_counter() - start
             for seat in seated:
                 seat.train_seconds += elapsed / len(seated)
             for members, seconds in clock.stop(began, len(seated), elapsed):
                 refill.timed(members, seconds)
-            if events.listening(events.PassTrained):
+            if heard:
                 steps = tuple(seat.runtime.state.position.chunks_done for seat in seated)
-                events.emit(events.PassTrained(numbers, steps, elapsed, "stream"))
+                events.emit(events.PassTrained(numbers, steps, elapsed, "stream", batches, compiles))
             ended = [seat for seat in seated if seat.index >= len(seat.plan.inputs)]
             if ended:
                 for seat in ended:
@@ -264,9 +266,10 @@ class GangStream:
         layout.width = max(layout.width, width_bucket(chunk_width([plan])))
         return Seat(runtime, slot, plan, placement.dropout_stream(runtime))
 
-    def _pass(self, seated: Sequence[Seat], layout: Layout, loss: FusedLoss, unit: int, width: int) -> None:
+    def _pass(self, seated: Sequence[Seat], layout: Layout, loss: FusedLoss, unit: int, width: int) -> int:
         """One step of every seated member: their micro-batches in shared passes (at most ``pass_tokens`` tokens
-        each), then the optimizer step of those whose accumulation is done."""
+        each), then the optimizer step of those whose accumulation is done; the compilations the passes' forward
+        and backward waited for."""
         training = self.training
         first = seated[0].runtime
         runtimes = [seat.runtime for seat in seated]
@@ -279,6 +282,7 @@ class GangStream:
         # Recorded passes need shapes that depend on the rows and width only: the loss tokens padded too.
         sums = self.launched.capacity + 1 if graphs is not None and loss.pads_tokens else None
         groups = split_passes(list(range(len(seated))), [size * width for size in sizes], self.passes.pass_tokens)
+        compiles = self.launched.compiles
         for group in groups:
             layout.unit = unit
             shared = self.passes.lay_out(
@@ -296,8 +300,10 @@ class GangStream:
                 shape=(unit, row_bucket(sum(sizes[k] for k in group), unit)),
                 sums=sums,
             )
+            training.starting(runtimes, group)
             for k, value in zip(group, training.run_pass(first, shared), strict=True):
                 seated[k].losses.append(value)
+        compiles = self.launched.compiles - compiles
         training.fused_steps += 1
         training.launched_steps += 1
         self.members_per_pass.append(len(seated))
@@ -323,6 +329,7 @@ class GangStream:
                 [ready_t, lr_t],
                 lambda t: self.launched.step(layout, *_both(t), eager=recorded),
             )
+        return compiles
 
     def _end(self, ended: Sequence[Seat], layout: Layout) -> list[tuple[TrialRuntime, ChunkResult | BaseException]]:
         """The members whose chunk ended: evaluated together through their slots, then stored back into their

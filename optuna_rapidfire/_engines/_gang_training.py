@@ -2,8 +2,8 @@
 steps its own optimizer after its own accumulation steps (or, launched, the gang's AdamW steps every slot at
 once), with its own clipping, learning rate schedule and dropout stream.
 
-:meth:`GangTraining.run_pass` is one forward/backward of a laid-out pass: the seam tests and benchmarks
-wrap to watch or break a shared pass.
+:meth:`GangTraining.run_pass` is one forward/backward of a laid-out pass; a listener of
+:class:`~optuna_rapidfire.events.PassStarting` hears each one before it runs (and breaks it by raising).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optuna_rapidfire import _compat
+from optuna_rapidfire import _compat, events
 from optuna_rapidfire._engines._gang_passes import Layouts, StepTables, chunk_width, precision
 from optuna_rapidfire._engines._pass_graphs import replayed
 from optuna_rapidfire._engines._types import clips, train_metrics
@@ -83,6 +83,7 @@ class GangTraining:
         tables = StepTables.of(runtimes, plans, self.launched.capacity, device) if layout is not None else None
         for index, (members, passes) in enumerate(schedule):
             for shared in passes:
+                self.starting(runtimes, shared.group)
                 for k, value in zip(shared.group, self.run_pass(first, shared), strict=True):
                     losses[k].append(value)
             self.fused_steps += 1
@@ -139,6 +140,12 @@ class GangTraining:
             runtime.trainer.state.global_step = state.position.optimizer_steps
             if clips(runtime.args):
                 grad_norms[k] = layout.optimizer.last_norm[k].clone()
+
+    @staticmethod
+    def starting(runtimes: Sequence[TrialRuntime], group: Sequence[int]) -> None:
+        """Say that a pass of the gang positions ``group`` starts (while anyone listens)."""
+        if events.listening(events.PassStarting):
+            events.emit(events.PassStarting(tuple(runtimes[k].spec.number for k in group)))
 
     def run_pass(self, first: TrialRuntime, shared: Pass) -> list[torch.Tensor]:
         """One forward/backward of a laid-out pass; each member's loss, detached.

@@ -42,9 +42,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optuna_rapidfire import _compat, events
+from optuna_rapidfire._engines import _environment
 from optuna_rapidfire._engines._background import RECOMPILE_LIMIT, BackgroundCompiler
 from optuna_rapidfire._engines._layouts import Layout, LayoutKey, Member, covering, member_of
-from optuna_rapidfire._engines._pass_graphs import CudaGraphs, PassGraphs
+from optuna_rapidfire._engines._pass_graphs import CudaGraphs, PassGraphs, Reenactment
 from optuna_rapidfire._fused._decoder import (
     PROJECTIONS,
     Decoder,
@@ -80,10 +81,13 @@ class LaunchedPasses:
         resident: The base model with the trials' adapters.
         compile: ``False`` (run uncompiled), or the ``torch.compile`` backend (``"inductor"``...).
         capacity: Slots per layout: the most trials a gang holds.
-        background: Compile in a background thread while the passes run eagerly (``None``: on a GPU only).
+        background: Compile in a background thread while the passes run eagerly (``None``: as the environment's
+            ``RAPIDFIRE_COMPILE_IN_BACKGROUND`` says, by default on a GPU only).
         graphs: Replay streamed training passes, optimizer steps and evaluations from CUDA graphs, one per shape
-            (:mod:`~optuna_rapidfire._engines._pass_graphs`; on a GPU only): those passes run uncompiled kernels
-            and never ask the compiler for anything.
+            (:mod:`~optuna_rapidfire._engines._pass_graphs`): those passes run uncompiled kernels and never ask
+            the compiler for anything. A CPU has no CUDA graphs: its replays run the recorded function again
+            (:class:`~optuna_rapidfire._engines._pass_graphs.Reenactment`, a check that a pass reads only its
+            inputs).
 
     Attributes:
         graphs: The recorded passes (``None``: every pass is launched kernel by kernel).
@@ -117,11 +121,15 @@ class LaunchedPasses:
         self.graphs: PassGraphs | None = None
         if graphs and resident.device.type == "cuda":
             self.graphs = PassGraphs(CudaGraphs(), torch.cuda.Stream(resident.device))
+        elif graphs:
+            self.graphs = PassGraphs(Reenactment())
         if self.backend is not None and self._refusal is None:
             # Functions of their own (fresh code objects): the compiler's cache lives and dies with this engine.
             layer, step = _fresh(decoder_layer), _fresh(adamw_step)
             self._compile_layer = torch.compile(layer, fullgraph=True, backend=self._count)
             self._compile_step = torch.compile(step, fullgraph=True, backend=self._count)
+            if background is None:
+                background = _environment.flag(_environment.COMPILE_IN_BACKGROUND)
             if background if background is not None else resident.device.type == "cuda":
                 # The device's thread runs only what is compiled (never compiles); the thread compiles.
                 _compat.run_beside_compiler()

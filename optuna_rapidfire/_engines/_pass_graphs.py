@@ -13,9 +13,9 @@ its second captures the function on static copies of the inputs (nothing runs wh
 the graph once; every later call copies its inputs into those static tensors and replays. So a shape met
 once costs nothing, and recording costs about one eager pass. The function must read the pass's varying
 data only from its arguments and the layout's fixed tensors (weights, slots, optimizer settings): that is
-what the CPU tests check with a recorder that re-runs the function on the static copies
-(:class:`Reenactment`). A capture that fails (an operation a graph cannot hold) leaves that signature eager,
-with the reason logged once; nothing of the failed capture ran.
+what a CPU checks with a recorder that re-runs the function on the static copies (:class:`Reenactment`, where
+``RAPIDFIRE_RECORD_PASSES=1`` records a CPU's passes). A capture that fails (an operation a graph cannot hold)
+leaves that signature eager, with the reason logged once; nothing of the failed capture ran.
 
 Graphs of one device share one memory pool (they are replayed one after another on one stream, and their
 outputs are copied out at once); a layout's graphs are dropped with its slot storage (:meth:`forget`).
@@ -73,6 +73,8 @@ class PassGraphs:
         captured: Signatures recorded so far.
         replays: Calls answered by a replay.
         failures: Captures that failed (their signatures run eagerly).
+        calls: Calls by kind (a key's first element, or the key: ``"pass"``, ``"step"``, ``"eval"``), eager,
+            recorded or replayed.
     """
 
     def __init__(self, recorder: Recorder, stream: torch.cuda.Stream | None = None) -> None:
@@ -81,6 +83,7 @@ class PassGraphs:
         self.captured = 0
         self.replays = 0
         self.failures = 0
+        self.calls: dict[str, int] = {}
         self._by_owner: dict[int, tuple[object, dict[Hashable, _Signature]]] = {}
 
     def run(
@@ -96,6 +99,8 @@ class PassGraphs:
         ``key``: what else ``fn`` depends on (its mode, the shapes it was laid out for). The inputs' shapes and
         dtypes are part of the signature.
         """
+        kind = str(key[0] if isinstance(key, tuple) else key)
+        self.calls[kind] = self.calls.get(kind, 0) + 1
         entry = self._by_owner.get(id(owner))
         if entry is None or entry[0] is not owner:
             entry = self._by_owner[id(owner)] = (owner, {})
@@ -176,7 +181,7 @@ class CudaGraphs:
 
 
 class Reenactment:
-    """A recorder for devices without CUDA graphs (tests): a replay calls the function again on the static
+    """A recorder for devices without CUDA graphs (a CPU): a replay calls the function again on the static
     inputs, so a function that reads anything else that varies from call to call gives wrong values."""
 
     def __init__(self) -> None:

@@ -148,6 +148,8 @@ class EngineStats:
         graphs_recorded: Shapes of streamed passes and optimizer steps recorded as CUDA graphs.
         graph_replays: Passes and optimizer steps replayed from them.
         graph_failures: Shapes that could not be recorded (they run kernel by kernel).
+        graph_calls: Calls of the recorded passes by kind (``pass``: a training pass, ``step``: the gang's
+            optimizer step, ``eval``: an evaluation pass), whether recorded, replayed or run as they are.
     """
 
     switches: int = 0
@@ -171,6 +173,7 @@ class EngineStats:
     graphs_recorded: int = 0
     graph_replays: int = 0
     graph_failures: int = 0
+    graph_calls: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)

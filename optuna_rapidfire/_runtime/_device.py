@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optuna_rapidfire import events
-from optuna_rapidfire._engines import ENGINES
+from optuna_rapidfire._engines import ENGINES, _environment
 from optuna_rapidfire._engines._trials import DeviceTrials
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._resident._data import ChunkPlan, PreparedData
@@ -54,12 +54,14 @@ def compile_backend(setting: bool | str, device_type: str) -> str | bool:
 
 
 def records_graphs(setting: bool | str, device_type: str) -> bool:
-    """Whether the fused engine replays its streamed passes from CUDA graphs: with ``compile="auto"`` on a GPU.
+    """Whether the fused engine replays its streamed passes from CUDA graphs: with ``compile="auto"`` on a GPU,
+    unless ``RAPIDFIRE_RECORD_PASSES`` says otherwise (:mod:`~optuna_rapidfire._engines._environment`).
 
     Recording a pass costs about one uncompiled pass, where compiling the launched pass cost 20-50 s on an
     H200 (and stalled the passes beside it), and a replay launches the pass's thousands of small kernels at
     once: the 82M search's passes are launch-bound, so this is what makes them fast."""
-    return setting == "auto" and device_type == "cuda"
+    forced = _environment.flag(_environment.RECORD_PASSES)
+    return forced if forced is not None else setting == "auto" and device_type == "cuda"
 
 
 def engine_for(engine: str, device: torch.device) -> str:

@@ -24,6 +24,7 @@ from optuna_rapidfire._runtime._schedules import schedule_from
 if TYPE_CHECKING:
     import torch
     from datasets import Dataset
+    from mlflow.tracking import MlflowClient
     from peft import PeftConfig
     from transformers import PreTrainedTokenizerBase, TrainingArguments
 
@@ -69,7 +70,7 @@ class ExecutorConfig:
     preprocess_logits_for_metrics: Callable[..., Any] | None = None
     formatting_func: Callable[[dict[str, Any]], str] | None = None
     reward_funcs: Sequence[Callable[..., list[float]] | str] | None = None
-    mlflow_tracking_uri: str | None = None
+    mlflow_tracking_uri: str | MlflowClient | None = None
     output_dir: str | os.PathLike[str] = "rapidfire-output"
     devices: str | torch.device | list[str | torch.device] = "auto"
     state_memory_budget: int | str | None = "auto"
@@ -136,6 +137,11 @@ class ExecutorConfig:
         if not (isinstance(storage_retry_seconds, (int, float)) and storage_retry_seconds >= 0):
             raise ValueError(f"storage_retry_seconds must be a number of at least 0, but got {storage_retry_seconds=}.")
         _check_artifact_store(self.artifact_store)
+        tracking = self.mlflow_tracking_uri
+        if not (tracking is None or isinstance(tracking, str) or callable(getattr(tracking, "create_run", None))):
+            raise TypeError(
+                f"mlflow_tracking_uri must be a tracking URI or an mlflow.tracking.MlflowClient, but got {tracking!r}."
+            )
         keep = self.keep_checkpoints
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(

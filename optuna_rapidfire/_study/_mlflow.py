@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     import optuna
+    from mlflow.tracking import MlflowClient
 
 _logger = get_logger(__name__)
 
@@ -32,18 +33,23 @@ _STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
 
 
 class MlflowTracker:
-    """Logs trials to the MLflow tracking server at ``tracking_uri``.
+    """Logs trials to an MLflow tracking server.
 
     Args:
-        tracking_uri: Where MLflow runs go (``http://host:port``, ``sqlite:///mlflow.db``...).
+        tracking: Where MLflow runs go (a tracking URI: ``http://host:port``, ``sqlite:///mlflow.db``...), or the
+            ``MlflowClient`` to log through (one made with settings of your own, or anything with its methods).
         experiment: Experiment name; by default the study's name.
     """
 
-    def __init__(self, tracking_uri: str, experiment: str | None = None) -> None:
-        from mlflow.tracking import MlflowClient
+    def __init__(self, tracking: str | MlflowClient, experiment: str | None = None) -> None:
+        if isinstance(tracking, str):
+            from mlflow.tracking import MlflowClient
 
-        _check_reachable(tracking_uri)
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+            _check_reachable(tracking)
+            self.client = MlflowClient(tracking_uri=tracking)
+        else:
+            _check_reachable(str(getattr(tracking, "tracking_uri", "")))
+            self.client = tracking
         self.experiment = experiment
         self._lock = threading.Lock()
         self._parents: dict[str, tuple[str, str]] = {}

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
 _logger = get_logger(__name__)
 
-RDB_BACKENDS = ("sqlite", "postgresql", "mysql", "oracle", "mssql")
-"""The database backends an RDB storage URL may name (SQLAlchemy's, as Optuna's ``RDBStorage`` takes them)."""
+RDB_BACKENDS: dict[str, int | None] = {"sqlite": None, "postgresql": 5432, "mysql": 3306, "oracle": 1521, "mssql": 1433}
+"""The database backends an RDB storage URL may name (SQLAlchemy's, as Optuna's ``RDBStorage`` takes them), each with
+its server's default port (``None``: a file)."""
 _FIRST_DELAY = 0.5
 _MAX_DELAY = 8.0
 

@@ -303,31 +303,27 @@ def test_dpo_losses_the_fused_pass_does_not_compute_train_time_sliced_and_say_wh
     assert "not fused: trial 0 uses DPO loss_type ['hinge']" in caplog.text
 
 
-def test_a_failed_shared_pass_fails_only_the_trial_that_fails_alone(
-    make_executor, tiny_model, monkeypatch, caplog
-) -> None:
+def test_a_failed_shared_pass_fails_only_the_trial_that_fails_alone(make_executor, tiny_model, listen, caplog) -> None:
     """A pass that runs out of memory with several members is retried one by one (and later passes get
     smaller); a trial that fails on its own fails alone, the others report the time-sliced values."""
     import torch
 
-    from optuna_rapidfire._engines._gang_training import GangTraining
-    from optuna_rapidfire._engines._time_sliced import TimeSlicedEngine
+    from optuna_rapidfire import events
 
     sliced = _values(make_executor, "time_sliced")
-    shared_pass, own_chunk = GangTraining.run_pass, TimeSlicedEngine.train_chunk
 
-    def crowded(self, first, shared):
-        if len(shared.group) > 1:
+    def crowded(event: events.Event) -> None:  # a shared pass of several members runs out of memory
+        assert isinstance(event, events.PassStarting)
+        if len(event.trials) > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return shared_pass(self, first, shared)
 
-    def broken(self, runtime):
-        if runtime.spec.number == 1:
+    def broken(event: events.Event) -> None:  # trial 1 fails whenever the device is set up for it alone
+        assert isinstance(event, events.Switched)
+        if event.trial == 1:
             raise RuntimeError("trial 1 breaks on its own")
-        return own_chunk(self, runtime)
 
-    monkeypatch.setattr(GangTraining, "run_pass", crowded)
-    monkeypatch.setattr(TimeSlicedEngine, "train_chunk", broken)
+    listen(crowded, events.PassStarting)
+    listen(broken, events.Switched)
     executor = make_executor(engine="fused", num_chunks=3, max_concurrent_trials=3)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     for i in range(len(CONFIGS)):
@@ -387,8 +383,7 @@ def _evaluated(make_executor, monkeypatch, *, shared: bool, configs=None, **exec
     """Every chunk's full metrics (trial, step -> metrics) of a lock-step fused study, the token sums of
     each eval micro-batch of the shared evaluation, and how many trials were evaluated one at a time."""
     from optuna_rapidfire import events
-    from optuna_rapidfire._trainers._dpo import DPOFusedLoss
-    from optuna_rapidfire._trainers._sft import SFTFusedLoss
+    from optuna_rapidfire._engines import _environment
 
     configs = EVAL_CONFIGS if configs is None else configs
 
@@ -405,9 +400,8 @@ def _evaluated(make_executor, monkeypatch, *, shared: bool, configs=None, **exec
             else:
                 alone[0] += 1
 
-    if not shared:
-        for loss in (SFTFusedLoss, DPOFusedLoss):
-            monkeypatch.setattr(loss, "eval_refusal", lambda self: "the test asks for it")
+    if not shared:  # every member by its own trainer's loop, as for a kind without shared evaluation
+        monkeypatch.setenv(_environment.SHARED_EVALUATION, "0")
     with events.listen(hear, events.ChunkTrained, events.Evaluated):
         executor = make_executor(
             engine="fused", schedule="lockstep", num_chunks=2, max_concurrent_trials=3, **executor_kwargs
@@ -431,7 +425,8 @@ def test_a_gang_evaluates_in_shared_passes_with_each_trials_own_metrics(
     with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
         own, _, alone = _evaluated(make_executor, monkeypatch, shared=False)
     assert alone == len(own) == 2 * len(EVAL_CONFIGS)
-    assert caplog.text.count("Evaluating trial by trial, not in shared passes: the test asks for it.") == 1
+    said = "Evaluating trial by trial, not in shared passes: RAPIDFIRE_SHARED_EVALUATION=0."
+    assert caplog.text.count(said) == 1
 
     config = AutoConfig.from_pretrained(tiny_model)
     terms = loss_terms(config, rows=8, length=128)

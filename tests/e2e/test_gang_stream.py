@@ -14,11 +14,8 @@ from helpers import lora, sft_args
 from transformers import AutoConfig
 
 from optuna_rapidfire import events
-from optuna_rapidfire._engines import _launched
+from optuna_rapidfire._engines import _environment
 from optuna_rapidfire._engines._gang_passes import row_bucket
-from optuna_rapidfire._engines._gang_stream import GangStream
-from optuna_rapidfire._engines._gang_training import GangTraining
-from optuna_rapidfire._engines._pass_graphs import PassGraphs, Reenactment
 from optuna_rapidfire.schedules import BaseSchedule
 
 # batch size, rank, targets, dropout, learning rate: three batch sizes, so the members' chunks end at different
@@ -73,22 +70,13 @@ def test_row_buckets_are_a_few_sizes_of_whole_units() -> None:
 
 
 @pytest.mark.numerics
-def test_members_at_different_steps_report_what_they_report_alone(
-    make_executor, tiny_model, monkeypatch, listen
-) -> None:
+def test_members_at_different_steps_report_what_they_report_alone(make_executor, tiny_model, listen) -> None:
     """Two slots, three trials of batch 8, 2 and 4: the first ends its chunk after a quarter of the second's
     passes and goes on to its second chunk beside the second's first, then the third takes its slot while the
     second is midway. Each trial's per-chunk values are those of the trial trained alone, and each chunk's
     training time is its share of the passes it was in (the members' times add up to the passes')."""
-    seen: list[list[tuple[int, int]]] = []
-    original = GangStream._pass
-
-    def recording(stream, seated, *args):
-        seen.append([(seat.runtime.state.position.chunks_done, seat.index) for seat in seated])
-        return original(stream, seated, *args)
-
+    seen: list[list[tuple[int, int]]] = []  # each stream pass: each member's chunk and micro-batch in it
     alone = [_values(make_executor, 1, configs=(config,))[0][0] for config in range(3)]
-    monkeypatch.setattr(GangStream, "_pass", recording)
     shares: dict[int, float] = {}
     passes: dict[int, float] = {}
 
@@ -96,6 +84,7 @@ def test_members_at_different_steps_report_what_they_report_alone(
         if isinstance(event, events.ChunkTrained):
             shares[event.trial] = shares.get(event.trial, 0.0) + event.train_seconds
         elif isinstance(event, events.PassTrained) and event.engine == "stream":
+            seen.append(list(zip(event.steps, event.batches, strict=True)))
             for trial in event.trials:
                 passes[trial] = passes.get(trial, 0.0) + event.seconds / len(event.trials)
 
@@ -112,21 +101,12 @@ def test_members_at_different_steps_report_what_they_report_alone(
         assert_within_rounding(shared, own, terms=_terms(tiny_model))
 
 
-def test_a_member_leaving_or_joining_mid_chunk_compiles_nothing(make_executor, monkeypatch) -> None:
+def test_a_member_leaving_or_joining_mid_chunk_compiles_nothing(make_executor, listen) -> None:
     """Members leave and join inside their chunks, and the passes' rows take a few sizes: the compiler compiles
     the training pass for the first, generalises it at the second (two compilations), and compiles nothing after
     that whatever the gang does."""
-    counts: list[int] = []
-    original = GangTraining.run_pass
-
-    def counting(training, first, shared):
-        before = training.launched.compiles
-        try:
-            return original(training, first, shared)
-        finally:
-            counts.append(training.launched.compiles - before)
-
-    monkeypatch.setattr(GangTraining, "run_pass", counting)
+    counts: list[int] = []  # each stream pass: the compilations its forward and backward waited for
+    listen(lambda event: counts.append(event.compiles) if event.engine == "stream" else None, events.PassTrained)
     _, executor = _values(make_executor, 2, compile="aot_eager")
     stats = executor.stats()
     assert stats.compiles > 0 and stats.compile_failures == 0
@@ -139,12 +119,7 @@ def test_compiling_in_the_background_gives_the_eager_values(make_executor, tiny_
     """The passes run eagerly while a thread compiles the pass for their shapes, then take the compiled code: the
     values are those of the uncompiled study, and the compiled graphs are counted."""
     eager, _ = _values(make_executor, 2, compile=False)
-    init = _launched.LaunchedPasses.__init__
-
-    def background(self, resident, compile, capacity, background=None, **kwargs):
-        init(self, resident, compile, capacity, background=True, **kwargs)
-
-    monkeypatch.setattr(_launched.LaunchedPasses, "__init__", background)
+    monkeypatch.setenv(_environment.COMPILE_IN_BACKGROUND, "1")
     with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
         compiled, executor = _values(make_executor, 2, compile="aot_eager")
         deadline = time.monotonic() + 120
@@ -165,28 +140,13 @@ def test_recorded_passes_replay_what_the_passes_compute(make_executor, tiny_mode
     train on another pass's data): the loss tokens padded, the values those of the unrecorded study, and most
     training passes, optimizer steps and evaluation passes replayed."""
     plain, _ = _values(make_executor, 2, schedule=EveryReady())
-    init = _launched.LaunchedPasses.__init__
-    recorders: list[Reenactment] = []
-
-    def recording(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        recorders.append(Reenactment())
-        self.graphs = PassGraphs(recorders[-1])
-
-    monkeypatch.setattr(_launched.LaunchedPasses, "__init__", recording)
-    kinds: list[str] = []
-    run = PassGraphs.run
-
-    def counting(graphs, owner, key, inputs, fn):
-        kinds.append(key if isinstance(key, str) else key[0])
-        return run(graphs, owner, key, inputs, fn)
-
-    monkeypatch.setattr(PassGraphs, "run", counting)
+    monkeypatch.setenv(_environment.RECORD_PASSES, "1")  # on the CPU: each replay re-runs the recorded pass
     replayed, executor = _values(make_executor, 2, schedule=EveryReady())
-    assert {"pass", "step", "eval"} <= set(kinds)  # training passes, optimizer steps and evaluation passes
     stats = executor.stats()
+    # training passes, optimizer steps and evaluation passes
+    assert {"pass", "step", "eval"} <= {kind for kind, calls in stats.graph_calls.items() if calls}
     passes = sum(stats.gang_fill)
-    assert stats.graphs_recorded == recorders[0].recorded > 0 and stats.graph_failures == 0
+    assert stats.graphs_recorded > 0 and stats.graph_failures == 0
     # every shape's first call runs as it is, its second is recorded and replayed: the rest are replays
     assert stats.graph_replays > passes - stats.graphs_recorded, (stats.graph_replays, passes)
     for a, b in zip(plain, replayed, strict=True):
@@ -198,13 +158,8 @@ def test_recorded_passes_ask_nothing_of_the_compiler(make_executor, tiny_model, 
     while a stream's passes, steps and evaluations are recorded from uncompiled kernels. A streamed study with a
     compiling backend and a background compiler then compiles nothing, and reports the uncompiled values."""
     plain, _ = _values(make_executor, 2, schedule=EveryReady(), compile=False)
-    init = _launched.LaunchedPasses.__init__
-
-    def both(self, resident, compile, capacity, background=None, **kwargs):
-        init(self, resident, compile, capacity, background=True, **kwargs)
-        self.graphs = PassGraphs(Reenactment())
-
-    monkeypatch.setattr(_launched.LaunchedPasses, "__init__", both)
+    monkeypatch.setenv(_environment.COMPILE_IN_BACKGROUND, "1")
+    monkeypatch.setenv(_environment.RECORD_PASSES, "1")
     replayed, executor = _values(make_executor, 2, schedule=EveryReady(), compile="aot_eager")
     stats = executor.stats()
     assert stats.compiles == 0 and stats.graphs_recorded > 0 and stats.graph_failures == 0

@@ -60,30 +60,48 @@ def test_an_unreachable_tracking_server_is_a_clear_error_up_front(make_executor)
         make_executor(mlflow_tracking_uri="http://127.0.0.1:9")
 
 
-def test_a_tracking_server_that_goes_away_never_fails_or_holds_up_a_trial(make_executor, tmp_path, monkeypatch) -> None:
+def test_a_tracking_server_that_goes_away_never_fails_or_holds_up_a_trial(
+    make_executor, tmp_path, monkeypatch, listen
+) -> None:
     import threading
 
+    from optuna_rapidfire import events
+
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # each call to the dead server fails at once
-    with mlflow_server(tmp_path / "mlflow") as url:
-        executor = make_executor(num_chunks=2, max_concurrent_trials=2, mlflow_tracking_uri=url)
-    # The server is gone; every tracking call now fails, and the first one (finding the study's run) hangs
-    # until released: the trials finish all the same, and optimize returns while it hangs.
-    tracker = executor._services.tracker
-    monkeypatch.setattr(tracker, "flush", lambda timeout=120.0: None)
-    original = tracker.client.get_experiment_by_name
     hanging, release = threading.Event(), threading.Event()
 
-    def hangs(*args, **kwargs):
-        hanging.set()
-        release.wait()
-        return original(*args, **kwargs)
+    class Hanging:
+        """A client of the server whose first call (finding the study's run) hangs until released."""
 
-    monkeypatch.setattr(tracker.client, "get_experiment_by_name", hangs)
+        def __init__(self, url: str) -> None:
+            self.client = MlflowClient(tracking_uri=url)
+
+        def get_experiment_by_name(self, *args, **kwargs):
+            hanging.set()
+            release.wait()
+            return self.client.get_experiment_by_name(*args, **kwargs)
+
+        def __getattr__(self, name: str):
+            return getattr(self.client, name)
+
+    with mlflow_server(tmp_path / "mlflow") as url:
+        executor = make_executor(num_chunks=2, max_concurrent_trials=2, mlflow_tracking_uri=Hanging(url))
+    # The server is gone; every tracking call now fails, and the first one hangs until released: the trials
+    # finish all the same, each while it hangs (the last one's end releases it, for optimize waits for the
+    # tracking calls before it returns).
+    hung_at_end: list[bool] = []
+
+    def ended(event: events.Event) -> None:
+        hung_at_end.append(hanging.is_set() and not release.is_set())
+        if len(hung_at_end) == 2:
+            release.set()
+
+    listen(ended, events.TrialEnded)
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     executor.optimize(study, by_number([(lora(), sft_args())] * 2), n_trials=2)
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
-    assert hanging.is_set() and not release.is_set()  # a tracking call was still hanging
-    release.set()
-    executor.close()  # drops the calls left (flush does not wait here) and stops the tracker's thread
+    assert hung_at_end == [True, True]  # a tracking call was still hanging when each trial ended
+    tracker = executor._services.tracker
+    executor.close()  # stops the tracker's thread
     tracker._thread.join(60)
     assert not tracker._thread.is_alive()
