@@ -65,6 +65,18 @@ _COVERED = {
 
 Completions = list[list[int]]
 
+_LATER: Any = object()
+"""A shared step's answer to a member of a later phase than the members it served: ask again."""
+
+
+def _phase(request: Any) -> int:
+    """Where a request comes in a GRPO step: decode, reference, evaluation's score, policy's score, backward."""
+    if isinstance(request, DecodeRequest):
+        return 0
+    if isinstance(request, LogpsRequest):
+        return 1 if request.reference else 3 if request.grad else 2
+    return 4
+
 
 def refusal(trainer: Any) -> str | None:
     """Why a GRPO trainer's generation cannot go through the shared decode (``None``: it can).
@@ -244,7 +256,10 @@ class Generation:
         assert self._turns is not None
         rng, training = RngState.capture(self.trials.device), self.trials.resident.module.training
         try:
-            return self._turns.meet(request)
+            answer = self._turns.meet(request)
+            while answer is _LATER:  # members of an earlier phase were served first
+                answer = self._turns.meet(request)
+            return answer
         finally:
             self.trials.resume_member(runtime, self._gang, rng, training)
 
@@ -312,7 +327,23 @@ class Generation:
         )
 
     def _shared(self, requests: list[Any]) -> list[Any]:
-        """What the members waiting asked for, by kind: one decode, one policy forward, one backward."""
+        """What the members waiting asked for, by kind: one decode, one policy forward, one backward.
+
+        Only the requests of the earliest phase of a step are served (a decode, then references, then
+        evaluations' scores, then policy steps' scores, then backwards); the others are answered
+        :data:`_LATER` and ask again. So members whose steps differ (a KL member scores its reference, the
+        others do not) meet again at the next phase, and the whole gang decodes together at the next step.
+        """
+        phases = [_phase(request) for request in requests]
+        earliest = min(phases)
+        served = [i for i, phase in enumerate(phases) if phase == earliest]
+        answers: list[Any] = [_LATER] * len(requests)
+        for i, answer in zip(served, self._serve([requests[i] for i in served]), strict=True):
+            answers[i] = answer
+        return answers
+
+    def _serve(self, requests: list[Any]) -> list[Any]:
+        """Each request's answer, by kind: one decode, one policy forward, one backward."""
         answers: list[Any] = [None] * len(requests)
         for kind, run in (
             (DecodeRequest, self._shared_decode),
