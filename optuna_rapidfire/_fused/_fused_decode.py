@@ -44,8 +44,8 @@ def decode(
     """Each request's completions, sampled in one decode batch, each row through its request's adapter.
 
     ``model`` is a PEFT ``PeftModel`` (or its LoRA-injected base) that holds every request's adapter;
-    it runs in eval mode without gradients, and gets its modes back after. A request's completions do
-    not depend on the other requests (see the module's docstring).
+    it runs without gradients and without dropout (the HF forward in eval mode, giving the modes back
+    after). A request's completions do not depend on the other requests (see the module's docstring).
 
     The decoders :func:`~optuna_rapidfire._fused._launched_decode.supports` names decode with the launched
     step (a static KV cache, the step captured as a CUDA graph on a GPU); others with the HF forward.
@@ -87,12 +87,14 @@ def decode(
     refusal = _launched_decode.supports(lm)
     if launched and refusal is not None:
         raise ValueError(f"The launched decode cannot run this model: {refusal}.")
+    if refusal is None and launched is not False:
+        # Train or eval mode changes nothing there (no dropout module runs): the model's modes stay as they are.
+        with torch.no_grad():
+            return _launched_decode.LaunchedDecode(model, lm, requests, pad_token_id, device).run()
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
-            if refusal is None and launched is not False:
-                return _launched_decode.LaunchedDecode(model, lm, requests, pad_token_id, device).run()
             tokens, lengths = _Decode(model, lm, requests, pad_token_id, device).run()
     finally:
         for module, training in modes.items():

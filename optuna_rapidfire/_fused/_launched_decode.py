@@ -48,7 +48,9 @@ if TYPE_CHECKING:
 CHECK_EVERY = 8
 """Steps between two reads of the rows' ended flags (the decode's only host synchronisations)."""
 
-_COLUMN_BUCKET = 64  # the KV cache's columns are a multiple of this, so decodes of close lengths share graphs
+# The KV cache's columns: at least this many, else the next power of two, so that decodes of a study (training
+# and evaluation prompts of different widths) share a workspace and its graph (a step reads every column).
+_MIN_COLUMNS = 256
 _KEPT = 6  # workspaces kept per model (least recently used dropped)
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _WORKSPACES: weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict[_Shape, _Workspace]] = weakref.WeakKeyDictionary()
@@ -238,7 +240,7 @@ class LaunchedDecode:
 
     def _workspace(self, slots: int) -> _Workspace:
         """The model's workspace of this decode's shape with ``slots`` slots (made, or reused)."""
-        columns = math.ceil((self.width + self.steps) / _COLUMN_BUCKET) * _COLUMN_BUCKET
+        columns = max(_MIN_COLUMNS, 2 ** math.ceil(math.log2(self.width + self.steps)))
         chosen = self.requests
         stages = (
             any(r.do_sample for r in chosen),
