@@ -228,6 +228,17 @@ def set_grpo_logps(trainer: Any, logps: Any) -> None:
     trainer._get_per_token_logps_and_entropies = logps
 
 
+def grpo_rewards(trainer: Any) -> Any:
+    """``GRPOTrainer._calculate_rewards``: a step's rewards, one column per reward function (TRL 1.16). The
+    reward functions are public; the call that gives them their arguments is not."""
+    return trainer._calculate_rewards
+
+
+def set_grpo_rewards(trainer: Any, calculate: Any) -> None:
+    """Replace ``GRPOTrainer._calculate_rewards`` on this trainer (see :func:`grpo_rewards`)."""
+    trainer._calculate_rewards = calculate
+
+
 def set_backward(trainer: Any, backward: Any) -> None:
     """Replace ``trainer.accelerator.backward`` (what ``Trainer.training_step`` backpropagates its loss with) on
     this trainer's own accelerator. Public alternative: overriding ``training_step`` in a subclass."""

@@ -208,3 +208,39 @@ def test_what_the_shared_decode_does_not_cover_generates_as_trl_does_and_one_fai
     said = "Trial 0 generates alone, as TRL does: it sets generation_kwargs ['no_repeat_ngram_size']"
     assert caplog.text.count(said) == 1
     assert "this trial's step breaks" in caplog.text
+
+
+class _RecordingReward:
+    """A reward (the share of vowels, as :func:`vowel_reward`) that records each call's rows, and checks that
+    it was given TRL's keyword arguments."""
+
+    __name__ = "recording_reward"
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, prompts, completions, completion_ids, trainer_state, log_extra, log_metric, **kwargs):
+        assert len(prompts) == len(completions) == len(completion_ids) and trainer_state is not None
+        self.calls.append(len(completions))
+        log_metric("recorded_rows", float(len(completions)))
+        return vowel_reward(completions)
+
+
+def test_a_gang_calls_each_reward_function_once_and_each_trial_gets_its_own_rewards(make_executor, prompts) -> None:
+    """Fused, the members' reward calls meet: one call scores every member's rows (TRL's arguments, the
+    lists concatenated) and each trial's rewards, hence its values, are those it gets time-sliced."""
+    configs = [(lora(r=4), grpo_args(seed=1)), (lora(r=2), grpo_args(seed=2, learning_rate=2e-2))]
+    found = {}
+    for engine in ("fused", "time_sliced"):
+        reward = _RecordingReward()
+        executor = _executor(make_executor, prompts, len(configs), engine, reward=reward)
+        study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+        executor.optimize(study, by_number(configs), n_trials=len(configs))
+        assert [t.state for t in study.trials] == [TrialState.COMPLETE] * len(configs)
+        found[engine] = (reward.calls, [t.intermediate_values for t in study.trials])
+    (gang_calls, gang_values), (alone_calls, alone_values) = found["fused"], found["time_sliced"]
+    assert max(gang_calls) == 2 * max(alone_calls)  # both members' rows in one call
+    assert len(gang_calls) < len(alone_calls)
+    for gang, alone in zip(gang_values, alone_values, strict=True):
+        assert gang.keys() == alone.keys()
+        assert all(gang[step] == pytest.approx(alone[step], rel=1e-5) for step in gang)

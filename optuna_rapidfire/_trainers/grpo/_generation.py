@@ -32,6 +32,8 @@ from optuna_rapidfire._fused._fused_pass import pad_token_id
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._resident._state import RngState
 from optuna_rapidfire._trainers.grpo._policy_pass import BackwardRequest, LogpsRequest, PolicyPasses
+from optuna_rapidfire._trainers.grpo._rewards import RewardRequest, rewards
+from optuna_rapidfire._trainers.grpo._rewards import refusal as rewards_refusal
 from optuna_rapidfire._trainers.grpo._turns import Turns
 
 if TYPE_CHECKING:
@@ -70,12 +72,15 @@ _LATER: Any = object()
 
 
 def _phase(request: Any) -> int:
-    """Where a request comes in a GRPO step: decode, reference, evaluation's score, policy's score, backward."""
+    """Where a request comes in a GRPO step: decode, reference, rewards, evaluation's score, policy's score,
+    backward."""
     if isinstance(request, DecodeRequest):
         return 0
+    if isinstance(request, RewardRequest):
+        return 2
     if isinstance(request, LogpsRequest):
-        return 1 if request.reference else 3 if request.grad else 2
-    return 4
+        return 1 if request.reference else 4 if request.grad else 3
+    return 5
 
 
 def refusal(trainer: Any) -> str | None:
@@ -119,8 +124,10 @@ class Generation:
 
     def install(self, runtime: Member) -> None:
         """Make the trial's GRPO trainer generate through here (or as TRL does, where :func:`refusal` says so),
-        and, in a gang that shares its policy passes, score and backpropagate its steps in them."""
+        and, in a gang that shares its policy passes, score and backpropagate its steps in them; in a gang, its
+        rewards are computed with the other members' (:mod:`~optuna_rapidfire._trainers.grpo._rewards`)."""
         self._install_policy(runtime)
+        self._install_rewards(runtime)
         self._numbers[runtime.state.adapter_name] = runtime.spec.number
         trainer = runtime.trainer
         reason = refusal(trainer)
@@ -243,6 +250,44 @@ class Generation:
         _compat.set_grpo_logps(trainer, shared_logps)
         _compat.set_backward(trainer, shared_backward)
 
+    def _install_rewards(self, runtime: Member) -> None:
+        """Route the trial's reward calls through the gang's shared call while it trains in a gang."""
+        trainer: Any = runtime.trainer
+        original: Callable[..., Any] = _compat.grpo_rewards(trainer)
+        reason = rewards_refusal(trainer)
+        if reason is not None:
+            self._say(f"Trial {runtime.spec.number} scores its rewards alone: it {reason}.")
+
+        def shared_rewards(inputs: Any, prompts: Any, completions: Any, completion_ids: Any) -> Any:
+            if reason is not None or not self._inside():
+                return original(inputs, prompts, completions, completion_ids)
+            request = RewardRequest(runtime, list(inputs), list(prompts), list(completions), list(completion_ids))
+            return self._meet(runtime, request)
+
+        _compat.set_grpo_rewards(trainer, shared_rewards)
+
+    def _shared_rewards(self, requests: list[RewardRequest]) -> list[torch.Tensor | BaseException]:
+        """The gang's rewards; after a failure with several members, each member's alone, so that only a
+        member whose rows fail fails."""
+        try:
+            return list(rewards(requests))
+        except Exception as error:
+            if len(requests) == 1:
+                raise
+            _logger.warning(
+                "Shared rewards of %d trials failed (%s: %s); scoring them one by one.",
+                len(requests),
+                type(error).__name__,
+                error,
+            )
+        answers: list[torch.Tensor | BaseException] = []
+        for request in requests:
+            try:
+                answers.append(rewards([request])[0])
+            except Exception as own:
+                answers.append(own)
+        return answers
+
     # -- one trial's generation ------------------------------------------------------------------
 
     def _inside(self) -> bool:
@@ -329,8 +374,8 @@ class Generation:
     def _shared(self, requests: list[Any]) -> list[Any]:
         """What the members waiting asked for, by kind: one decode, one policy forward, one backward.
 
-        Only the requests of the earliest phase of a step are served (a decode, then references, then
-        evaluations' scores, then policy steps' scores, then backwards); the others are answered
+        Only the requests of the earliest phase of a step are served (a decode, then references, rewards,
+        evaluations' scores, policy steps' scores, backwards); the others are answered
         :data:`_LATER` and ask again. So members whose steps differ (a KL member scores its reference, the
         others do not) meet again at the next phase, and the whole gang decodes together at the next step.
         """
@@ -347,6 +392,7 @@ class Generation:
         answers: list[Any] = [None] * len(requests)
         for kind, run in (
             (DecodeRequest, self._shared_decode),
+            (RewardRequest, self._shared_rewards),
             (LogpsRequest, self.policy.forward),
             (BackwardRequest, self.policy.backward),
         ):
