@@ -333,3 +333,22 @@ def test_the_lora_injected_base_decodes_as_its_peft_model(model: PeftModel) -> N
         return [DecodeRequest("t0", _prompts(9, [3, 5]), 6, generator=_generator(1))]
 
     assert decode(model.get_base_model(), requests(), PAD) == decode(model, requests(), PAD)
+
+
+def test_a_decoder_the_launched_decode_does_not_know_decodes_through_the_hf_forward() -> None:
+    """GPT-2's layout (no rotary embedding, fused attention projections) is refused by name with
+    ``launched=True`` before any work, and decodes through the HF forward by default."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gpt2 = get_peft_model(GPT2LMHeadModel(config), LoraConfig(r=2, target_modules=["c_attn"]), adapter_name="g")
+    assert "Llama-layout" in (_launched_decode.supports(gpt2.get_base_model()) or "")
+    request = DecodeRequest("g", _prompts(10, [3, 5]), 4, do_sample=False)
+    with pytest.raises(ValueError, match="launched decode cannot run this model: GPT2LMHeadModel"):
+        decode(gpt2, [request], PAD, launched=True)
+    assert decode(gpt2, [request], PAD) == decode(gpt2, [request], PAD, launched=False)
+    assert all(len(row) == 4 for row in decode(gpt2, [request], PAD)[0])
