@@ -24,7 +24,8 @@ weights read in ~0.5 ms). Here, as in vLLM's multi-LoRA decode:
   move to a workspace of fewer slots (their KV cache and state selected), so a finished request stops
   costing compute.
 
-The prefill runs the same layer code eagerly over the prompts (left-padded, as HF pads them). On a CPU
+The prefill runs the same layer code eagerly over each slot's distinct prompts (left-padded, as HF pads them),
+once each: GRPO repeats every prompt once per generation, and the rows of one prompt take its KV cache. On a CPU
 there is no graph: the step runs eagerly, the same code, which the tests check against HF ``generate``.
 """
 
@@ -195,6 +196,7 @@ class LaunchedDecode:
             rank = max([rank] + [adapters[r.adapter].weight.shape[0] for r in requests if r.adapter in adapters])
         self.rank = rank
         self.layouts: list[list[int]] = []  # the requests in the slots, per layout (a compaction adds one)
+        self.prefilled: list[int] = []  # the rows each prefill ran (each slot's distinct prompts)
 
     # -- the decode ------------------------------------------------------------------------------
 
@@ -290,13 +292,32 @@ class LaunchedDecode:
         padded = [r if len(r.prompts) == rows else _padded(r, rows) for r in requests]
         _copy_sampling(space.sampling, Sampling.of(padded, self.vocab, device))
         space.noise.fill_(1.0)
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        # The prefill runs each slot's distinct prompts once (GRPO repeats each prompt once per generation):
+        # ``spread`` gives every row the prefill row of its prompt, whose KV cache and logits it takes.
+        distinct: list[list[list[int]]] = []
+        spread: list[int] = []
+        for r in requests:
+            own: dict[tuple[int, ...], int] = {}
+            for prompt in r.prompts:
+                own.setdefault(tuple(prompt), len(own))
+            distinct.append([list(p) for p in own])
+            spread += [own[tuple(p)] for p in r.prompts] + [0] * (rows - len(r.prompts))
+        each = max(len(d) for d in distinct)
+        spread = [slot * each + row for slot in range(len(requests)) for row in spread[slot * rows : (slot + 1) * rows]]
+        unique = [p for d in distinct for p in d + [d[-1]] * (each - len(d))]
+        unique_ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in unique], device=device)
+        unique_mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in unique], device=device, dtype=torch.bool
+        )
+        positions = (unique_mask.long().cumsum(-1) - 1).clamp(min=0)
         columns = torch.arange(width, device=device)
         # Causal over the real tokens; a padding query sees itself (no row of the mask is empty).
-        see = (columns[None, :] <= columns[:, None])[None] & mask[:, None, :]
+        see = (columns[None, :] <= columns[:, None])[None] & unique_mask[:, None, :]
         see |= torch.eye(width, dtype=torch.bool, device=device)[None]
-        hidden = self._layers(space, ids, positions, columns, see[:, None], prefill=True)
-        space.logits.copy_(self._head(hidden[:, -1]))
+        rows_of = torch.tensor(spread, device=device)
+        self.prefilled.append(len(unique))
+        hidden = self._layers(space, unique_ids, positions, columns, see[:, None], prefill=rows_of)
+        space.logits.copy_(self._head(hidden[:, -1]).index_select(0, rows_of))
         if space.seen is not None:
             pointed = ids.clamp(max=self.vocab).masked_fill(~mask, self.vocab)
             seen = torch.zeros(len(prompts), self.vocab + 1, dtype=torch.bool, device=device).scatter_(1, pointed, True)
@@ -385,11 +406,12 @@ class LaunchedDecode:
         positions: torch.Tensor,
         columns: torch.Tensor,
         mask: torch.Tensor,
-        prefill: bool = False,
+        prefill: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decoder over ``ids`` (rows x tokens) at ``positions``, writing the KV cache at ``columns``;
-        ``mask``: which cache columns each query sees (rows x 1 x tokens x columns); ``prefill``: the
-        prompts, which see only the first ``tokens`` columns (``mask`` is rows x 1 x tokens x tokens)."""
+        ``mask``: which cache columns each query sees (rows x 1 x tokens x columns). ``prefill``: ``ids`` are
+        distinct prompts, which see each other's tokens only (``mask`` is rows x 1 x tokens x tokens), and
+        each batch row's cache takes that of the prompt row ``prefill`` names."""
         lm = self.lm
         hidden = lm.model.embed_tokens(ids)
         cos, sin = lm.model.rotary_emb(hidden, positions)
@@ -401,13 +423,17 @@ class LaunchedDecode:
             k = self._linear(space, layer, index, "k_proj", normed).view(shape).transpose(1, 2)
             v = self._linear(space, layer, index, "v_proj", normed).view(shape).transpose(1, 2)
             q, k = self.rope(q, k, cos, sin)
-            space.keys[index].index_copy_(2, columns, k.to(space.shape.dtype))
-            space.values[index].index_copy_(2, columns, v.to(space.shape.dtype))
-            keys, values = space.keys[index], space.values[index]
-            if prefill:  # only the prompts' columns; heads repeated, for the kernels that take a mask
-                width, groups = ids.shape[1], q.shape[1] // keys.shape[1]
-                keys = keys[:, :, :width].repeat_interleave(groups, dim=1)
-                values = values[:, :, :width].repeat_interleave(groups, dim=1)
+            k, v = k.to(space.shape.dtype), v.to(space.shape.dtype)
+            if prefill is not None:  # the prompts attend to themselves; every row's cache takes its prompt's
+                width = ids.shape[1]
+                space.keys[index][:, :, :width].copy_(k.index_select(0, prefill))
+                space.values[index][:, :, :width].copy_(v.index_select(0, prefill))
+                groups = q.shape[1] // k.shape[1]  # heads repeated, for the kernels that take a mask
+                keys, values = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            else:
+                space.keys[index].index_copy_(2, columns, k)
+                space.values[index].index_copy_(2, columns, v)
+                keys, values = space.keys[index], space.values[index]
             attended = F.scaled_dot_product_attention(
                 q.to(keys.dtype),
                 keys,

@@ -352,3 +352,23 @@ def test_a_decoder_the_launched_decode_does_not_know_decodes_through_the_hf_forw
         decode(gpt2, [request], PAD, launched=True)
     assert decode(gpt2, [request], PAD) == decode(gpt2, [request], PAD, launched=False)
     assert all(len(row) == 4 for row in decode(gpt2, [request], PAD)[0])
+
+
+@pytest.mark.numerics
+def test_a_prompt_repeated_per_generation_is_prefilled_once_and_its_rows_sample_apart(model: PeftModel) -> None:
+    """GRPO's rows repeat each prompt once per generation: the launched prefill runs each slot's distinct
+    prompts once, and every row samples its own tokens, as through the HF forward."""
+    prompts = [p for p in _prompts(11, [4, 7]) for _ in range(3)]
+
+    def requests() -> list[DecodeRequest]:
+        return [
+            DecodeRequest("t1", prompts, 9, temperature=0.9, generator=_generator(5)),
+            DecodeRequest("t2", prompts[:3], 6, generator=_generator(6)),
+        ]
+
+    run = _launched_decode.LaunchedDecode(model, model.get_base_model(), requests(), PAD, torch.device("cpu"))
+    with torch.no_grad():
+        launched = run.run()
+    assert run.prefilled == [2 * 2]  # 2 slots x the most distinct prompts of a slot (t1: 2; t2: 1, padded)
+    assert launched == decode(model, requests(), PAD, launched=False)
+    assert len({tuple(row) for row in launched[0]}) > 2  # rows of one prompt sample apart
