@@ -45,6 +45,7 @@ __all__ = [
     "GangTrained",
     "Listener",
     "ModelLoaded",
+    "Offloaded",
     "PassStarting",
     "PassTrained",
     "Switched",
@@ -161,7 +162,8 @@ class Decoded:
     per trial, ``rows`` prompts in all (the widest ``prompt_width`` tokens), ``new_tokens`` generated, in ``seconds``
     (the device's time: synchronized while anyone listens). ``phase``: what the decode served, ``"train"`` (a
     training step), ``"eval"`` (an evaluation), ``"check"`` (the one-batch check of the first trial's metrics) or
-    ``"mixed"``; ``sampling``: the first request's sampling settings, as the decode applied them."""
+    ``"mixed"``; ``sampling``: the first request's sampling settings, as the decode applied them;
+    ``completions``: each trial's completions (token ids, one tuple per prompt), in the order of ``trials``."""
 
     trials: tuple[int, ...]
     rows: int
@@ -170,6 +172,16 @@ class Decoded:
     prompt_width: int
     phase: str
     sampling: dict[str, Any]
+    completions: tuple[tuple[tuple[int, ...], ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Offloaded:
+    """A trial's state (adapter and optimizer) was moved off the device to fit its state budget, or because the
+    trial paused; ``gang``: the members of the gang running in turns on that device then (none is offloaded)."""
+
+    trial: int
+    gang: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -290,6 +302,7 @@ Event = Union[  # noqa: UP007
     PassTrained,
     GangTrained,
     Decoded,
+    Offloaded,
     Compiled,
     Checkpointed,
     Evaluated,

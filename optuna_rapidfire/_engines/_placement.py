@@ -59,8 +59,7 @@ class Placement:
     def pause(self, runtime: TrialRuntime) -> None:
         """Move an idle trial's state off the device until it trains again."""
         if runtime.state.resident:
-            runtime.state.offload(self.device)
-            self.offloads += 1
+            self._offload(runtime)
         if self.current is runtime:
             self.current = None
 
@@ -76,8 +75,13 @@ class Placement:
             if any(victim is k for k in keep) or any(victim is k for k in self.gang):
                 continue
             used -= victim.state.nbytes()
-            victim.state.offload(self.device)
-            self.offloads += 1
+            self._offload(victim)
+
+    def _offload(self, runtime: TrialRuntime) -> None:
+        runtime.state.offload(self.device)
+        self.offloads += 1
+        if events.listening(events.Offloaded):
+            events.emit(events.Offloaded(runtime.spec.number, tuple(r.spec.number for r in self.gang)))
 
     def on_device(self, runtimes: Sequence[TrialRuntime]) -> None:
         """Bring the trials' states onto the device (marked just used) and offload others to fit the budget."""

@@ -46,34 +46,24 @@ def _executor(make_executor, prompts, trials: int, engine: str = "fused", reward
     )
 
 
-def _run(make_executor, monkeypatch, prompts, configs, engine: str):
+def _run(make_executor, prompts, configs, engine: str):
     """Each trial's completions in the order generated, its chunks' full metrics, and the engine's counters."""
     from optuna_rapidfire import events
-    from optuna_rapidfire._trainers.grpo._generation import Generation
 
     completions: dict[str, list[list[list[int]]]] = {}
     metrics: dict[str, list[dict[str, float]]] = {}
-    original = Generation.generate
 
-    def recording(self, runtime, prompt_ids):
-        found = original(self, runtime, prompt_ids)
-        if self.trials.evaluating(runtime.state.adapter_name) != "check":  # not the first trial's metric check
-            completions.setdefault(runtime.state.adapter_name, []).append(found)
-        return found
-
-    def recording_chunks(event: events.Event) -> None:
+    def recording(event: events.Event) -> None:
+        if isinstance(event, events.Decoded) and event.phase != "check":  # not the first trial's metric check
+            for trial, found in zip(event.trials, event.completions, strict=True):
+                completions.setdefault(f"trial_{trial}", []).append([list(row) for row in found])
         if isinstance(event, events.ChunkTrained):
             metrics.setdefault(f"trial_{event.trial}", []).append(dict(event.metrics))
 
-    monkeypatch.setattr(Generation, "generate", recording)
-    stop_listening = events.listen(recording_chunks, events.ChunkTrained)
     executor = _executor(make_executor, prompts, len(configs), engine)
     study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
-    try:
+    with events.listen(recording, events.Decoded, events.ChunkTrained):
         executor.optimize(study, by_number(configs), n_trials=len(configs))
-    finally:
-        monkeypatch.undo()
-        stop_listening()
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * len(configs)
     names = [f"trial_{t.number}" for t in study.trials]
     return [completions[n] for n in names], [metrics[n] for n in names], executor.stats()
@@ -81,16 +71,16 @@ def _run(make_executor, monkeypatch, prompts, configs, engine: str):
 
 @pytest.mark.numerics
 def test_a_grpo_trial_generates_and_trains_the_same_alone_and_in_a_gang(
-    make_executor, monkeypatch, prompts, tiny_model, caplog
+    make_executor, prompts, tiny_model, caplog
 ) -> None:
     """Fused, a gang decodes together and shares its policy passes (its references and evaluations' scores
     too); a trial's completions, rewards and
     per-chunk metrics are its own alone or in the gang, and those of the time-sliced engine where the
     engines draw the same (no adapter dropout: the fused passes draw masks from the trial's generator)."""
-    alone, alone_metrics, alone_stats = _run(make_executor, monkeypatch, prompts, [TARGET], "fused")
+    alone, alone_metrics, alone_stats = _run(make_executor, prompts, [TARGET], "fused")
     with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
-        fused, fused_metrics, fused_stats = _run(make_executor, monkeypatch, prompts, [*OTHERS, TARGET], "fused")
-    sliced, sliced_metrics, sliced_stats = _run(make_executor, monkeypatch, prompts, [*OTHERS, TARGET], "time_sliced")
+        fused, fused_metrics, fused_stats = _run(make_executor, prompts, [*OTHERS, TARGET], "fused")
+    sliced, sliced_metrics, sliced_stats = _run(make_executor, prompts, [*OTHERS, TARGET], "time_sliced")
 
     # Time-sliced, every request decodes alone and every step scores alone; fused, the members waiting
     # decode together and every training step went through shared passes.
@@ -117,16 +107,14 @@ def test_a_grpo_trial_generates_and_trains_the_same_alone_and_in_a_gang(
 
 
 @pytest.mark.numerics
-def test_a_member_out_of_phase_with_a_kl_member_trains_as_alone(
-    make_executor, monkeypatch, prompts, tiny_model
-) -> None:
+def test_a_member_out_of_phase_with_a_kl_member_trains_as_alone(make_executor, prompts, tiny_model) -> None:
     """A member whose shared pass is still open while another member computes its reference (adapters
     off, as TRL does for ``beta`` > 0) still gets its whole gradient: the other finishes its chunk first
     (fewer steps) and evaluates while this one trains, and this one trains as alone."""
     early = (lora(r=4), grpo_args(seed=1, beta=0.1))  # 2 prompts a step: its chunk ends first
     late = (lora(r=2), grpo_args(seed=2, per_device_train_batch_size=2, num_generations=2))
-    alone, alone_metrics, _ = _run(make_executor, monkeypatch, prompts, [late], "fused")
-    gang, gang_metrics, stats = _run(make_executor, monkeypatch, prompts, [early, late], "fused")
+    alone, alone_metrics, _ = _run(make_executor, prompts, [late], "fused")
+    gang, gang_metrics, stats = _run(make_executor, prompts, [early, late], "fused")
     assert stats.fused_steps > 0
     assert gang[1] == alone[0]
     terms = gradient_terms(AutoConfig.from_pretrained(tiny_model), rows=8, length=64)
@@ -136,36 +124,15 @@ def test_a_member_out_of_phase_with_a_kl_member_trains_as_alone(
 def test_no_member_of_a_running_gang_is_offloaded(make_executor, prompts) -> None:
     """With a state budget that fits no trial, members still paused at a meeting keep their states on the
     device while the others run (the decode and the shared passes read them)."""
-    from optuna_rapidfire._engines._placement import Placement
-    from optuna_rapidfire._resident._state import SwapState
+    from optuna_rapidfire import events
 
-    offloaded_in_gang = []
-    offload, fit = SwapState.offload, Placement.fit_budget
-
-    def fitting(self, keep):
-        self._fitting_gang = list(self.gang)
-        return fit(self, keep)
-
-    def recording(state, device):
-        for placement in live:
-            if any(member.state is state for member in getattr(placement, "_fitting_gang", [])):
-                offloaded_in_gang.append(state.adapter_name)
-        return offload(state, device)
-
-    live: list = []
-    init = Placement.__init__
-
-    def tracking(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        live.append(self)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Placement, "__init__", tracking)
-        patch.setattr(Placement, "fit_budget", fitting)
-        patch.setattr(SwapState, "offload", recording)
-        executor = _executor(make_executor, prompts, 2, state_memory_budget=1)
-        study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+    offloads: list[events.Offloaded] = []
+    executor = _executor(make_executor, prompts, 2, state_memory_budget=1)
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+    with events.listen(offloads.append, events.Offloaded):  # type: ignore[arg-type]
         executor.optimize(study, by_number([(lora(r=4), grpo_args()), (lora(r=2), grpo_args(seed=3))]), n_trials=2)
+    offloaded_in_gang = [event for event in offloads if event.trial in event.gang]
+    assert offloads  # the budget fits no trial: trials were offloaded between their gangs
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     assert executor.stats().fused_steps > 0 and not offloaded_in_gang
 

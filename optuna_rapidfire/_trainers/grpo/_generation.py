@@ -369,6 +369,7 @@ class Generation:
             prompt_width=max(len(p) for r in requests for p in r.prompts),
             phase=phases.pop() if len(phases) == 1 else "mixed",
             sampling=sampling,
+            completions=tuple(tuple(tuple(row) for row in c) for c in completions),
         )
 
     def _shared(self, requests: list[Any]) -> list[Any]:
