@@ -148,20 +148,16 @@ def _numbers(chunks: list[dict[str, float]]) -> dict[str, float]:
 
 
 def test_what_the_shared_decode_does_not_cover_generates_as_trl_does_and_one_failure_stays_its_own(
-    make_executor, monkeypatch, prompts, caplog
+    make_executor, prompts, caplog
 ) -> None:
     """A trial with a generation option the decode does not apply generates with TRL's own ``generate`` (the
     log says why, once); a member whose step fails fails alone, the rest of its gang completes."""
-    from optuna_rapidfire._trainers.grpo._kind import GRPOKind
+    from optuna_rapidfire import events
 
-    accumulate = GRPOKind.accumulate
-
-    def breaking(self, trainer, model, batches, device, scaler):
-        if trainer.args.learning_rate == 3e-2:
+    def breaking(event: events.Event) -> None:  # a listener that raises fails what it heard: trial 1's steps
+        if isinstance(event, events.Decoded) and event.phase == "train" and 1 in event.trials:
             raise RuntimeError("this trial's step breaks")
-        return accumulate(self, trainer, model, batches, device, scaler)
 
-    monkeypatch.setattr(GRPOKind, "accumulate", breaking)
     configs = [
         (lora(r=4), grpo_args(generation_kwargs={"no_repeat_ngram_size": 2})),
         (lora(r=2), grpo_args(learning_rate=3e-2)),
@@ -169,9 +165,11 @@ def test_what_the_shared_decode_does_not_cover_generates_as_trl_does_and_one_fai
     ]
     executor = _executor(make_executor, prompts, 3, reward=gsm8k_reward)
     study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
-    with caplog.at_level(logging.INFO, logger="optuna_rapidfire"):
+    with caplog.at_level(logging.INFO, logger="optuna_rapidfire"), events.listen(breaking, events.Decoded):
         executor.optimize(study, by_number(configs), n_trials=3)
+    # The gang's decode failed, then each member's alone: trial 1's alone failed, trial 2's went on.
     assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+    assert "decoding them one by one" in caplog.text
     said = "Trial 0 generates alone, as TRL does: it sets generation_kwargs ['no_repeat_ngram_size']"
     assert caplog.text.count(said) == 1
     assert "this trial's step breaks" in caplog.text
