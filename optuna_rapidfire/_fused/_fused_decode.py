@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optuna_rapidfire._fused import _launched_decode
+from optuna_rapidfire._fused import _launched_decode, _workspace
 from optuna_rapidfire._fused._fused_pass import Gang, fused_forward, layer_plans, lora_layers
 from optuna_rapidfire._fused._sampling import DecodeRequest, Sampling, penalize, warp
 
@@ -47,7 +47,7 @@ def decode(
     it runs without gradients and without dropout (the HF forward in eval mode, giving the modes back
     after). A request's completions do not depend on the other requests (see the module's docstring).
 
-    The decoders :func:`~optuna_rapidfire._fused._launched_decode.supports` names decode with the launched
+    The decoders :func:`~optuna_rapidfire._fused._workspace.supports` names decode with the launched
     step (a static KV cache, the step captured as a CUDA graph on a GPU); others with the HF forward.
 
     Args:
@@ -84,7 +84,7 @@ def decode(
             raise ValueError(
                 f"The generator of adapter {r.adapter!r} is on {r.generator.device}, but the model is on {device}."
             )
-    refusal = _launched_decode.supports(lm)
+    refusal = _workspace.supports(lm)
     if launched and refusal is not None:
         raise ValueError(f"The launched decode cannot run this model: {refusal}.")
     if refusal is None and launched is not False:

@@ -1,10 +1,10 @@
 """The launched decode: a gang's decode step as one captured CUDA graph over a static KV cache.
 
 :func:`~optuna_rapidfire._fused._fused_decode.decode` runs here for the decoders this module knows (Llama,
-Mistral and Qwen2 layouts with full attention, :func:`supports`). The HF forward it replaces launches a few
-thousand small kernels per generated token from Python, and a dynamic KV cache grows by copies; at a
-gang's batch the GPU then waits on the host (about 60-150 ms per step on an H200 for a 1B model, whose
-weights read in ~0.5 ms). Here, as in vLLM's multi-LoRA decode:
+Mistral and Qwen2 layouts with full attention: :func:`~optuna_rapidfire._fused._workspace.supports`). The
+HF forward it replaces launches a few thousand small kernels per generated token from Python, and a
+dynamic KV cache grows by copies; at a gang's batch the GPU then waits on the host (about 60-150 ms per
+step on an H200 for a 1B model, whose weights read in ~0.5 ms). Here, as in vLLM's multi-LoRA decode:
 
 - **A static workspace** per batch shape: a KV cache of ``rows x heads x columns`` per layer, every
   row's state (next token, position, valid key columns, ended, its output) and every adapter's LoRA
@@ -35,16 +35,14 @@ import math
 import sys
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from optuna_rapidfire._fused._sampling import DecodeRequest, Sampling, penalize, warp
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
+from optuna_rapidfire._fused._workspace import PROJECTIONS, Shape, Workspace, projection
 
 CHECK_EVERY = 8
 """Steps between two reads of the rows' ended flags (the decode's only host synchronisations)."""
@@ -53,119 +51,7 @@ CHECK_EVERY = 8
 # and evaluation prompts of different widths) share a workspace and its graph (a step reads every column).
 _MIN_COLUMNS = 256
 _KEPT = 6  # workspaces kept per model (least recently used dropped)
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_WORKSPACES: weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict[_Shape, _Workspace]] = weakref.WeakKeyDictionary()
-
-
-def supports(lm: Any) -> str | None:
-    """Why the launched decode cannot run ``lm`` (``None``: it can).
-
-    It needs a Llama-layout decoder (``model.layers[i]`` with ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,
-    up,down}_proj``, two RMS norms, ``model.rotary_emb``) and full attention on every layer.
-    """
-    model = getattr(lm, "model", None)
-    layers = getattr(model, "layers", None)
-    if model is None or layers is None or not hasattr(model, "rotary_emb") or not hasattr(model, "norm"):
-        return f"{type(lm).__name__} has no Llama-layout decoder"
-    for layer in layers:
-        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attention is None or mlp is None or not hasattr(layer, "post_attention_layernorm"):
-            return f"{type(lm).__name__}'s layers are not Llama-layout"
-        if any(not hasattr(attention if name in _PROJECTIONS[:4] else mlp, name) for name in _PROJECTIONS):
-            return f"{type(lm).__name__}'s layers miss a projection of {_PROJECTIONS}"
-        if getattr(attention, "sliding_window", None) is not None or hasattr(attention, "q_norm"):
-            return f"{type(lm).__name__} uses sliding-window attention or query/key norms"
-    return None
-
-
-def _projection(layer: Any, name: str) -> Any:
-    owner = layer.self_attn if name in _PROJECTIONS[:4] else layer.mlp
-    return getattr(owner, name)
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """What a workspace's graph is built for: slots, rows per slot, KV columns, output columns, the largest
-    rank, the targeted projections and which sampling stages run."""
-
-    slots: int
-    rows: int
-    columns: int
-    rank: int
-    targets: tuple[tuple[int, str], ...]
-    stages: tuple[bool, bool, bool, bool, bool]  # sample, top-k, top-p, min-p, repetition penalty
-    dtype: torch.dtype
-    eos: int  # EOS ids per row (padded with -1)
-
-
-class _Workspace:
-    """Static buffers of one decode shape, and the graph of its step once captured."""
-
-    def __init__(self, lm: Any, shape: _Shape, device: torch.device, vocab: int) -> None:
-        config, rows = lm.config, shape.slots * shape.rows
-        attention = lm.model.layers[0].self_attn
-        heads = config.num_key_value_heads
-        head_dim = getattr(attention, "head_dim", config.hidden_size // config.num_attention_heads)
-        self.shape, self.device, self.vocab = shape, device, vocab
-        cache = (rows, heads, shape.columns, head_dim)
-        self.keys = [torch.zeros(cache, dtype=shape.dtype, device=device) for _ in lm.model.layers]
-        self.values = [torch.zeros(cache, dtype=shape.dtype, device=device) for _ in lm.model.layers]
-        # Each targeted projection's A and B of every slot, as PEFT lays them out ([r, in] and [out, r]),
-        # zero-padded to the largest rank, and each slot's scaling.
-        self.down: dict[tuple[int, str], torch.Tensor] = {}
-        self.up: dict[tuple[int, str], torch.Tensor] = {}
-        for index, name in shape.targets:
-            base = _projection(lm.model.layers[index], name).base_layer
-            self.down[index, name] = torch.zeros(
-                shape.slots, shape.rank, base.in_features, dtype=shape.dtype, device=device
-            )
-            self.up[index, name] = torch.zeros(
-                shape.slots, base.out_features, shape.rank, dtype=shape.dtype, device=device
-            )
-        self.target = {target: t for t, target in enumerate(shape.targets)}
-        self.scales = torch.zeros(len(shape.targets), shape.slots, 1, 1, dtype=shape.dtype, device=device)
-
-        def new(*size: int, dtype: torch.dtype = torch.long, fill: float = 0) -> torch.Tensor:
-            return torch.full(size, fill, dtype=dtype, device=device)
-
-        self.token, self.position = new(rows), new(rows)
-        self.column, self.step = new(1), new(1)
-        self.valid = new(rows, shape.columns, dtype=torch.bool)
-        self.done = new(rows, dtype=torch.bool)
-        self.out, self.lengths = new(rows, shape.columns), new(rows)
-        self.max_new, self.eos = new(rows), new(rows, max(shape.eos, 1), fill=-1)
-        self.noise = new(rows, vocab, dtype=torch.float32, fill=1.0)
-        self.logits = new(rows, vocab, dtype=torch.float32)
-        self.seen = new(rows, vocab, dtype=torch.bool) if shape.stages[4] else None
-        self.samples = new(rows, dtype=torch.bool)
-        floats = [new(rows, dtype=torch.float32) for _ in range(4)]
-        self.sampling = Sampling(floats[0], new(rows), floats[1], floats[2], floats[3])
-        self.pad = new(1)
-        self.graph: torch.cuda.CUDAGraph | None = None
-
-    def load(self, lm: Any, names: Sequence[str | None]) -> None:
-        """Copy the slots' adapters in (``None``: an idle slot, zeros): two multi-tensor copies, whatever K."""
-        sources: list[torch.Tensor] = []
-        targets: list[torch.Tensor] = []
-        scales = torch.zeros(self.scales.shape[:2])
-        for (index, name), down in self.down.items():
-            layer, up = _projection(lm.model.layers[index], name), self.up[index, name]
-            for slot, adapter in enumerate(names):
-                if adapter is None or adapter not in layer.lora_A:
-                    down[slot].zero_()
-                    up[slot].zero_()
-                    continue
-                a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight  # [r, in], [out, r]
-                rank = a.shape[0]
-                if rank < self.shape.rank:
-                    down[slot].zero_()
-                    up[slot].zero_()
-                sources += [a, b]
-                targets += [down[slot, :rank], up[slot, :, :rank]]
-                scales[self.target[index, name], slot] = float(layer.scaling[adapter])
-        if sources:
-            torch._foreach_copy_(targets, sources)
-        self.scales.copy_(scales[..., None, None])
+_WORKSPACES: weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict[Shape, Workspace]] = weakref.WeakKeyDictionary()
 
 
 class LaunchedDecode:
@@ -187,12 +73,12 @@ class LaunchedDecode:
         self.targets = tuple(
             (index, name)
             for index, layer in enumerate(layers)
-            for name in _PROJECTIONS
-            if any(r.adapter in getattr(_projection(layer, name), "lora_A", {}) for r in requests)
+            for name in PROJECTIONS
+            if any(r.adapter in getattr(projection(layer, name), "lora_A", {}) for r in requests)
         )
         rank = 0
         for index, name in self.targets:
-            adapters = _projection(layers[index], name).lora_A
+            adapters = projection(layers[index], name).lora_A
             rank = max([rank] + [adapters[r.adapter].weight.shape[0] for r in requests if r.adapter in adapters])
         self.rank = rank
         self.layouts: list[list[int]] = []  # the requests in the slots, per layout (a compaction adds one)
@@ -236,11 +122,11 @@ class LaunchedDecode:
             out.append([rows[j][: counts[j]] for j in range(len(request.prompts))])
         return out
 
-    def _output(self, space: _Workspace, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _output(self, space: Workspace, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = slice(slot * self.rows, (slot + 1) * self.rows)
         return space.out[rows, : self.steps].clone(), space.lengths[rows].clone()
 
-    def _workspace(self, slots: int) -> _Workspace:
+    def _workspace(self, slots: int) -> Workspace:
         """The model's workspace of this decode's shape with ``slots`` slots (made, or reused)."""
         columns = max(_MIN_COLUMNS, 2 ** math.ceil(math.log2(self.width + self.steps)))
         chosen = self.requests
@@ -252,17 +138,17 @@ class LaunchedDecode:
             any(r.repetition_penalty != 1.0 for r in chosen),
         )
         eos = max(len(r.eos_token_ids) for r in chosen)
-        shape = _Shape(slots, self.rows, columns, self.rank, self.targets, stages, self.dtype, eos)
+        shape = Shape(slots, self.rows, columns, self.rank, self.targets, stages, self.dtype, eos)
         kept = _WORKSPACES.setdefault(self.model, OrderedDict())
         space = kept.pop(shape, None)
         if space is None or space.device != self.device:
-            space = _Workspace(self.lm, shape, self.device, self.vocab)
+            space = Workspace(self.lm, shape, self.device, self.vocab)
         kept[shape] = space
         while len(kept) > _KEPT:
             kept.popitem(last=False)
         return space
 
-    def _start(self, space: _Workspace, live: list[int]) -> None:
+    def _start(self, space: Workspace, live: list[int]) -> None:
         """Fill the workspace with the requests' rows and run the prefill (its logits for the first step)."""
         requests, rows, width, device = [self.requests[k] for k in live], self.rows, self.width, self.device
         space.load(self.lm, [r.adapter for r in requests])
@@ -327,7 +213,7 @@ class LaunchedDecode:
         space.column.fill_(width)
         space.step.zero_()
 
-    def _move(self, source: _Workspace, target: _Workspace, slots: list[int], live: list[int]) -> None:
+    def _move(self, source: Workspace, target: Workspace, slots: list[int], live: list[int]) -> None:
         """Carry the rows of ``slots`` (of ``source``) into ``target``, in order: the next slots' layout."""
         rows = self.rows
         index = torch.tensor([s * rows + j for s in slots for j in range(rows)], device=self.device)
@@ -345,7 +231,7 @@ class LaunchedDecode:
         target.column.copy_(source.column)
         target.step.copy_(source.step)
 
-    def _draw(self, space: _Workspace, live: list[int], ended: list[bool], step: int) -> None:
+    def _draw(self, space: Workspace, live: list[int], ended: list[bool], step: int) -> None:
         """Each sampling request still going draws its rows' exponential noise for this step."""
         if not space.shape.stages[0]:
             return
@@ -355,7 +241,7 @@ class LaunchedDecode:
                 start = slot * self.rows
                 space.noise[start : start + len(request.prompts)].exponential_(generator=request.generator)
 
-    def _step(self, space: _Workspace) -> None:
+    def _step(self, space: Workspace) -> None:
         """One step: a replay of the captured graph on CUDA (captured at the workspace's first step)."""
         if self.device.type != "cuda":
             self._body(space)
@@ -375,7 +261,7 @@ class LaunchedDecode:
 
     # -- the step's code (captured) --------------------------------------------------------------
 
-    def _body(self, space: _Workspace) -> None:
+    def _body(self, space: Workspace) -> None:
         """Sample from the logits, record the tokens, then the next forward: device work only."""
         sample, top_k, top_p, min_p, _ = space.shape.stages
         scores = penalize(space.logits, space.seen, space.sampling.penalty)
@@ -401,7 +287,7 @@ class LaunchedDecode:
 
     def _layers(
         self,
-        space: _Workspace,
+        space: Workspace,
         ids: torch.Tensor,
         positions: torch.Tensor,
         columns: torch.Tensor,
@@ -419,9 +305,9 @@ class LaunchedDecode:
             attention = layer.self_attn
             normed = layer.input_layernorm(hidden)
             shape = (*normed.shape[:-1], -1, attention.head_dim)
-            q = self._linear(space, layer, index, "q_proj", normed).view(shape).transpose(1, 2)
-            k = self._linear(space, layer, index, "k_proj", normed).view(shape).transpose(1, 2)
-            v = self._linear(space, layer, index, "v_proj", normed).view(shape).transpose(1, 2)
+            q = _adapted(space, layer, index, "q_proj", normed, self.autocast).view(shape).transpose(1, 2)
+            k = _adapted(space, layer, index, "k_proj", normed, self.autocast).view(shape).transpose(1, 2)
+            v = _adapted(space, layer, index, "v_proj", normed, self.autocast).view(shape).transpose(1, 2)
             q, k = self.rope(q, k, cos, sin)
             k, v = k.to(space.shape.dtype), v.to(space.shape.dtype)
             if prefill is not None:  # the prompts attend to themselves; every row's cache takes its prompt's
@@ -443,32 +329,33 @@ class LaunchedDecode:
                 enable_gqa=keys.shape[1] != q.shape[1],
             )
             attended = attended.transpose(1, 2).reshape(*normed.shape[:-1], -1)
-            hidden = hidden + self._linear(space, layer, index, "o_proj", attended)
+            hidden = hidden + _adapted(space, layer, index, "o_proj", attended, self.autocast)
             normed = layer.post_attention_layernorm(hidden)
             mlp = layer.mlp
-            gated = mlp.act_fn(self._linear(space, layer, index, "gate_proj", normed))
-            inner = gated * self._linear(space, layer, index, "up_proj", normed)
-            hidden = hidden + self._linear(space, layer, index, "down_proj", inner)
+            gated = mlp.act_fn(_adapted(space, layer, index, "gate_proj", normed, self.autocast))
+            inner = gated * _adapted(space, layer, index, "up_proj", normed, self.autocast)
+            hidden = hidden + _adapted(space, layer, index, "down_proj", inner, self.autocast)
         return lm.model.norm(hidden)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm.get_output_embeddings()(hidden).float()
 
-    def _linear(self, space: _Workspace, layer: Any, index: int, name: str, x: torch.Tensor) -> torch.Tensor:
-        """A projection's frozen base on every row, plus each slot's adapter update on its rows."""
-        module = _projection(layer, name)
-        down = space.down.get((index, name))
-        if down is None:
-            return module.base_layer(x) if hasattr(module, "base_layer") else module(x)
-        result = module.base_layer(x)
-        slots = space.shape.slots
-        stacked = x.reshape(slots, -1, x.shape[-1])
-        if not self.autocast:
-            stacked = stacked.to(down.dtype)
-        # Each slot's rows through its own A, scaled, then its own B (as PEFT computes B(A(x)) * scaling).
-        hidden = torch.bmm(stacked, down.transpose(1, 2)) * space.scales[space.target[index, name]]
-        update = torch.bmm(hidden, space.up[index, name].transpose(1, 2))
-        return result + update.view(result.shape).to(result.dtype)
+
+def _adapted(space: Workspace, layer: Any, index: int, name: str, x: torch.Tensor, autocast: bool) -> torch.Tensor:
+    """A projection's frozen base on every row, plus each slot's adapter update on its rows."""
+    module = projection(layer, name)
+    down = space.down.get((index, name))
+    if down is None:
+        return module.base_layer(x) if hasattr(module, "base_layer") else module(x)
+    result = module.base_layer(x)
+    slots = space.shape.slots
+    stacked = x.reshape(slots, -1, x.shape[-1])
+    if not autocast:
+        stacked = stacked.to(down.dtype)
+    # Each slot's rows through its own A, scaled, then its own B (as PEFT computes B(A(x)) * scaling).
+    hidden = torch.bmm(stacked, down.transpose(1, 2)) * space.scales[space.target[index, name]]
+    update = torch.bmm(hidden, space.up[index, name].transpose(1, 2))
+    return result + update.view(result.shape).to(result.dtype)
 
 
 def _padded(request: DecodeRequest, rows: int) -> DecodeRequest:

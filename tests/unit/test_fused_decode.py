@@ -23,7 +23,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from optuna_rapidfire._fused import _fused_decode, _launched_decode
+from optuna_rapidfire._fused import _fused_decode, _launched_decode, _workspace
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, Sampling, decode, penalize, warp
 
 PAD = 0
@@ -346,7 +346,7 @@ def test_a_decoder_the_launched_decode_does_not_know_decodes_through_the_hf_forw
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gpt2 = get_peft_model(GPT2LMHeadModel(config), LoraConfig(r=2, target_modules=["c_attn"]), adapter_name="g")
-    assert "Llama-layout" in (_launched_decode.supports(gpt2.get_base_model()) or "")
+    assert "Llama-layout" in (_workspace.supports(gpt2.get_base_model()) or "")
     request = DecodeRequest("g", _prompts(10, [3, 5]), 4, do_sample=False)
     with pytest.raises(ValueError, match="launched decode cannot run this model: GPT2LMHeadModel"):
         decode(gpt2, [request], PAD, launched=True)

@@ -32,7 +32,7 @@ from optuna_rapidfire._fused._fused_pass import pad_token_id
 from optuna_rapidfire._logging import get_logger
 from optuna_rapidfire._resident._state import RngState
 from optuna_rapidfire._trainers.grpo._policy_pass import BackwardRequest, LogpsRequest, PolicyPasses
-from optuna_rapidfire._trainers.grpo._rewards import RewardRequest, rewards
+from optuna_rapidfire._trainers.grpo._rewards import RewardRequest, shared_rewards
 from optuna_rapidfire._trainers.grpo._rewards import refusal as rewards_refusal
 from optuna_rapidfire._trainers.grpo._turns import Turns
 
@@ -266,28 +266,6 @@ class Generation:
 
         _compat.set_grpo_rewards(trainer, shared_rewards)
 
-    def _shared_rewards(self, requests: list[RewardRequest]) -> list[torch.Tensor | BaseException]:
-        """The gang's rewards; after a failure with several members, each member's alone, so that only a
-        member whose rows fail fails."""
-        try:
-            return list(rewards(requests))
-        except Exception as error:
-            if len(requests) == 1:
-                raise
-            _logger.warning(
-                "Shared rewards of %d trials failed (%s: %s); scoring them one by one.",
-                len(requests),
-                type(error).__name__,
-                error,
-            )
-        answers: list[torch.Tensor | BaseException] = []
-        for request in requests:
-            try:
-                answers.append(rewards([request])[0])
-            except Exception as own:
-                answers.append(own)
-        return answers
-
     # -- one trial's generation ------------------------------------------------------------------
 
     def _inside(self) -> bool:
@@ -350,36 +328,14 @@ class Generation:
         with torch.no_grad(), first.spec.kind.autocast(first.args, self.trials.device):
             completions = decode(self.trials.resident.module, requests, pad_token_id(first.trainer))
         if listening:
-            events.emit(self._decoded(requests, completions, time.perf_counter() - start))
+            events.emit(_decoded(self.trials, self._numbers, requests, completions, time.perf_counter() - start))
         return completions
 
-    def _decoded(
-        self, requests: Sequence[DecodeRequest], completions: list[Completions], seconds: float
-    ) -> events.Decoded:
-        """The event of a decode (:class:`optuna_rapidfire.events.Decoded`)."""
-        phases = {self.trials.evaluating(r.adapter) or "train" for r in requests}
-        first = requests[0]
-        keep = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
-        sampling = {name: getattr(first, name) for name in keep} | {"eos_token_ids": list(first.eos_token_ids)}
-        return events.Decoded(
-            trials=tuple(self._numbers.get(r.adapter, -1) for r in requests),
-            rows=sum(len(c) for c in completions),
-            new_tokens=sum(len(row) for c in completions for row in c),
-            seconds=seconds,
-            prompt_width=max(len(p) for r in requests for p in r.prompts),
-            phase=phases.pop() if len(phases) == 1 else "mixed",
-            sampling=sampling,
-            completions=tuple(tuple(tuple(row) for row in c) for c in completions),
-        )
-
     def _shared(self, requests: list[Any]) -> list[Any]:
-        """What the members waiting asked for, by kind: one decode, one policy forward, one backward.
-
-        Only the requests of the earliest phase of a step are served (a decode, then references, rewards,
-        evaluations' scores, policy steps' scores, backwards); the others are answered
-        :data:`_LATER` and ask again. So members whose steps differ (a KL member scores its reference, the
-        others do not) meet again at the next phase, and the whole gang decodes together at the next step.
-        """
+        """What the members waiting asked for, served for the earliest phase of a step among them (decode,
+        references, rewards, evaluations' scores, policy steps' scores, backwards); the others are answered
+        :data:`_LATER` and ask again, so members whose steps differ (a KL member scores its reference, the
+        others do not) meet again at the next phase and the whole gang decodes together at the next step."""
         phases = [_phase(request) for request in requests]
         earliest = min(phases)
         served = [i for i, phase in enumerate(phases) if phase == earliest]
@@ -393,7 +349,7 @@ class Generation:
         answers: list[Any] = [None] * len(requests)
         for kind, run in (
             (DecodeRequest, self._shared_decode),
-            (RewardRequest, self._shared_rewards),
+            (RewardRequest, shared_rewards),
             (LogpsRequest, self.policy.forward),
             (BackwardRequest, self.policy.backward),
         ):
@@ -440,3 +396,27 @@ class Generation:
         if text not in self._said:
             self._said.add(text)
             _logger.info(text)
+
+
+def _decoded(
+    trials: GangHost,
+    numbers: dict[str, int],
+    requests: Sequence[DecodeRequest],
+    completions: list[Completions],
+    seconds: float,
+) -> events.Decoded:
+    """The event of a decode (:class:`optuna_rapidfire.events.Decoded`)."""
+    phases = {trials.evaluating(r.adapter) or "train" for r in requests}
+    first = requests[0]
+    keep = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
+    sampling = {name: getattr(first, name) for name in keep} | {"eos_token_ids": list(first.eos_token_ids)}
+    return events.Decoded(
+        trials=tuple(numbers.get(r.adapter, -1) for r in requests),
+        rows=sum(len(c) for c in completions),
+        new_tokens=sum(len(row) for c in completions for row in c),
+        seconds=seconds,
+        prompt_width=max(len(p) for r in requests for p in r.prompts),
+        phase=phases.pop() if len(phases) == 1 else "mixed",
+        sampling=sampling,
+        completions=tuple(tuple(tuple(row) for row in c) for c in completions),
+    )

@@ -22,10 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from optuna_rapidfire._logging import get_logger
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from optuna_rapidfire._trainers._host import Member
+
+
+_logger = get_logger(__name__)
 
 
 @dataclass(eq=False)
@@ -129,3 +134,26 @@ def _score(requests: Sequence[RewardRequest]) -> list[torch.Tensor]:
             )
         table[:, i] = torch.tensor(found, dtype=torch.float32, device=device)
     return [table[start : start + count] for start, count in zip(starts, counts, strict=True)]
+
+
+def shared_rewards(requests: list[RewardRequest]) -> list[torch.Tensor | BaseException]:
+    """The gang's rewards; after a failure with several members, each member's alone, so that only a
+    member whose rows fail fails."""
+    try:
+        return list(rewards(requests))
+    except Exception as error:
+        if len(requests) == 1:
+            raise
+        _logger.warning(
+            "Shared rewards of %d trials failed (%s: %s); scoring them one by one.",
+            len(requests),
+            type(error).__name__,
+            error,
+        )
+    answers: list[torch.Tensor | BaseException] = []
+    for request in requests:
+        try:
+            answers.append(rewards([request])[0])
+        except Exception as own:
+            answers.append(own)
+    return answers
