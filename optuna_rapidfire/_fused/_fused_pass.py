@@ -114,6 +114,15 @@ def fused_forward(
     return _forwards(plans, lambda plan: _bound_forward(gang, plan))
 
 
+def attention_kernels() -> contextlib.AbstractContextManager[None]:
+    """Within the context, scaled-dot-product attention takes the flash, memory-efficient or math kernel, not
+    cuDNN's: cuDNN builds a plan for every new shape, and a gang's passes and decodes bring new sequence
+    lengths all the time (on the H200 its host time outweighed the attention itself)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def base_only(plans: list[tuple[Any, _LayerPlan]]) -> contextlib.AbstractContextManager[None]:
     """Within the context, the planned LoRA layers compute their frozen base layer only (a reference model).
 

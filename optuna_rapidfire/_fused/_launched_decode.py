@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from optuna_rapidfire._fused._fused_pass import attention_kernels
 from optuna_rapidfire._fused._sampling import DecodeRequest, Sampling, penalize, warp
 from optuna_rapidfire._fused._workspace import PROJECTIONS, Shape, Workspace, projection
 
@@ -88,6 +89,10 @@ class LaunchedDecode:
 
     def run(self) -> list[list[list[int]]]:
         """Each request's completions, one token list per prompt (cut at its length, as the HF path cuts)."""
+        with attention_kernels():
+            return self._run()
+
+    def _run(self) -> list[list[list[int]]]:
         live = list(range(len(self.requests)))
         self.layouts = [list(live)]
         space = self._workspace(len(live))

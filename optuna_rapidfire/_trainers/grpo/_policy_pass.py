@@ -29,6 +29,7 @@ import torch
 
 from optuna_rapidfire._fused._fused_pass import (
     Gang,
+    attention_kernels,
     backbone_and_head,
     base_only,
     fused_forward,
@@ -125,6 +126,7 @@ class PolicyPasses:
         adapters = base_only(plans) if requests[0].reference else fused_forward(model, gang, plans)
         with (
             adapters,
+            attention_kernels(),
             first.spec.kind.autocast(first.args, trials.device),
             contextlib.nullcontext() if grad else torch.no_grad(),
         ):
