@@ -116,8 +116,8 @@ def fused_forward(
 
 def attention_kernels() -> contextlib.AbstractContextManager[None]:
     """Within the context, scaled-dot-product attention takes the flash, memory-efficient or math kernel, not
-    cuDNN's: cuDNN builds a plan for every new shape, and a gang's passes and decodes bring new sequence
-    lengths all the time (on the H200 its host time outweighed the attention itself)."""
+    cuDNN's: cuDNN builds a plan for every new shape, and a GRPO gang's policy passes bring new sequence
+    lengths at every step (on the H200 the study's time outside decoding fell from 24-29 s to 17.6 s)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from optuna_rapidfire._fused._fused_pass import attention_kernels
 from optuna_rapidfire._fused._sampling import DecodeRequest, Sampling, penalize, warp
 from optuna_rapidfire._fused._workspace import PROJECTIONS, Shape, Workspace, projection
 
@@ -88,11 +87,12 @@ class LaunchedDecode:
     # -- the decode ------------------------------------------------------------------------------
 
     def run(self) -> list[list[list[int]]]:
-        """Each request's completions, one token list per prompt (cut at its length, as the HF path cuts)."""
-        with attention_kernels():
-            return self._run()
+        """Each request's completions, one token list per prompt (cut at its length, as the HF path cuts).
 
-    def _run(self) -> list[list[list[int]]]:
+        Attention takes PyTorch's default kernels here, cuDNN's included: without cuDNN, the H200 decoded
+        3.6x slower (0.66 s against 0.18 s for 128 rows of 32 tokens), although cuDNN builds a plan at each
+        new shape (the decode that captures a workspace's graph takes about 1 s).
+        """
         live = list(range(len(self.requests)))
         self.layouts = [list(live)]
         space = self._workspace(len(live))
