@@ -24,6 +24,8 @@ from _numerics import (
 from helpers import by_number, lora, sft_args
 from transformers import AutoConfig
 
+from optuna_rapidfire._engines import ENGINES
+
 CONFIGS = [  # mixed ranks, target modules, learning rates, batch sizes, accumulation and clipping
     {"r": 4, "modules": "qv", "lr": 1e-2, "batch": 2, "accumulation": 1, "clip": 1.0},
     {"r": 8, "modules": "qkvo", "lr": 3e-3, "batch": 4, "accumulation": 2, "clip": 0.0},
@@ -225,7 +227,7 @@ def _engines_agree(make_executor, objective, params: list[dict], terms: int, **e
     """The same enqueued trials on both engines: every trial completes and reports the same values (up to
     the rounding of ``terms`` products). Returns the fused run's shared steps."""
     values = {}
-    for engine in ("time_sliced", "fused"):
+    for engine in ENGINES:
         executor = make_executor(engine=engine, num_chunks=2, max_concurrent_trials=len(params), **executor_kwargs)
         study = optuna.create_study(pruner=optuna.pruners.NopPruner())
         for trial_params in params:
@@ -349,7 +351,7 @@ def test_a_fused_study_exports_and_checkpoints_what_a_time_sliced_study_does(
     from optuna_rapidfire._study import _attrs
 
     saved = {}
-    for engine in ("time_sliced", "fused"):
+    for engine in ENGINES:
         folder = tmp_path / f"artifacts-{engine}"
         folder.mkdir()
         store = FileSystemArtifactStore(str(folder))

@@ -53,7 +53,7 @@ def _study_values(make_executor, engine: str, schedule: str) -> list[dict[int, f
 def test_the_same_trials_report_the_same_values_under_both_schedules_and_engines(make_executor, tiny_model) -> None:
     values = {
         (engine, schedule): _study_values(make_executor, engine, schedule)
-        for engine in ("time_sliced", "fused")
+        for engine in ENGINES
         for schedule in ("lockstep", "promote")
     }
     terms = gradient_terms(AutoConfig.from_pretrained(tiny_model), rows=8, length=128)
