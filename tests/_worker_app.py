@@ -7,6 +7,8 @@ artifact folder (what a team would put on a shared filesystem or S3).
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
 import optuna
@@ -15,7 +17,7 @@ from optuna.artifacts import FileSystemArtifactStore
 from peft import LoraConfig
 from trl import SFTConfig
 
-from optuna_rapidfire import RapidFireExecutor
+from optuna_rapidfire import RapidFireExecutor, events
 from optuna_rapidfire.demo import load_gsm8k
 
 LEARNING_RATES = [1e-3, 3e-3, 1e-2, 3e-2]
@@ -47,5 +49,23 @@ def executor(devices: str = "cpu", **overrides: Any) -> RapidFireExecutor:
     return RapidFireExecutor(**settings)
 
 
+def _hold_while(path: str) -> None:
+    """Once this process trained a chunk, the next chunks wait (up to 120 s) while ``path`` exists: a test that
+    acts on the worker after its first report (a signal) is never overtaken by the trials on a busy machine."""
+    trained = threading.Event()
+
+    def wait(event: events.Event) -> None:
+        if isinstance(event, events.ChunkTrained):
+            trained.set()
+            return
+        deadline = time.monotonic() + 120
+        while trained.is_set() and os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    events.listen(wait, events.ChunkStarting, events.ChunkTrained)
+
+
 def app(devices: str) -> tuple[RapidFireExecutor, Any, dict[str, Any]]:
+    if "RF_TEST_HOLD" in os.environ:
+        _hold_while(os.environ["RF_TEST_HOLD"])
     return executor(devices), configure, {"pruner": optuna.pruners.NopPruner()}

@@ -414,11 +414,15 @@ def _ctrl_c_ends_the_live_trials_cleanly(url: str, tiny_model: str, tmp_path: Pa
     study = optuna.create_study(storage=url, study_name="multi", pruner=optuna.pruners.NopPruner())
     for lr in (1e-3, 3e-3, 1e-2, 3e-2):
         study.enqueue_trial({"learning_rate": lr})
-    worker = _worker(url, _env(tiny_model, tmp_path), tmp_path / "w.log", "--study-trials", "4")
+    hold = tmp_path / "hold"  # after its first chunk, the worker's chunks wait for the signal while this exists
+    hold.touch()
+    env = {**_env(tiny_model, tmp_path), "RF_TEST_HOLD": str(hold)}
+    worker = _worker(url, env, tmp_path / "w.log", "--study-trials", "4")
     wait_until(
         lambda: any(t.intermediate_values for t in study.get_trials(deepcopy=False)), timeout=240, what="a report"
     )
     worker.send_signal(sent)
+    hold.unlink()
     assert worker.wait(timeout=240) == 130, (tmp_path / "w.log").read_text()
     log = (tmp_path / "w.log").read_text()
     assert "Traceback" not in log and "terminate called" not in log, log[-4000:]

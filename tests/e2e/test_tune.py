@@ -281,13 +281,18 @@ def test_the_best_adapter_is_an_artifact_of_the_studys_mlflow_run(tiny_model: st
 
 
 def test_an_interrupted_step_run_again_continues_its_trials(tiny_model: str, tmp_path: Path, slow_chunks) -> None:
-    slow_chunks(0.5)
+    database = tmp_path / "out" / "study.db"
+    sent = threading.Event()
+    # Once a chunk is reported, the next ones wait for the interrupt: a busy machine's test thread is never
+    # overtaken by the trials.
+    slow_chunks(0.1, hold=lambda: not sent.is_set() and _reported(database))
     search = shrunk("sft", tiny_model, tmp_path / "out")
     search["schedule"] = "lockstep"
 
     def interrupt_after_the_first_chunk() -> None:
-        _first_chunk_reported(tmp_path / "out" / "study.db")
+        _first_chunk_reported(database)
         _thread.interrupt_main()  # as Ctrl-C (the CLI turns SIGTERM into the same)
+        sent.set()
 
     threading.Thread(target=interrupt_after_the_first_chunk, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
@@ -332,17 +337,22 @@ def test_a_sigterm_ends_the_step_as_ctrl_c_does_and_says_sigterm(tiny_model: str
     assert reasons and all(reason.startswith("Interrupted (SIGTERM)") for reason in reasons), reasons
 
 
-def _first_chunk_reported(database: Path, timeout: float = 300) -> None:
-    """Wait until the study in ``database`` holds a reported chunk (read with sqlite3: opening the study through
+def _reported(database: Path) -> bool:
+    """Whether the study in ``database`` holds a reported chunk (read with sqlite3: opening the study through
     Optuna would race the step at creating its tables)."""
+    try:
+        with contextlib.closing(sqlite3.connect(database)) as connection:
+            return bool(connection.execute("SELECT COUNT(*) FROM trial_intermediate_values").fetchone()[0])
+    except sqlite3.Error:  # no database or no tables yet
+        return False
+
+
+def _first_chunk_reported(database: Path, timeout: float = 300) -> None:
+    """Wait until the study in ``database`` holds a reported chunk."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with contextlib.closing(sqlite3.connect(database)) as connection:
-                if connection.execute("SELECT COUNT(*) FROM trial_intermediate_values").fetchone()[0]:
-                    return
-        except sqlite3.Error:  # no database or no tables yet
-            pass
+        if _reported(database):
+            return
         time.sleep(0.05)
     raise AssertionError("no chunk was reported")
 
