@@ -117,6 +117,18 @@ def chunk_log() -> Iterator[list[tuple[int, int]]]:
 
 
 @pytest.fixture
+def sigint_handled() -> Iterator[None]:
+    """During the test, SIGINT raises KeyboardInterrupt here and is handled in the processes the test starts. A
+    shell that runs the suite in the background starts it with SIGINT ignored (POSIX), which a child inherits and
+    Python then keeps: Ctrl-C tests would see nothing."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
 def slow_chunks() -> Iterator[Callable[..., None]]:
     """Make every chunk (or fused gang, or member joining a stream) wait ``seconds`` before it starts (so a test
     can act while trials run); with ``hold``, it also waits (up to 120 s) while ``hold()`` is true, so that a

@@ -400,7 +400,7 @@ def test_checkpoints_are_on_by_default_only_when_the_storage_records_heartbeats(
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(("storage", "signal_name"), [("sqlite", "SIGINT"), ("postgresql", "SIGTERM")])
 def test_ctrl_c_ends_the_live_trials_cleanly_and_the_worker_exits_130_with_one_line(
-    tiny_model: str, tmp_path: Path, storage: str, signal_name: str
+    tiny_model: str, tmp_path: Path, storage: str, signal_name: str, sigint_handled
 ) -> None:
     """Ctrl-C, and SIGTERM (a scheduler's cancel) alike, said as what it was."""
     with contextlib.ExitStack() as servers:

@@ -280,7 +280,9 @@ def test_the_best_adapter_is_an_artifact_of_the_studys_mlflow_run(tiny_model: st
         assert "tune/summary.json" in {a.path for a in client.list_artifacts(run.info.run_id, "tune")}
 
 
-def test_an_interrupted_step_run_again_continues_its_trials(tiny_model: str, tmp_path: Path, slow_chunks) -> None:
+def test_an_interrupted_step_run_again_continues_its_trials(
+    tiny_model: str, tmp_path: Path, slow_chunks, sigint_handled
+) -> None:
     database = tmp_path / "out" / "study.db"
     sent = threading.Event()
     # Once a chunk is reported, the next ones wait for the interrupt: a busy machine's test thread is never
