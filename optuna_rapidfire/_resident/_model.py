@@ -267,12 +267,8 @@ class ResidentModel:
 
     def _point_at(self, name: str) -> None:
         """Make ``name`` the adapter PEFT's layers and models name as active (``requires_grad`` untouched)."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
         assert self.peft is not None
-        if self._layers is None:
-            self._layers = [m for m in self.peft.modules() if isinstance(m, BaseTunerLayer)]
-        _compat.point_peft_at(self.peft, self._layers, name)
+        _compat.point_peft_at(self.peft, self.adapter_layers(), name)
 
     def set_trainable(self, names: list[str], trainable: bool) -> None:
         """Make several adapters trainable at once (a fused gang), or none of them again.
@@ -393,14 +389,10 @@ class _Alone:
             raise
 
     def _hide(self) -> None:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
         resident = self.resident
         if resident.peft is None:
             return
-        if resident._layers is None:
-            resident._layers = [m for m in resident.peft.modules() if isinstance(m, BaseTunerLayer)]
-        for layer in cast("list[Any]", resident._layers):
+        for layer in resident.adapter_layers():
             for attribute in (*layer.adapter_layer_names, *layer.other_param_names):
                 held = getattr(layer, attribute, None)
                 if not isinstance(held, torch.nn.ModuleDict) or not held._modules:
