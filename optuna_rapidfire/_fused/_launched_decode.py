@@ -31,6 +31,8 @@ there is no graph: the step runs eagerly, the same code, which the tests check a
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import sys
 import weakref
@@ -365,24 +367,15 @@ def _adapted(space: Workspace, layer: Any, index: int, name: str, x: torch.Tenso
 
 def _padded(request: DecodeRequest, rows: int) -> DecodeRequest:
     """``request`` with idle rows up to ``rows`` (repeats of its last prompt: only its settings are read)."""
-    from dataclasses import replace
-
-    return replace(request, prompts=request.prompts + [request.prompts[-1]] * (rows - len(request.prompts)))
+    return dataclasses.replace(request, prompts=request.prompts + [request.prompts[-1]] * (rows - len(request.prompts)))
 
 
 def _autocast(decode: LaunchedDecode) -> Any:
     """The caller's autocast for the capture, without its weight cache (a graph must not keep casts it did
     not make); nothing when the caller had none."""
-    import contextlib
-
     if not decode.autocast:
         return contextlib.nullcontext()
     return torch.autocast(decode.device.type, dtype=decode.dtype, cache_enabled=False)
-
-
-def forget(model: torch.nn.Module) -> None:
-    """Drop the workspaces (and graphs) kept for ``model``."""
-    _WORKSPACES.pop(model, None)
 
 
 def _copy_sampling(target: Sampling, source: Sampling) -> None:
