@@ -71,6 +71,16 @@ GPU = Sizes(trials=8, prompts=64, num_chunks=2, eval_prompts=16, generations=4, 
 """8 trials, each 64 prompts in 2 chunks: 16 decodes of 16 rows (4 prompts x 4 completions) for training
 and 4 per evaluation (16 test prompts), up to 32 tokens each; a fused gang's decode holds 128 rows."""
 SMOKE = Sizes(trials=3, prompts=8, num_chunks=2, eval_prompts=4, generations=4, batch=8, completion=4)
+
+
+def warm_up_sizes(sizes: Sizes) -> Sizes:
+    """The sizes of the warm-up study each engine runs before the timed ones: two trials of one step per chunk
+    and a one-decode evaluation, with the timed studies' rows per decode and completion length (so their
+    decodes take the same workspace shape as a trial alone)."""
+    prompts = sizes.batch // sizes.generations
+    return Sizes(2, prompts, 1, prompts, sizes.generations, sizes.batch, sizes.completion)
+
+
 CEILING_REPEATS = 3
 ANCHORS = {
     "decode_ceiling": "one request, one adapter, this project's decode",
@@ -170,6 +180,7 @@ def run_study(bench: Bench, shape: str, engine: Literal["fused", "time_sliced"],
         "whole_gang_decodes": _totals(gang),  # the decodes that served every trial (fused: the shared ones)
         "engine_decodes": stats.decodes,
         "engine_decoded_requests": stats.decoded_requests,
+        "gang_seconds": stats.gang_seconds,  # fused: host time of the members' own code and the shared steps
         "decode_settings": log.settings,
         "decodes": log.decodes,
         "peak_memory_gb": peak,
@@ -287,7 +298,7 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
     sizes = SMOKE if bench.smoke else GPU
     k = sizes.trials
     # The time-sliced study is the longest: last, so that a call cut short keeps the other two (each run is
-    # saved when it ends). The first study of the process pays the first kernels' start-up in its wall time.
+    # saved when it ends).
     labels = [
         f"grpo_fused_k{k}",
         "decode_ceiling",
@@ -307,6 +318,16 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
         if kept.get("sizes") != data["sizes"]:
             raise SystemExit(f"{earlier} holds GRPO runs of other sizes ({kept.get('sizes')}): use another --out")
         data["runs"] = kept.get("runs", {})
+    studies = [label for label in chosen if label.startswith(("grpo_fused", "grpo_time_sliced"))]
+    if studies:
+        # What a process pays once (kernels' just-in-time compilation, cuDNN and cuBLAS start-up), paid
+        # before either engine's timed study, by both engines, so that neither study carries it for the other.
+        data["warm_up_seconds"] = {}
+        for engine in ("fused", "time_sliced"):
+            start = time.perf_counter()
+            run_study(bench, shape, engine, warm_up_sizes(sizes))
+            data["warm_up_seconds"][engine] = time.perf_counter() - start
+        print(f"grpo part, warm-up: {data['warm_up_seconds']}", flush=True)
     for label in (label for label in labels if label in chosen):
         if label in ("decode_ceiling", "generate_eager", "generate_static"):
             anchor = (

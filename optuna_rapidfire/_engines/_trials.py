@@ -130,11 +130,7 @@ class DeviceTrials:
             base_bytes=self._base_bytes,
             eval_rows=len(self.data.eval),
         )
-        counters: dict[str, Any] = {}
-        for part in list(self._parts.values()):
-            for name, count in part.counters().items():
-                counters[name] = counters.get(name, 0) + count
-        return dataclasses.replace(stats, **counters)
+        return dataclasses.replace(stats, **_summed([part.counters() for part in list(self._parts.values())]))
 
     # -- building and releasing ------------------------------------------------------------------
 
@@ -490,3 +486,17 @@ def chunks_starting(trials: DeviceTrials, runtimes: list[TrialRuntime]) -> None:
     rows = tuple(tuple(int(i) for i in plan.rows(r.state.position.chunk(plan.num_chunks)[1])) for r in runtimes)
     steps = tuple(r.state.position.chunks_done for r in runtimes)
     events.emit(events.ChunkStarting(tuple(r.spec.number for r in runtimes), steps, rows))
+
+
+def _summed(counters: list[dict[str, Any]]) -> dict[str, Any]:
+    """The kinds' counters added up by name (a dict's values key by key: ``gang_seconds``)."""
+    total: dict[str, Any] = {}
+    for found in counters:
+        for name, count in found.items():
+            if isinstance(count, dict):
+                merged = total.setdefault(name, {})
+                for key, value in count.items():
+                    merged[key] = merged.get(key, 0) + value
+            else:
+                total[name] = total.get(name, 0) + count
+    return total

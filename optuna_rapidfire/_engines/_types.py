@@ -150,6 +150,10 @@ class EngineStats:
         graph_failures: Shapes that could not be recorded (they run kernel by kernel).
         graph_calls: Calls of the recorded passes by kind (``pass``: a training pass, ``step``: the gang's
             optimizer step, ``eval``: an evaluation pass), whether recorded, replayed or run as they are.
+        gang_seconds: Where the host time of GRPO gangs went: ``members`` (each member's own TRL code between
+            the shared steps, one member at a time), ``decode``, ``rewards``, ``logps`` (shared scoring and
+            policy forward passes) and ``backward`` (shared steps; a step's time includes its waits for the
+            device). Empty without GRPO gangs.
     """
 
     switches: int = 0
@@ -174,6 +178,7 @@ class EngineStats:
     graph_replays: int = 0
     graph_failures: int = 0
     graph_calls: dict[str, int] = field(default_factory=dict)
+    gang_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(eq=False)

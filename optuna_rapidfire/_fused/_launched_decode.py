@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from optuna_rapidfire._fused._fused_pass import attention_kernels
 from optuna_rapidfire._fused._sampling import DecodeRequest, Sampling, penalize, warp
 from optuna_rapidfire._fused._workspace import PROJECTIONS, Shape, Workspace, projection
 
@@ -91,9 +92,10 @@ class LaunchedDecode:
     def run(self) -> list[list[list[int]]]:
         """Each request's completions, one token list per prompt (cut at its length, as the HF path cuts).
 
-        Attention takes PyTorch's default kernels here, cuDNN's included: without cuDNN, the H200 decoded
+        The steps' attention takes PyTorch's default kernels, cuDNN's included: without cuDNN, the H200 decoded
         3.6x slower (0.66 s against 0.18 s for 128 rows of 32 tokens), although cuDNN builds a plan at each
-        new shape (the decode that captures a workspace's graph takes about 1 s).
+        new shape (the decode that captures a workspace's graph takes about 1 s). The prefill, whose shape
+        changes at every decode, does without cuDNN.
         """
         live = list(range(len(self.requests)))
         self.layouts = [list(live)]
@@ -327,14 +329,17 @@ class LaunchedDecode:
                 space.keys[index].index_copy_(2, columns, k)
                 space.values[index].index_copy_(2, columns, v)
                 keys, values = space.keys[index], space.values[index]
-            attended = F.scaled_dot_product_attention(
-                q.to(keys.dtype),
-                keys,
-                values,
-                attn_mask=mask,
-                scale=attention.scaling,
-                enable_gqa=keys.shape[1] != q.shape[1],
-            )
+            # A prefill's shape changes at every decode (its prompts' width): no cuDNN, which plans per new shape
+            # (1.4 s of a GRPO study's 25 gang decodes on the H200); the steps keep it (one shape, captured once).
+            with attention_kernels() if prefill is not None else contextlib.nullcontext():
+                attended = F.scaled_dot_product_attention(
+                    q.to(keys.dtype),
+                    keys,
+                    values,
+                    attn_mask=mask,
+                    scale=attention.scaling,
+                    enable_gqa=keys.shape[1] != q.shape[1],
+                )
             attended = attended.transpose(1, 2).reshape(*normed.shape[:-1], -1)
             hidden = hidden + _adapted(space, layer, index, "o_proj", attended, self.autocast)
             normed = layer.post_attention_layernorm(hidden)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Union, cast
 import torch
 
 from optuna_rapidfire import _compat
+from optuna_rapidfire._resident._walks import ModeSwitch, publish_checkpointing
 
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
@@ -124,6 +125,7 @@ class ResidentModel:
         self._params: dict[str, dict[str, torch.nn.Parameter]] = {}
         self._checkpointing: tuple[bool, str] = (False, "")
         self._lock = threading.RLock()
+        self._alone_depth = 0  # open alone() contexts
         # Counts every adapter added or removed: what is known of the adapters is stale once it changes.
         self.adapters_version = 0
 
@@ -156,6 +158,9 @@ class ResidentModel:
                         # TRL's reference pass (GRPO, DPO with beta) enters disable_adapter() every step; PEFT's
                         # walks every module three times (its status check, then off and on again).
                         peft.__dict__["disable_adapter"] = self.adapters_off
+                        # TRL calls train() and reads is_gradient_checkpointing at every step: no walks.
+                        peft.__dict__["train"] = ModeSwitch(peft, lambda: self.adapters_version, self.hiding)
+                        publish_checkpointing(peft, self.base)
                     else:
                         # PEFT's injection walks every module several times: the other adapters' are hidden.
                         with self.alone(name):
@@ -188,6 +193,10 @@ class ResidentModel:
         entries are put back in their order, before any added. Nothing may run the model meanwhile.
         """
         return _Alone(self, name)
+
+    def hiding(self) -> bool:
+        """Whether an :meth:`alone` context hides other adapters' modules now."""
+        return self._alone_depth > 0
 
     def adapter_params(self, name: str) -> list[torch.nn.Parameter]:
         """The parameters that belong to adapter ``name``."""
@@ -324,6 +333,8 @@ class ResidentModel:
         else:
             self.base.gradient_checkpointing_disable()
         self._checkpointing = key
+        if self.peft is not None:
+            publish_checkpointing(self.peft, self.base)
 
     def delete_adapter(self, name: str) -> None:
         """Remove adapter ``name`` and free its weights."""
@@ -382,6 +393,7 @@ class _Alone:
 
     def __enter__(self) -> None:
         self.resident._lock.acquire()
+        self.resident._alone_depth += 1
         try:
             self._hide()
         except BaseException:
@@ -418,6 +430,7 @@ class _Alone:
                 modules.update(now)
             self._hidden.clear()
         finally:
+            self.resident._alone_depth -= 1
             self.resident._lock.release()
 
 

@@ -99,14 +99,24 @@ class SwapState:
     # The generator state of the trial's own sampling when it generates completions (GRPO), once it has one.
     sample_rng: torch.Tensor | None = None
     _moved: list[tuple[dict[str, Any], str]] = field(default_factory=list, repr=False)
+    _nbytes: tuple[tuple[int, int, int], int] | None = field(default=None, repr=False)  # (key, bytes) last counted
 
     def nbytes(self) -> int:
-        """Bytes of the adapter weights and optimizer moments."""
+        """Bytes of the adapter weights and optimizer moments.
+
+        Counted again only when the optimizer's state has gained or lost entries (its moments appear at the
+        first step), not at each call: a gang's members ask at every resumption.
+        """
+        states = self.optimizer.state
+        key = (len(self.params), len(states), sum(len(state) for state in states.values()))
+        if self._nbytes is not None and self._nbytes[0] == key:
+            return self._nbytes[1]
         total = sum(p.numel() * p.element_size() for p in self.params)
-        for state in self.optimizer.state.values():
-            for value in state.values():
+        for state in list(states.values()):
+            for value in list(state.values()):
                 if isinstance(value, torch.Tensor):
                     total += value.numel() * value.element_size()
+        self._nbytes = (key, total)
         return total
 
     def offload(self, device: torch.device) -> None:

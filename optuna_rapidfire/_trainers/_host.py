@@ -94,8 +94,9 @@ class GangHost(Protocol):
 class DevicePart(Protocol):
     """A kind's per-device state (:meth:`GangHost.part`); its counters add to the engine's stats of the same name."""
 
-    def counters(self) -> dict[str, int]:
-        """Counters named as fields of the engine's stats (``decodes``, ``fused_steps``...)."""
+    def counters(self) -> dict[str, Any]:
+        """Counters named as fields of the engine's stats (``decodes``, ``fused_steps``...); a dict's values
+        are summed key by key (``gang_seconds``)."""
 
 
 class GangEngine(Protocol[R_co]):

@@ -125,3 +125,61 @@ def test_a_snapshot_write_runs_off_the_caller_and_a_reader_waits_for_it(caplog: 
     writes.submit("d", lambda: written.append("d"))
     writes.wait()
     assert written == ["a", "d"]
+
+
+def _modes(module: torch.nn.Module) -> dict[str, bool]:
+    return {name: m.training for name, m in module.named_modules()}
+
+
+def test_train_and_eval_set_every_module_as_torch_does_also_after_an_adapter_is_added(tiny_model: str) -> None:
+    resident = _resident(tiny_model)
+    resident.add_adapter("trial_0", CONFIGS[0], seed=0)
+    peft = resident.peft
+    assert peft is not None and "train" in peft.__dict__  # the flat pass is installed
+    for index, config in enumerate(CONFIGS[1:], start=1):
+        peft.eval()
+        assert not any(_modes(peft).values())
+        resident.add_adapter(f"trial_{index}", config, seed=index)  # new modules (made in train mode)
+        peft.eval()  # reaches the new modules too
+        assert not any(_modes(peft).values())
+        assert peft.train() is peft
+        assert all(_modes(peft).values())
+    # Inside alone(), only the modules in view change, as torch's recursion changes them.
+    with resident.alone("trial_0"):
+        peft.eval()
+    hidden = [name for name, training in _modes(peft).items() if training]
+    assert hidden and all(".trial_0" not in name for name in hidden)
+    with pytest.raises(ValueError, match="boolean"):
+        peft.train("no")  # type: ignore[arg-type]
+
+
+def test_a_module_with_its_own_train_takes_torchs_recursion() -> None:
+    from optuna_rapidfire._resident._walks import ModeSwitch
+
+    calls: list[bool] = []
+
+    class Counting(torch.nn.Linear):
+        def train(self, mode: bool = True) -> Counting:
+            calls.append(mode)
+            return super().train(mode)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(Counting(2, 2)))
+    switch = ModeSwitch(model, lambda: 0, lambda: False)
+    assert switch(False) is model
+    assert calls == [False] and not any(m.training for m in model.modules())
+
+
+def test_is_gradient_checkpointing_follows_the_resident_models_setting(tiny_model: str) -> None:
+    resident = _resident(tiny_model)
+    resident.add_adapter("trial_0", CONFIGS[1], seed=0)
+    peft = resident.peft
+    assert peft is not None
+
+    def scanned() -> bool:
+        return any(bool(getattr(m, "gradient_checkpointing", False)) for m in resident.base.modules())
+
+    assert peft.is_gradient_checkpointing is False is scanned()
+    resident.set_checkpointing(True, None)
+    assert peft.is_gradient_checkpointing is True is scanned()
+    resident.set_checkpointing(False, None)
+    assert peft.is_gradient_checkpointing is False is scanned()

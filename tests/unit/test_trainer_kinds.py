@@ -214,7 +214,14 @@ def test_a_kind_s_per_device_state_is_made_once_per_device_and_only_for_its_tria
     made = generation(first)  # type: ignore[arg-type]
     assert isinstance(made, Generation) and made.trials is first
     assert generation(first) is made and generation(second) is not made  # type: ignore[arg-type]
-    assert made.counters() == {"decodes": 0, "decoded_requests": 0, "fused_steps": 0, "scoring_passes": 0}
+    zero = dict.fromkeys(("members", "decode", "rewards", "logps", "backward"), 0.0)
+    assert made.counters() == {
+        "decodes": 0,
+        "decoded_requests": 0,
+        "fused_steps": 0,
+        "scoring_passes": 0,
+        "gang_seconds": zero,
+    }
 
 
 def test_a_strategy_of_one_s_own_chooses_what_the_engine_does_with_the_gang() -> None:

@@ -110,16 +110,19 @@ class Generation:
         self._said: set[str] = set()
         self._numbers: dict[str, int] = {}  # adapter -> trial number (for the Decoded events)
         self.decodes = 0  # decode batches run
+        # Host seconds of the gangs' runs: the members' own code, and each kind of shared step.
+        self.seconds = dict.fromkeys(("members", "decode", "rewards", "logps", "backward"), 0.0)
         self.requests = 0  # requests they served (more than the batches when gangs decode together)
 
-    def counters(self) -> dict[str, int]:
-        """Decode batches, the requests they served, the gangs' shared policy passes (fused steps) and their
-        shared passes without gradients (references, evaluations)."""
+    def counters(self) -> dict[str, Any]:
+        """Decode batches, the requests they served, the gangs' shared policy passes (fused steps), their
+        shared passes without gradients (references, evaluations), and where the gangs' host time went."""
         return {
             "decodes": self.decodes,
             "decoded_requests": self.requests,
             "fused_steps": self.policy.passes,
             "scoring_passes": self.policy.scoring_passes,
+            "gang_seconds": dict(self.seconds),
         }
 
     def install(self, runtime: Member) -> None:
@@ -168,6 +171,7 @@ class Generation:
         try:
             return self._turns.run([functools.partial(self._member, work, runtime) for runtime in runtimes])
         finally:
+            self.seconds["members"] += self._turns.member_seconds
             self._turns, self._gang, self._share_policy = None, [], False
             self.trials.keep_on_device([])
             self._shared_forward.clear()
@@ -293,27 +297,10 @@ class Generation:
             generator.manual_seed(int(runtime.args.seed) + _SEED_OFFSET)
         else:
             generator.set_state(runtime.state.sample_rng)
-        request = self._request(runtime, prompt_ids, generator)
+        request = _request(runtime, prompt_ids, generator)
         completions = self._meet(runtime, request) if self._inside() else self.decode([request], runtime)[0]
         runtime.state.sample_rng = generator.get_state()
         return completions
-
-    def _request(self, runtime: Member, prompt_ids: list[list[int]], generator: torch.Generator) -> DecodeRequest:
-        trainer: Any = runtime.trainer
-        config = trainer.generation_config
-        return DecodeRequest(
-            adapter=runtime.state.adapter_name,
-            prompts=[list(ids) for ids in prompt_ids],
-            max_new_tokens=int(config.max_new_tokens),
-            temperature=float(config.temperature if config.temperature is not None else 1.0),
-            top_k=config.top_k,
-            top_p=float(config.top_p if config.top_p is not None else 1.0),
-            min_p=config.min_p,
-            repetition_penalty=float(config.repetition_penalty if config.repetition_penalty is not None else 1.0),
-            do_sample=bool(config.do_sample),
-            generator=generator,
-            eos_token_ids=tuple(int(t) for t in trainer.eos_token_ids),
-        )
 
     # -- decoding --------------------------------------------------------------------------------
 
@@ -347,19 +334,21 @@ class Generation:
     def _serve(self, requests: list[Any]) -> list[Any]:
         """Each request's answer, by kind: one decode, one policy forward, one backward."""
         answers: list[Any] = [None] * len(requests)
-        for kind, run in (
-            (DecodeRequest, self._shared_decode),
-            (RewardRequest, shared_rewards),
-            (LogpsRequest, self.policy.forward),
-            (BackwardRequest, self.policy.backward),
+        for kind, name, run in (
+            (DecodeRequest, "decode", self._shared_decode),
+            (RewardRequest, "rewards", shared_rewards),
+            (LogpsRequest, "logps", self.policy.forward),
+            (BackwardRequest, "backward", self.policy.backward),
         ):
             positions = [i for i, request in enumerate(requests) if isinstance(request, kind)]
             if not positions:
                 continue
+            start = time.perf_counter()
             try:
                 found: list[Any] = list(run([requests[i] for i in positions]))
             except Exception as error:  # every member of this step sees it (a decode retries one by one)
                 found = [error] * len(positions)
+            self.seconds[name] += time.perf_counter() - start
             for i, answer in zip(positions, found, strict=True):
                 answers[i] = answer
         return answers
@@ -419,4 +408,23 @@ def _decoded(
         phase=phases.pop() if len(phases) == 1 else "mixed",
         sampling=sampling,
         completions=tuple(tuple(tuple(row) for row in c) for c in completions),
+    )
+
+
+def _request(runtime: Member, prompt_ids: list[list[int]], generator: torch.Generator) -> DecodeRequest:
+    """The trial's decode request for ``prompt_ids``: its adapter, its generation settings, its generator."""
+    trainer: Any = runtime.trainer
+    config = trainer.generation_config
+    return DecodeRequest(
+        adapter=runtime.state.adapter_name,
+        prompts=[list(ids) for ids in prompt_ids],
+        max_new_tokens=int(config.max_new_tokens),
+        temperature=float(config.temperature if config.temperature is not None else 1.0),
+        top_k=config.top_k,
+        top_p=float(config.top_p if config.top_p is not None else 1.0),
+        min_p=config.min_p,
+        repetition_penalty=float(config.repetition_penalty if config.repetition_penalty is not None else 1.0),
+        do_sample=bool(config.do_sample),
+        generator=generator,
+        eos_token_ids=tuple(int(t) for t in trainer.eos_token_ids),
     )

@@ -14,6 +14,7 @@ resumes (its adapter, its RNG) it does itself, after :meth:`~Turns.meet` returns
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -59,6 +60,7 @@ class Turns(Generic[Request, Answer]):
         self._turn: _Member | None = None  # the member allowed to run; None: the coordinator
         self._changed = threading.Condition()
         self._local = threading.local()
+        self.member_seconds = 0.0  # host time the members ran their own code (all runs of this object)
 
     def inside(self) -> bool:
         """Whether the calling thread is one of this object's members (so :meth:`meet` can be called)."""
@@ -80,7 +82,9 @@ class Turns(Generic[Request, Answer]):
         while not all(member.done for member in members):
             for member in members:
                 if not member.done and member.request is _NOTHING:
+                    start = time.perf_counter()
                     self._give_turn(member)
+                    self.member_seconds += time.perf_counter() - start
             waiting = [member for member in members if not member.done and member.request is not _NOTHING]
             if not waiting:
                 continue
