@@ -364,10 +364,13 @@ def _adapted(space: Workspace, layer: Any, index: int, name: str, x: torch.Tenso
     stacked = x.reshape(slots, -1, x.shape[-1])
     if not autocast:
         stacked = stacked.to(down.dtype)
-    # Each slot's rows through its own A, scaled, then its own B (as PEFT computes B(A(x)) * scaling).
-    hidden = torch.bmm(stacked, down.transpose(1, 2)) * space.scales[space.target[index, name]]
-    update = torch.bmm(hidden, space.up[index, name].transpose(1, 2))
-    return result + update.view(result.shape).to(result.dtype)
+    # Each slot's rows through its own A (scaled when loaded), then its own B, added to the base's output in
+    # the same product (PEFT computes B(A(x)) * scaling): four kernels per projection, with the base's.
+    hidden = torch.bmm(stacked, down.transpose(1, 2))
+    up = space.up[index, name].transpose(1, 2)
+    if autocast or result.dtype == up.dtype:
+        return torch.baddbmm(result.view(slots, -1, result.shape[-1]), hidden, up).view(result.shape)
+    return result + torch.bmm(hidden, up).view(result.shape).to(result.dtype)
 
 
 def _padded(request: DecodeRequest, rows: int) -> DecodeRequest:

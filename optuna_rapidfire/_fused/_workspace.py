@@ -71,8 +71,8 @@ class Workspace:
         cache = (rows, heads, shape.columns, head_dim)
         self.keys = [torch.zeros(cache, dtype=shape.dtype, device=device) for _ in lm.model.layers]
         self.values = [torch.zeros(cache, dtype=shape.dtype, device=device) for _ in lm.model.layers]
-        # Each targeted projection's A and B of every slot, as PEFT lays them out ([r, in] and [out, r]),
-        # zero-padded to the largest rank, and each slot's scaling.
+        # Each targeted projection's A (times the slot's scaling) and B of every slot, as PEFT lays them out
+        # ([r, in] and [out, r]), zero-padded to the largest rank.
         self.down: dict[tuple[int, str], torch.Tensor] = {}
         self.up: dict[tuple[int, str], torch.Tensor] = {}
         for index, name in shape.targets:
@@ -83,8 +83,6 @@ class Workspace:
             self.up[index, name] = torch.zeros(
                 shape.slots, base.out_features, shape.rank, dtype=shape.dtype, device=device
             )
-        self.target = {target: t for t, target in enumerate(shape.targets)}
-        self.scales = torch.zeros(len(shape.targets), shape.slots, 1, 1, dtype=shape.dtype, device=device)
 
         def new(*size: int, dtype: torch.dtype = torch.long, fill: float = 0) -> torch.Tensor:
             return torch.full(size, fill, dtype=dtype, device=device)
@@ -105,10 +103,13 @@ class Workspace:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def load(self, lm: Any, names: Sequence[str | None]) -> None:
-        """Copy the slots' adapters in (``None``: an idle slot, zeros): two multi-tensor copies, whatever K."""
-        sources: list[torch.Tensor] = []
+        """Copy the slots' adapters in (``None``: an idle slot, zeros), each A times its scaling (so that a step
+        need not scale): one multi-tensor product and one multi-tensor copy, whatever K."""
+        downs: list[torch.Tensor] = []
+        scalings: list[float] = []
+        ups: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
-        scales = torch.zeros(self.scales.shape[:2])
+        up_targets: list[torch.Tensor] = []
         for (index, name), down in self.down.items():
             layer, up = projection(lm.model.layers[index], name), self.up[index, name]
             for slot, adapter in enumerate(names):
@@ -121,9 +122,11 @@ class Workspace:
                 if rank < self.shape.rank:
                     down[slot].zero_()
                     up[slot].zero_()
-                sources += [a, b]
-                targets += [down[slot, :rank], up[slot, :, :rank]]
-                scales[self.target[index, name], slot] = float(layer.scaling[adapter])
-        if sources:
-            torch._foreach_copy_(targets, sources)
-        self.scales.copy_(scales[..., None, None])
+                downs.append(a)
+                scalings.append(float(layer.scaling[adapter]))
+                ups.append(b)
+                targets.append(down[slot, :rank])
+                up_targets.append(up[slot, :, :rank])
+        if downs:
+            with torch.no_grad():
+                torch._foreach_copy_(targets + up_targets, [*torch._foreach_mul(downs, scalings), *ups])
