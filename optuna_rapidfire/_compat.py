@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from optuna.storages._heartbeat import BaseHeartbeat as BaseHeartbeat
 
 if TYPE_CHECKING:
-    from collections.abc import Container
+    from collections.abc import Callable, Container
 
     import optuna
 
@@ -258,15 +258,28 @@ def pin_device(args: Any, device: Any) -> None:
     args._n_gpu = 1
 
 
-def private_accelerate_state(trainer: Any) -> None:
+def private_accelerate_state(trainer: Any, autocast: Callable[[], Any]) -> None:
     """Give ``trainer.accelerator.state`` (and ``args.distributed_state``) a private copy of accelerate's
     process-wide state (``AcceleratorState._shared_state``, a class-level dict that every new
-    ``TrainingArguments`` clears)."""
+    ``TrainingArguments`` clears), and make ``trainer.accelerator.autocast()`` (which TRL's GRPO and DPO steps
+    enter) return ``autocast()``: accelerate's reads the process-wide state afresh, and after a clear it
+    raises and leaves the state half made, so that every later trainer build fails too. Public alternative:
+    none (the state is accelerate's singleton)."""
     state = trainer.accelerator.state
     state.__dict__ = dict(state.__dict__)
     distributed = getattr(trainer.args, "distributed_state", None)
     if distributed is not None:
         distributed.__dict__ = dict(distributed.__dict__)
+    trainer.accelerator.autocast = lambda autocast_handler=None: autocast()
+
+
+def reset_accelerate_state() -> None:
+    """Clear accelerate's process-wide state (``AcceleratorState._reset_state``), as every new
+    ``TrainingArguments`` does, so that the next ``Accelerator`` (a trainer being built) sets it up whole
+    whatever was left in it."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 # -- PEFT and torch ------------------------------------------------------------------------------------

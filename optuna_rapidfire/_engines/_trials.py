@@ -152,6 +152,7 @@ class DeviceTrials:
                 # No other thread may make TrainingArguments (clearing accelerate's shared state) until the
                 # trainer has its own copy of that state.
                 with ACCELERATE_STATE, self.resident.building(name) as trainer_forward:
+                    _compat.reset_accelerate_state()  # set up whole by this trainer's accelerator
                     trainer = kind.build_trainer(self.resident, args, sample, self.extras)
                     kind.isolate(trainer)
                 key = kind.data_key(args)

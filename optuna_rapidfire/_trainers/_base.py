@@ -211,13 +211,15 @@ class TrainerKind(ABC):
         return bool(enabled), kwargs
 
     def isolate(self, trainer: Trainer) -> None:
-        """Give the trainer a private copy of accelerate's process-wide state.
+        """Give the trainer a private copy of accelerate's process-wide state, and its accelerator's
+        ``autocast()`` the trial's own (:meth:`autocast`).
 
         accelerate keeps its state in class-level dicts shared by every object, and every new
         ``TrainingArguments`` clears them, for instance when another thread runs ``configure(trial)``
         while this trial trains. A private copy keeps this trainer's accelerator whole.
         """
-        _compat.private_accelerate_state(trainer)
+        args, device = trainer.args, trainer.args.device
+        _compat.private_accelerate_state(trainer, lambda: self.autocast(args, device))
 
     def autocast(self, args: TrainingArguments, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         """Mixed-precision context of the trial (``bf16``/``fp16``), as accelerate's autocast would set it.

@@ -209,3 +209,35 @@ def test_a_gang_calls_each_reward_function_once_and_each_trial_gets_its_own_rewa
     for gang, alone in zip(gang_values, alone_values, strict=True):
         assert gang.keys() == alone.keys()
         assert all(gang[step] == pytest.approx(alone[step], rel=1e-5) for step in gang)
+
+
+@pytest.mark.parametrize("engine", ["time_sliced", "fused"])
+def test_training_arguments_made_in_another_thread_mid_step_fail_no_trial(
+    make_executor, prompts, tmp_path, engine
+) -> None:
+    """Every new ``TrainingArguments`` clears accelerate's process-wide state, as ``configure(trial)`` does in a
+    trial thread while others train. TRL's GRPO step enters its accelerator's ``autocast()``, which read that
+    state afresh: after a clear it raised in the training trial and left the state half made, so that every
+    later build failed too. The reward function here makes ``TrainingArguments`` in another thread on its first
+    call, mid-step; both trials (and the third, built afterwards) complete."""
+    import threading
+
+    from transformers import TrainingArguments
+
+    made: list[TrainingArguments] = []
+
+    def resetting_reward(completions: list[str], **kwargs: object) -> list[float]:
+        if not made:  # once, from another thread (a trial thread making its config)
+            thread = threading.Thread(
+                target=lambda: made.append(TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"))
+            )
+            thread.start()
+            thread.join()
+        return vowel_reward(completions)
+
+    configs = [TARGET, OTHERS[1], TARGET]
+    executor = _executor(make_executor, prompts, 2, engine, reward=resetting_reward)
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+    executor.optimize(study, by_number(configs), n_trials=len(configs))
+    assert made  # the state was cleared mid-step
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * len(configs)
