@@ -38,7 +38,7 @@ import sys
 import weakref
 from collections import OrderedDict
 from dataclasses import fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -312,7 +312,7 @@ class LaunchedDecode:
         cos, sin = lm.model.rotary_emb(hidden, positions)
         for index, layer in enumerate(lm.model.layers):
             attention = layer.self_attn
-            normed = layer.input_layernorm(hidden)
+            normed = _rms_norm(layer.input_layernorm, hidden)
             shape = (*normed.shape[:-1], -1, attention.head_dim)
             q = _adapted(space, layer, index, "q_proj", normed, self.autocast).view(shape).transpose(1, 2)
             k = _adapted(space, layer, index, "k_proj", normed, self.autocast).view(shape).transpose(1, 2)
@@ -342,15 +342,29 @@ class LaunchedDecode:
                 )
             attended = attended.transpose(1, 2).reshape(*normed.shape[:-1], -1)
             hidden = hidden + _adapted(space, layer, index, "o_proj", attended, self.autocast)
-            normed = layer.post_attention_layernorm(hidden)
+            normed = _rms_norm(layer.post_attention_layernorm, hidden)
             mlp = layer.mlp
             gated = mlp.act_fn(_adapted(space, layer, index, "gate_proj", normed, self.autocast))
             inner = gated * _adapted(space, layer, index, "up_proj", normed, self.autocast)
             hidden = hidden + _adapted(space, layer, index, "down_proj", inner, self.autocast)
-        return lm.model.norm(hidden)
+        return _rms_norm(lm.model.norm, hidden)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm.get_output_embeddings()(hidden).float()
+
+
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+"""Norms computed as ``weight * (x / rms(x) in float32, cast back)``: :func:`_rms_norm` computes them with
+PyTorch's ``rms_norm`` (one fused kernel on CUDA, instead of eight for the module's own steps)."""
+
+
+def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``, in fewer kernels for the RMS norms of :data:`_RMS_NORMS` (others run as they are)."""
+    if type(norm).__name__ not in _RMS_NORMS:
+        return cast("torch.Tensor", norm(x))
+    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return norm.weight * normed.to(x.dtype)
 
 
 def _adapted(space: Workspace, layer: Any, index: int, name: str, x: torch.Tensor, autocast: bool) -> torch.Tensor:

@@ -372,3 +372,31 @@ def test_a_prompt_repeated_per_generation_is_prefilled_once_and_its_rows_sample_
     assert run.prefilled == [2 * 2]  # 2 slots x the most distinct prompts of a slot (t1: 2; t2: 1, padded)
     assert launched == decode(model, requests(), PAD, launched=False)
     assert len({tuple(row) for row in launched[0]}) > 2  # rows of one prompt sample apart
+
+
+def test_the_decode_computes_llama_rms_norms_as_the_module_does_and_runs_other_norms_as_they_are() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from optuna_rapidfire._fused._launched_decode import _rms_norm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    # The same float32 normalization, summing 64 squares in another order: float32 results differ by at most
+    # 64 float32 epsilons (relative); a bfloat16 result rounds that once more, then its product with the weight,
+    # so it may differ by two bfloat16 epsilons (relative).
+    fp32 = 64 * torch.finfo(torch.float32).eps
+    for dtype, tolerance in ((torch.float32, fp32), (torch.bfloat16, 2 * torch.finfo(torch.bfloat16).eps)):
+        x = torch.randn(3, 5, 64).to(dtype)
+        module = norm.to(dtype)
+        torch.testing.assert_close(_rms_norm(module, x), module(x), rtol=tolerance, atol=fp32)
+
+    class Doubling(torch.nn.Module):  # a norm of another formula is called as it is
+        weight = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+    x = torch.randn(2, 4)
+    assert torch.equal(_rms_norm(Doubling(), x), 2 * x)
