@@ -263,8 +263,8 @@ def private_accelerate_state(trainer: Any, autocast: Callable[[], Any]) -> None:
     process-wide state (``AcceleratorState._shared_state``, a class-level dict that every new
     ``TrainingArguments`` clears), and make ``trainer.accelerator.autocast()`` (which TRL's GRPO and DPO steps
     enter) return ``autocast()``: accelerate's reads the process-wide state afresh, and after a clear it
-    raises and leaves the state half made, so that every later trainer build fails too. Public alternative:
-    none (the state is accelerate's singleton)."""
+    raises and leaves the state half made, so that every later trainer build fails too (an ``AutocastKwargs``
+    handler passed to it is not applied). Public alternative: none (the state is accelerate's singleton)."""
     state = trainer.accelerator.state
     state.__dict__ = dict(state.__dict__)
     distributed = getattr(trainer.args, "distributed_state", None)
