@@ -211,7 +211,10 @@ class LaunchedDecode:
         see |= torch.eye(width, dtype=torch.bool, device=device)[None]
         rows_of = torch.tensor(spread, device=device)
         self.prefilled.append(len(unique))
-        hidden = self._layers(space, unique_ids, positions, columns, see[:, None], prefill=rows_of)
+        # A prefill's shape changes at every decode (its prompts' width): no cuDNN, which plans per new shape
+        # (1.4 s of a GRPO study's 25 gang decodes on the H200); the steps keep it (one shape, captured once).
+        with attention_kernels():
+            hidden = self._layers(space, unique_ids, positions, columns, see[:, None], prefill=rows_of)
         space.logits.copy_(self._head(hidden[:, -1]).index_select(0, rows_of))
         if space.seen is not None:
             pointed = ids.clamp(max=self.vocab).masked_fill(~mask, self.vocab)
@@ -329,17 +332,14 @@ class LaunchedDecode:
                 space.keys[index].index_copy_(2, columns, k)
                 space.values[index].index_copy_(2, columns, v)
                 keys, values = space.keys[index], space.values[index]
-            # A prefill's shape changes at every decode (its prompts' width): no cuDNN, which plans per new shape
-            # (1.4 s of a GRPO study's 25 gang decodes on the H200); the steps keep it (one shape, captured once).
-            with attention_kernels() if prefill is not None else contextlib.nullcontext():
-                attended = F.scaled_dot_product_attention(
-                    q.to(keys.dtype),
-                    keys,
-                    values,
-                    attn_mask=mask,
-                    scale=attention.scaling,
-                    enable_gqa=keys.shape[1] != q.shape[1],
-                )
+            attended = F.scaled_dot_product_attention(
+                q.to(keys.dtype),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=attention.scaling,
+                enable_gqa=keys.shape[1] != q.shape[1],
+            )
             attended = attended.transpose(1, 2).reshape(*normed.shape[:-1], -1)
             hidden = hidden + _adapted(space, layer, index, "o_proj", attended, self.autocast)
             normed = _rms_norm(layer.post_attention_layernorm, hidden)
@@ -379,7 +379,7 @@ def _adapted(space: Workspace, layer: Any, index: int, name: str, x: torch.Tenso
     if not autocast:
         stacked = stacked.to(down.dtype)
     # Each slot's rows through its own A (scaled when loaded), then its own B, added to the base's output in
-    # the same product (PEFT computes B(A(x)) * scaling): four kernels per projection, with the base's.
+    # the same product (PEFT computes B(A(x)) * scaling): three kernels per projection, with the base's.
     hidden = torch.bmm(stacked, down.transpose(1, 2))
     up = space.up[index, name].transpose(1, 2)
     if autocast or result.dtype == up.dtype:

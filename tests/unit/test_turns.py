@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
 
-from optuna_rapidfire._trainers.grpo._turns import Turns
+from optuna_rapidfire._trainers.grpo._turns import Turns, each_alone_after_failure
 
 
 def test_members_take_turns_and_meet_in_one_shared_step() -> None:
@@ -82,3 +83,26 @@ def test_a_shared_step_that_fails_fails_every_member_waiting_and_meet_needs_a_me
     assert not turns.inside()
     with pytest.raises(RuntimeError, match="inside a member"):
         turns.meet(1)
+
+
+def test_a_failed_shared_step_is_retried_request_by_request_and_only_a_request_that_fails_alone_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls: list[list[int]] = []
+    put_back: list[int] = []
+
+    def run(batch: list[int]) -> list[int]:
+        calls.append(list(batch))
+        if 3 in batch:
+            raise ValueError("request 3 breaks")
+        return [2 * request for request in batch]
+
+    with caplog.at_level(logging.WARNING, logger="optuna_rapidfire"):
+        answers = each_alone_after_failure(run, [1, 3, 5], "decode", "decoding", put_back.append)
+    assert calls == [[1, 3, 5], [1], [3], [5]]
+    assert put_back == [1, 3, 5]  # each request is put back as it was before it runs alone
+    assert answers[0] == 2 and answers[2] == 10 and isinstance(answers[1], ValueError)
+    assert "A shared decode of 3 trials failed (ValueError: request 3 breaks); decoding them one by one." in caplog.text
+    assert each_alone_after_failure(run, [1, 5], "decode", "decoding") == [2, 10]  # no failure: one call
+    with pytest.raises(ValueError, match="request 3 breaks"):  # one request: its failure is the step's
+        each_alone_after_failure(run, [3], "decode", "decoding")

@@ -34,7 +34,7 @@ from optuna_rapidfire._resident._state import RngState
 from optuna_rapidfire._trainers.grpo._policy_pass import BackwardRequest, LogpsRequest, PolicyPasses
 from optuna_rapidfire._trainers.grpo._rewards import RewardRequest, shared_rewards
 from optuna_rapidfire._trainers.grpo._rewards import refusal as rewards_refusal
-from optuna_rapidfire._trainers.grpo._turns import Turns
+from optuna_rapidfire._trainers.grpo._turns import Turns, each_alone_after_failure
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -357,29 +357,13 @@ class Generation:
         """The gang's decode; after a failure with several requests, each request again alone (from the
         generator state it started from), so that only a request that fails alone fails."""
         first = self._gang[0]
-        starts = [request.generator.get_state() for request in requests if request.generator is not None]
-        try:
-            return list(self.decode(requests, first))
-        except Exception as error:
-            if len(requests) == 1:
-                raise
-            if isinstance(error, torch.cuda.OutOfMemoryError):
-                torch.cuda.empty_cache()
-            _logger.warning(
-                "A shared decode of %d trials failed (%s: %s); decoding them one by one.",
-                len(requests),
-                type(error).__name__,
-                error,
-            )
-        answers: list[Completions | BaseException] = []
-        for request, start in zip(requests, starts, strict=True):
+        starts = {id(request): request.generator.get_state() for request in requests if request.generator is not None}
+
+        def again(request: DecodeRequest) -> None:
             assert request.generator is not None  # every request made here has its trial's generator
-            request.generator.set_state(start)
-            try:
-                answers.append(self.decode([request], first)[0])
-            except Exception as own:
-                answers.append(own)
-        return answers
+            request.generator.set_state(starts[id(request)])
+
+        return each_alone_after_failure(lambda batch: self.decode(batch, first), requests, "decode", "decoding", again)
 
     def _say(self, text: str) -> None:
         if text not in self._said:

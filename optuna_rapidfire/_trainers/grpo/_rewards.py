@@ -22,15 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optuna_rapidfire._logging import get_logger
+from optuna_rapidfire._trainers.grpo._turns import each_alone_after_failure
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from optuna_rapidfire._trainers._host import Member
-
-
-_logger = get_logger(__name__)
 
 
 @dataclass(eq=False)
@@ -139,21 +136,4 @@ def _score(requests: Sequence[RewardRequest]) -> list[torch.Tensor]:
 def shared_rewards(requests: list[RewardRequest]) -> list[torch.Tensor | BaseException]:
     """The gang's rewards; after a failure with several members, each member's alone, so that only a
     member whose rows fail fails."""
-    try:
-        return list(rewards(requests))
-    except Exception as error:
-        if len(requests) == 1:
-            raise
-        _logger.warning(
-            "Shared rewards of %d trials failed (%s: %s); scoring them one by one.",
-            len(requests),
-            type(error).__name__,
-            error,
-        )
-    answers: list[torch.Tensor | BaseException] = []
-    for request in requests:
-        try:
-            answers.append(rewards([request])[0])
-        except Exception as own:
-            answers.append(own)
-    return answers
+    return each_alone_after_failure(rewards, requests, "reward call", "scoring")

@@ -18,8 +18,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import torch
+
+from optuna_rapidfire._logging import get_logger
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+
+_logger = get_logger(__name__)
 
 Request = TypeVar("Request")
 Answer = TypeVar("Answer")
@@ -148,3 +154,40 @@ class Turns(Generic[Request, Answer]):
             with self._changed:
                 self._turn = None
                 self._changed.notify_all()
+
+
+def each_alone_after_failure(
+    run: Callable[[list[Request]], Sequence[Answer]],
+    requests: list[Request],
+    what: str,
+    doing: str,
+    again: Callable[[Request], None] | None = None,
+) -> list[Answer | BaseException]:
+    """``run`` over every request at once (a shared step); when that fails with several requests, ``run`` over
+    each alone (after ``again(request)``, which puts the request back as it was), so that only a request that
+    fails alone fails: its answer is then its error. ``what`` and ``doing`` word the log line ("A shared
+    decode of 3 trials failed (...); decoding them one by one.")."""
+    try:
+        return list(run(requests))
+    except Exception as error:
+        if len(requests) == 1:
+            raise
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        _logger.warning(
+            "A shared %s of %d trials failed (%s: %s); %s them one by one.",
+            what,
+            len(requests),
+            type(error).__name__,
+            error,
+            doing,
+        )
+    answers: list[Answer | BaseException] = []
+    for request in requests:
+        if again is not None:
+            again(request)
+        try:
+            answers.append(run([request])[0])
+        except Exception as own:
+            answers.append(own)
+    return answers
