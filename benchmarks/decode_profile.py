@@ -35,24 +35,20 @@ from peft import get_peft_model
 from benchmarks.harness.environment import machine
 from benchmarks.harness.measure import sync
 from benchmarks.harness.models import build_model, lora
+from benchmarks.parts.grpo import GPU, anchor_rows
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
-from optuna_rapidfire.demo import build_tiny_model, load_gsm8k
+from optuna_rapidfire.demo import build_tiny_model
 
 CASES = {"one_adapter_128": (1, 128), "gang_k8_128": (8, 16), "one_adapter_16": (1, 16)}
 """Case name -> (requests, rows per request)."""
 TOP = 25
 
 
-def _rows(tokenizer: Any, count: int, generations: int) -> list[list[int]]:
-    texts = list(load_gsm8k("train", num_rows=count // generations, format="prompt_only")["prompt"])
-    return [ids for ids in tokenizer(text=texts)["input_ids"] for _ in range(generations)]
-
-
 def profile_case(model: Any, tokenizer: Any, requests: int, rows: int, new_tokens: int) -> tuple[dict[str, Any], str]:
     """One case: two warm-up decodes, then one profiled; its numbers and the profiler's table."""
     device = next(model.parameters()).device
-    prompts = _rows(tokenizer, requests * rows, 4)
-    eos = (int(tokenizer.eos_token_id),)
+    prompts, settings, eos = anchor_rows(tokenizer, GPU)  # the grpo part's rows of one gang decode (128)
+    settings = {**settings, "max_new_tokens": new_tokens}
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
     def once() -> int:
@@ -60,9 +56,9 @@ def profile_case(model: Any, tokenizer: Any, requests: int, rows: int, new_token
             DecodeRequest(
                 adapter=f"a{k}",
                 prompts=prompts[k * rows : (k + 1) * rows],
-                max_new_tokens=new_tokens,
                 generator=torch.Generator(device=device).manual_seed(k),
                 eos_token_ids=eos,
+                **settings,
             )
             for k in range(requests)
         ]

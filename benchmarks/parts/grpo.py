@@ -189,7 +189,7 @@ def run_study(bench: Bench, shape: str, engine: Literal["fused", "time_sliced"],
     }
 
 
-def _anchor_rows(bench: Bench, tokenizer: Any, sizes: Sizes) -> tuple[list[list[int]], dict[str, Any], tuple[int]]:
+def anchor_rows(tokenizer: Any, sizes: Sizes) -> tuple[list[list[int]], dict[str, Any], tuple[int]]:
     """The rows of one gang decode (trials x completions per step: the first train prompts, tokenized as
     TRL does, each repeated per generation), the trials' sampling settings (TRL's defaults) and the EOS."""
     per_decode = sizes.batch // sizes.generations  # prompts of one trial's decode
@@ -233,7 +233,7 @@ def ceiling(bench: Bench, shape: str, sizes: Sizes) -> dict[str, Any]:
     """The project's decode with ONE request holding one gang decode's rows, through one adapter."""
     model, tokenizer = build_model(shape, bench.tokenizer_dir)
     peft_model = get_peft_model(model, lora(16))
-    rows, settings, eos = _anchor_rows(bench, tokenizer, sizes)
+    rows, settings, eos = anchor_rows(tokenizer, sizes)
     device = torch.device(bench.device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     reset_peak()
@@ -266,7 +266,7 @@ def generate_anchor(bench: Bench, shape: str, sizes: Sizes, static: bool) -> dic
 
     model, tokenizer = build_model(shape, bench.tokenizer_dir)
     model.eval()
-    rows, settings, eos = _anchor_rows(bench, tokenizer, sizes)
+    rows, settings, eos = anchor_rows(tokenizer, sizes)
     pad = int(tokenizer.pad_token_id)
     device = torch.device(bench.device)
     width = max(len(r) for r in rows)
