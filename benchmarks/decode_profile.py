@@ -13,6 +13,11 @@ default sampling). For each case it runs two decodes to warm up (captures, plans
 - ``gang_k8_128``: 8 requests of 16 rows, each through its own adapter (a fused gang's decode);
 - ``one_adapter_16``: one request of 16 rows (a time-sliced trial's decode).
 
+- ``packing``: a gang decode (8 requests of 16 rows, 1 new token: the prefill and one step) whose prompts are
+  uneven (a quarter of the distinct prompts repeated to ~4x their length), prefilled packed by length (the
+  decode's default) and in one pass padded to the longest prompt: both decodes' seconds (median of 5), the
+  passes and the prompt tokens each computed.
+
 Writes ``decode_profile.json``: per case the decode's wall seconds (device synchronized around it), the
 device's kernel time and kernel count over that decode, and the kernels that take the most device time;
 ``decode_profile.txt`` holds the profiler's tables. Kernel time well under the wall means the host (or
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +42,7 @@ from benchmarks.harness.environment import machine
 from benchmarks.harness.measure import sync
 from benchmarks.harness.models import build_model, lora
 from benchmarks.parts.grpo import GPU, anchor_rows
+from optuna_rapidfire._fused import _launched_decode
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, decode
 from optuna_rapidfire.demo import build_tiny_model
 
@@ -97,6 +104,56 @@ def profile_case(model: Any, tokenizer: Any, requests: int, rows: int, new_token
     return found, events.table(sort_by=sort, row_limit=40, max_name_column_width=80)
 
 
+def packing_case(model: Any, tokenizer: Any, stretch: int) -> dict[str, Any]:
+    """The ``packing`` case: prefill packed by length against one padded pass (see the module's docstring)."""
+    device = next(model.parameters()).device
+    prompts, settings, eos = anchor_rows(tokenizer, GPU)
+    generations = GPU.generations
+    distinct = prompts[::generations]
+    uneven = [p * stretch if i % 4 == 0 else p for i, p in enumerate(distinct)]  # a quarter ~stretch times longer
+    rows = [p for p in uneven for _ in range(generations)]
+    per = len(rows) // 8
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    lm = model.get_base_model()
+
+    def once() -> _launched_decode.LaunchedDecode:
+        batch = [
+            DecodeRequest(
+                adapter=f"a{k}",
+                prompts=rows[k * per : (k + 1) * per],
+                generator=torch.Generator(device=device).manual_seed(k),
+                eos_token_ids=eos,
+                **{**settings, "max_new_tokens": 1},
+            )
+            for k in range(8)
+        ]
+        run = _launched_decode.LaunchedDecode(model, lm, batch, int(tokenizer.pad_token_id), device)
+        with torch.no_grad(), autocast:
+            run.run()
+        return run
+
+    found: dict[str, Any] = {"distinct_prompts": len(uneven), "lengths": sorted(len(p) for p in uneven)}
+    for name, pass_tokens in (("packed", _launched_decode._BUCKET_TOKENS), ("one_pass", 10**12)):
+        previous, _launched_decode._BUCKET_TOKENS = _launched_decode._BUCKET_TOKENS, pass_tokens
+        try:
+            seconds = []
+            for _ in range(2 + 5):
+                sync()
+                start = time.perf_counter()
+                run = once()
+                sync()
+                seconds.append(time.perf_counter() - start)
+        finally:
+            _launched_decode._BUCKET_TOKENS = previous
+        found[name] = {
+            "seconds": statistics.median(seconds[2:]),
+            "passes": [list(p) for p in run.prefilled],
+            "prompt_tokens": sum(prompts * width for prompts, width in run.prefilled),
+        }
+    found["one_pass_over_packed"] = found["one_pass"]["seconds"] / found["packed"]["seconds"]
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for decode_profile.json and decode_profile.txt")
@@ -122,6 +179,13 @@ def main() -> None:
             f"kernels, {found['kernels_per_step']:.0f} kernels per step",
             flush=True,
         )
+    results["packing"] = packing = packing_case(peft_model, tokenizer, stretch=2 if options.smoke else 4)
+    print(
+        f"packing: {packing['packed']['seconds'] * 1e3:.1f} ms packed ({len(packing['packed']['passes'])} passes, "
+        f"{packing['packed']['prompt_tokens']} tokens) vs {packing['one_pass']['seconds'] * 1e3:.1f} ms in one pass "
+        f"({packing['one_pass']['prompt_tokens']} tokens)",
+        flush=True,
+    )
     (out / "decode_profile.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "decode_profile.txt").write_text("\n\n".join(tables) + "\n")
 

@@ -24,8 +24,13 @@ step on an H200 for a 1B model, whose weights read in ~0.5 ms). Here, as in vLLM
   move to a workspace of fewer slots (their KV cache and state selected), so a finished request stops
   costing compute.
 
-The prefill runs the same layer code eagerly over each slot's distinct prompts (left-padded, as HF pads them),
-once each: GRPO repeats every prompt once per generation, and the rows of one prompt take its KV cache. On a CPU
+The prefill runs the same layer code eagerly over each slot's distinct prompts, once each: GRPO repeats every
+prompt once per generation, and the rows of one prompt take its KV cache. The prompts are **packed by length**:
+sorted, cut into runs where one more pass costs less than the padding it saves (:func:`length_buckets`), and
+each run passes alone, left-padded to its own longest prompt only; its prompts may come from any slots, so a
+prefill projection gathers each prompt's adapter (BGMV: each row reads its own A and B). Every row's cache
+then holds its prompt at the columns left padding to the widest prompt would give it, so the steps (one
+shape per workspace, captured once) read every row's columns up to the workspace's width, masked. On a CPU
 there is no graph: the step runs eagerly, the same code, which the tests check against HF ``generate``.
 """
 
@@ -38,7 +43,7 @@ import sys
 import weakref
 from collections import OrderedDict
 from dataclasses import fields
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +51,9 @@ import torch.nn.functional as F
 from optuna_rapidfire._fused._fused_pass import attention_kernels
 from optuna_rapidfire._fused._sampling import DecodeRequest, Sampling, penalize, warp
 from optuna_rapidfire._fused._workspace import PROJECTIONS, Shape, Workspace, projection
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 CHECK_EVERY = 8
 """Steps between two reads of the rows' ended flags (the decode's only host synchronisations)."""
@@ -85,7 +93,7 @@ class LaunchedDecode:
             rank = max([rank] + [adapters[r.adapter].weight.shape[0] for r in requests if r.adapter in adapters])
         self.rank = rank
         self.layouts: list[list[int]] = []  # the requests in the slots, per layout (a compaction adds one)
-        self.prefilled: list[int] = []  # the rows each prefill ran (each slot's distinct prompts)
+        self.prefilled: list[tuple[int, int]] = []  # each prefill pass's prompts and width (a pass per bucket)
 
     # -- the decode ------------------------------------------------------------------------------
 
@@ -187,35 +195,7 @@ class LaunchedDecode:
         padded = [r if len(r.prompts) == rows else _padded(r, rows) for r in requests]
         _copy_sampling(space.sampling, Sampling.of(padded, self.vocab, device))
         space.noise.fill_(1.0)
-        # The prefill runs each slot's distinct prompts once (GRPO repeats each prompt once per generation):
-        # ``spread`` gives every row the prefill row of its prompt, whose KV cache and logits it takes.
-        distinct: list[list[list[int]]] = []
-        spread: list[int] = []
-        for r in requests:
-            own: dict[tuple[int, ...], int] = {}
-            for prompt in r.prompts:
-                own.setdefault(tuple(prompt), len(own))
-            distinct.append([list(p) for p in own])
-            spread += [own[tuple(p)] for p in r.prompts] + [0] * (rows - len(r.prompts))
-        each = max(len(d) for d in distinct)
-        spread = [slot * each + row for slot in range(len(requests)) for row in spread[slot * rows : (slot + 1) * rows]]
-        unique = [p for d in distinct for p in d + [d[-1]] * (each - len(d))]
-        unique_ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in unique], device=device)
-        unique_mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p in unique], device=device, dtype=torch.bool
-        )
-        positions = (unique_mask.long().cumsum(-1) - 1).clamp(min=0)
-        columns = torch.arange(width, device=device)
-        # Causal over the real tokens; a padding query sees itself (no row of the mask is empty).
-        see = (columns[None, :] <= columns[:, None])[None] & unique_mask[:, None, :]
-        see |= torch.eye(width, dtype=torch.bool, device=device)[None]
-        rows_of = torch.tensor(spread, device=device)
-        self.prefilled.append(len(unique))
-        # A prefill's shape changes at every decode (its prompts' width): no cuDNN, which plans per new shape
-        # (1.4 s of a GRPO study's 25 gang decodes on the H200); the steps keep it (one shape, captured once).
-        with attention_kernels():
-            hidden = self._layers(space, unique_ids, positions, columns, see[:, None], prefill=rows_of)
-        space.logits.copy_(self._head(hidden[:, -1]).index_select(0, rows_of))
+        _prefill(self, space, requests, width)
         if space.seen is not None:
             pointed = ids.clamp(max=self.vocab).masked_fill(~mask, self.vocab)
             seen = torch.zeros(len(prompts), self.vocab + 1, dtype=torch.bool, device=device).scatter_(1, pointed, True)
@@ -304,12 +284,12 @@ class LaunchedDecode:
         positions: torch.Tensor,
         columns: torch.Tensor,
         mask: torch.Tensor,
-        prefill: torch.Tensor | None = None,
+        prefill: _Fill | None = None,
     ) -> torch.Tensor:
         """The decoder over ``ids`` (rows x tokens) at ``positions``, writing the KV cache at ``columns``;
         ``mask``: which cache columns each query sees (rows x 1 x tokens x columns). ``prefill``: ``ids`` are
-        distinct prompts, which see each other's tokens only (``mask`` is rows x 1 x tokens x tokens), and
-        each batch row's cache takes that of the prompt row ``prefill`` names."""
+        distinct prompts of any slots, which see their own tokens only (``mask`` is rows x 1 x tokens x
+        tokens); ``prefill`` names their slots and which batch rows take which prompt's cache."""
         lm = self.lm
         hidden = lm.model.embed_tokens(ids)
         cos, sin = lm.model.rotary_emb(hidden, positions)
@@ -317,15 +297,15 @@ class LaunchedDecode:
             attention = layer.self_attn
             normed = _rms_norm(layer.input_layernorm, hidden)
             shape = (*normed.shape[:-1], -1, attention.head_dim)
-            q = _adapted(space, layer, index, "q_proj", normed, self.autocast).view(shape).transpose(1, 2)
-            k = _adapted(space, layer, index, "k_proj", normed, self.autocast).view(shape).transpose(1, 2)
-            v = _adapted(space, layer, index, "v_proj", normed, self.autocast).view(shape).transpose(1, 2)
+            slots = None if prefill is None else prefill.slots
+            q = _adapted(space, layer, index, "q_proj", normed, self.autocast, slots).view(shape).transpose(1, 2)
+            k = _adapted(space, layer, index, "k_proj", normed, self.autocast, slots).view(shape).transpose(1, 2)
+            v = _adapted(space, layer, index, "v_proj", normed, self.autocast, slots).view(shape).transpose(1, 2)
             q, k = self.rope(q, k, cos, sin)
             k, v = k.to(space.shape.dtype), v.to(space.shape.dtype)
             if prefill is not None:  # the prompts attend to themselves; every row's cache takes its prompt's
-                width = ids.shape[1]
-                space.keys[index][:, :, :width].copy_(k.index_select(0, prefill))
-                space.values[index][:, :, :width].copy_(v.index_select(0, prefill))
+                for cache, new in ((space.keys[index], k), (space.values[index], v)):
+                    cache[:, :, prefill.columns].index_copy_(0, prefill.rows, new.index_select(0, prefill.prompts))
                 groups = q.shape[1] // k.shape[1]  # heads repeated, for the kernels that take a mask
                 keys, values = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             else:
@@ -341,16 +321,60 @@ class LaunchedDecode:
                 enable_gqa=keys.shape[1] != q.shape[1],
             )
             attended = attended.transpose(1, 2).reshape(*normed.shape[:-1], -1)
-            hidden = hidden + _adapted(space, layer, index, "o_proj", attended, self.autocast)
+            hidden = hidden + _adapted(space, layer, index, "o_proj", attended, self.autocast, slots)
             normed = _rms_norm(layer.post_attention_layernorm, hidden)
             mlp = layer.mlp
-            gated = mlp.act_fn(_adapted(space, layer, index, "gate_proj", normed, self.autocast))
-            inner = gated * _adapted(space, layer, index, "up_proj", normed, self.autocast)
-            hidden = hidden + _adapted(space, layer, index, "down_proj", inner, self.autocast)
+            gated = mlp.act_fn(_adapted(space, layer, index, "gate_proj", normed, self.autocast, slots))
+            inner = gated * _adapted(space, layer, index, "up_proj", normed, self.autocast, slots)
+            hidden = hidden + _adapted(space, layer, index, "down_proj", inner, self.autocast, slots)
         return _rms_norm(lm.model.norm, hidden)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm.get_output_embeddings()(hidden).float()
+
+
+def _prefill(decode: LaunchedDecode, space: Workspace, requests: list[DecodeRequest], width: int) -> None:
+    """Run each slot's distinct prompts once (GRPO repeats each prompt once per generation), packed by length:
+    prompts of similar lengths pass together (:func:`length_buckets`), each pass left-padded to its own
+    longest prompt only. Every row takes its prompt's KV cache (at the columns before ``width``, as left
+    padding to the widest prompt would put them) and its last logits."""
+    prompts: list[list[int]] = []  # the distinct prompts of all slots
+    slot_of: list[int] = []
+    spread: list[int] = []  # each row's prompt (idle rows: their slot's first)
+    for slot, r in enumerate(requests):
+        own: dict[tuple[int, ...], int] = {}
+        for prompt in r.prompts:
+            own.setdefault(tuple(prompt), len(prompts) + len(own))
+        spread += [own[tuple(p)] for p in r.prompts] + [len(prompts)] * (decode.rows - len(r.prompts))
+        prompts += [list(p) for p in own]
+        slot_of += [slot] * len(own)
+    device, logits = decode.device, torch.empty(len(prompts), decode.vocab, device=decode.device)
+    rows_of = torch.tensor(spread, device=device)
+    for bucket in length_buckets([len(p) for p in prompts], _BUCKET_TOKENS):
+        chosen = [prompts[i] for i in bucket]
+        wide = max(len(p) for p in chosen)
+        ids = torch.tensor([[decode.pad] * (wide - len(p)) + p for p in chosen], device=device)
+        mask = torch.tensor([[0] * (wide - len(p)) + [1] * len(p) for p in chosen], device=device, dtype=torch.bool)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        columns = torch.arange(wide, device=device)
+        # Causal over the real tokens; a padding query sees itself (no row of the mask is empty).
+        see = (columns[None, :] <= columns[:, None])[None] & mask[:, None, :]
+        see |= torch.eye(wide, dtype=torch.bool, device=device)[None]
+        position = {prompt: at for at, prompt in enumerate(bucket)}
+        takers = [row for row, prompt in enumerate(spread) if prompt in position]
+        fill = _Fill(
+            torch.tensor(takers, device=device),
+            torch.tensor([position[spread[row]] for row in takers], device=device),
+            torch.tensor([slot_of[i] for i in bucket], device=device),
+            slice(width - wide, width),
+        )
+        decode.prefilled.append((len(bucket), wide))
+        # A prefill's shape changes at every decode (its prompts' widths): no cuDNN, which plans per new shape
+        # (1.4 s of a GRPO study's 25 gang decodes on the H200); the steps keep it (one shape, captured once).
+        with attention_kernels():
+            hidden = decode._layers(space, ids, positions, columns, see[:, None], prefill=fill)
+        logits.index_copy_(0, torch.tensor(bucket, device=device), decode._head(hidden[:, -1]))
+    space.logits.copy_(logits.index_select(0, rows_of))
 
 
 _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
@@ -367,24 +391,78 @@ def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * normed.to(x.dtype)
 
 
-def _adapted(space: Workspace, layer: Any, index: int, name: str, x: torch.Tensor, autocast: bool) -> torch.Tensor:
-    """A projection's frozen base on every row, plus each slot's adapter update on its rows."""
+def _adapted(
+    space: Workspace,
+    layer: Any,
+    index: int,
+    name: str,
+    x: torch.Tensor,
+    autocast: bool,
+    slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A projection's frozen base on every row, plus each row's adapter update: the rows of ``x`` lie in the
+    workspace's slots, S rows each (SGMV), or, given ``slots`` (each row's slot), in any order (BGMV: each row
+    gathers its slot's A and B)."""
     module = projection(layer, name)
     down = space.down.get((index, name))
     if down is None:
         return module.base_layer(x) if hasattr(module, "base_layer") else module(x)
     result = module.base_layer(x)
-    slots = space.shape.slots
-    stacked = x.reshape(slots, -1, x.shape[-1])
+    up = space.up[index, name]
+    if slots is not None:
+        down, up = down.index_select(0, slots), up.index_select(0, slots)
+    groups = down.shape[0]
+    stacked = x.reshape(groups, -1, x.shape[-1])
     if not autocast:
         stacked = stacked.to(down.dtype)
-    # Each slot's rows through its own A (scaled when loaded), then its own B, added to the base's output in
+    # Each group's rows through its own A (scaled when loaded), then its own B, added to the base's output in
     # the same product (PEFT computes B(A(x)) * scaling): three kernels per projection, with the base's.
     hidden = torch.bmm(stacked, down.transpose(1, 2))
-    up = space.up[index, name].transpose(1, 2)
+    up = up.transpose(1, 2)
     if autocast or result.dtype == up.dtype:
-        return torch.baddbmm(result.view(slots, -1, result.shape[-1]), hidden, up).view(result.shape)
+        return torch.baddbmm(result.view(groups, -1, result.shape[-1]), hidden, up).view(result.shape)
     return result + torch.bmm(hidden, up).view(result.shape).to(result.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fill:
+    """A packed prefill pass: the batch ``rows`` that take the cache of the pass's prompt ``prompts`` names
+    (one per row), each prompt's slot, and the cache ``columns`` the pass's width fills (ending at the decode's
+    prompt width, as left padding puts every prompt)."""
+
+    rows: torch.Tensor
+    prompts: torch.Tensor
+    slots: torch.Tensor
+    columns: slice
+
+
+_BUCKET_TOKENS = 1024
+"""What one more prefill pass costs, in padded prompt tokens: about an eager pass's fixed cost (launching its
+kernels) against the time a token takes, for 1-8B decoders on an H200."""
+
+
+def length_buckets(lengths: Sequence[int], pass_tokens: int) -> list[list[int]]:
+    """Which prompts (indices into ``lengths``) to prefill together: prompts sorted by length, cut into runs
+    where the tokens computed (each run's prompts times its longest, padding included) plus ``pass_tokens``
+    per run are fewest (exact, by dynamic programming over the distinct lengths: a cut between prompts of
+    one length never helps)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    ends = [at + 1 for at in range(len(order)) if at + 1 == len(order) or lengths[order[at + 1]] != lengths[order[at]]]
+    best: list[float] = [0.0] + [math.inf] * len(ends)  # best[i]: the fewest tokens up to the i-th distinct length
+    cut = [0] * (len(ends) + 1)
+    for i, end in enumerate(ends, 1):
+        widest = lengths[order[end - 1]]
+        for j in range(i):
+            cost = best[j] + (end - (ends[j - 1] if j else 0)) * widest + pass_tokens
+            if cost < best[i]:
+                best[i], cut[i] = cost, j
+    runs: list[list[int]] = []
+    i = len(ends)
+    while i:
+        start = ends[cut[i] - 1] if cut[i] else 0
+        runs.append(order[start : ends[i - 1]])
+        i = cut[i]
+    return runs[::-1]
 
 
 def _padded(request: DecodeRequest, rows: int) -> DecodeRequest:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 from collections.abc import Iterator
@@ -369,9 +370,69 @@ def test_a_prompt_repeated_per_generation_is_prefilled_once_and_its_rows_sample_
     run = _launched_decode.LaunchedDecode(model, model.get_base_model(), requests(), PAD, torch.device("cpu"))
     with torch.no_grad():
         launched = run.run()
-    assert run.prefilled == [2 * 2]  # 2 slots x the most distinct prompts of a slot (t1: 2; t2: 1, padded)
+    assert run.prefilled == [(3, 7)]  # one pass (short prompts): t1's 2 distinct prompts and t2's 1, 7 wide
     assert launched == decode(model, requests(), PAD, launched=False)
     assert len({tuple(row) for row in launched[0]}) > 2  # rows of one prompt sample apart
+
+
+@pytest.mark.numerics
+def test_prompts_packed_by_length_decode_as_one_padded_prefill(
+    model: PeftModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With passes free (no cost per pass), each prompt length of the gang gets its own prefill pass, mixing
+    slots (each row through its own adapter), each pass only as wide as its prompts; the completions are those
+    of one pass padded to the widest prompt and those of the HF forward."""
+    prompts = _prompts(12, [3, 9, 3, 5])
+
+    def requests() -> list[DecodeRequest]:
+        return [
+            DecodeRequest("t1", [p for p in prompts for _ in range(2)], 7, temperature=0.8, generator=_generator(1)),
+            DecodeRequest("t0", prompts[2:], 7, generator=_generator(2)),
+            DecodeRequest("t2", prompts[:1], 7, do_sample=False),
+        ]
+
+    lm = model.get_base_model()
+    one = _launched_decode.LaunchedDecode(model, lm, requests(), PAD, torch.device("cpu"))
+    with torch.no_grad():
+        padded = one.run()
+    assert one.prefilled == [(7, 9)]  # t1: 4 distinct prompts, t0: 2, t2: 1, all padded to 9
+    monkeypatch.setattr(_launched_decode, "_BUCKET_TOKENS", 0)
+    packed = _launched_decode.LaunchedDecode(model, lm, requests(), PAD, torch.device("cpu"))
+    with torch.no_grad():
+        assert packed.run() == padded
+    assert packed.prefilled == [(4, 3), (2, 5), (1, 9)]  # lengths 3 (t1, t0 and t2's), 5 and 9
+    assert padded == decode(model, requests(), PAD, launched=False)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_length_buckets_take_the_fewest_tokens_of_any_cut_of_the_sorted_prompts(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 60, (int(torch.randint(1, 9, (1,), generator=generator)),), generator=generator).tolist()
+    pass_tokens = int(torch.randint(0, 80, (1,), generator=generator))
+    runs = _launched_decode.length_buckets(lengths, pass_tokens)
+    assert sorted(i for run in runs for i in run) == list(range(len(lengths)))
+    widths = [max(lengths[i] for i in run) for run in runs]
+    assert widths == sorted(widths) and all(  # runs of the sorted order: no prompt is longer than the next run's
+        max(lengths[i] for i in run) <= min(lengths[i] for i in after) for run, after in itertools.pairwise(runs)
+    )
+
+    def cost(runs: list[list[int]]) -> int:
+        return sum(len(run) * max(lengths[i] for i in run) + pass_tokens for run in runs)
+
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    fewest = min(  # every cut of the sorted prompts into runs
+        cost([order[a:b] for a, b in itertools.pairwise([0, *cuts, len(order)])])
+        for k in range(len(order))
+        for cuts in itertools.combinations(range(1, len(order)), k)
+    )
+    assert cost(runs) == fewest
+
+
+def test_length_buckets_cut_where_a_pass_saves_more_padding_than_it_costs() -> None:
+    assert _launched_decode.length_buckets([100, 10, 100, 12], 50) == [[1, 3], [0, 2]]  # saves 2 x 88 > 50
+    assert _launched_decode.length_buckets([100, 10, 100, 12], 200) == [[1, 3, 0, 2]]  # one pass: 176 < 200
+    assert _launched_decode.length_buckets([7, 7, 7], 0) == [[0, 1, 2]]
+    assert _launched_decode.length_buckets([], 10) == []
 
 
 def test_the_decode_computes_llama_rms_norms_as_the_module_does_and_runs_other_norms_as_they_are() -> None:
