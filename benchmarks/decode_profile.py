@@ -13,10 +13,11 @@ default sampling). For each case it runs two decodes to warm up (captures, plans
 - ``gang_k8_128``: 8 requests of 16 rows, each through its own adapter (a fused gang's decode);
 - ``one_adapter_16``: one request of 16 rows (a time-sliced trial's decode).
 
-- ``packing``: a gang decode (8 requests of 16 rows, 1 new token: the prefill and one step) whose prompts are
-  uneven (a quarter of the distinct prompts repeated to ~4x their length), prefilled packed by length (the
-  decode's default) and in one pass padded to the longest prompt: both decodes' seconds (median of 5), the
-  passes and the prompt tokens each computed.
+- ``packing_x1`` ... ``packing_x16``: a gang decode (8 requests of 16 rows, 1 new token: the prefill and one step)
+  whose prompts are uneven (a quarter of the distinct prompts repeated to 1x, 4x, 8x or 16x their length),
+  prefilled packed by length as the decode does (``packed``), with passes 4x cheaper than it assumes
+  (``cheap_passes``: more of them) and in one pass padded to the longest prompt (``one_pass``): each
+  decode's seconds (median of 5), its passes and the prompt tokens it computed.
 
 Writes ``decode_profile.json``: per case the decode's wall seconds (device synchronized around it), the
 device's kernel time and kernel count over that decode, and the kernels that take the most device time;
@@ -104,13 +105,13 @@ def profile_case(model: Any, tokenizer: Any, requests: int, rows: int, new_token
     return found, events.table(sort_by=sort, row_limit=40, max_name_column_width=80)
 
 
-def packing_case(model: Any, tokenizer: Any, stretch: int) -> dict[str, Any]:
-    """The ``packing`` case: prefill packed by length against one padded pass (see the module's docstring)."""
+def packing_case(model: Any, tokenizer: Any, stretch: int, budgets: dict[str, int]) -> dict[str, Any]:
+    """A ``packing_x<stretch>`` case (see the module's docstring); ``budgets``: each variant's name and what one
+    more prefill pass costs it, in tokens (the decode's ``_BUCKET_TOKENS`` while it runs)."""
     device = next(model.parameters()).device
     prompts, settings, eos = anchor_rows(tokenizer, GPU)
     generations = GPU.generations
-    distinct = prompts[::generations]
-    uneven = [p * stretch if i % 4 == 0 else p for i, p in enumerate(distinct)]  # a quarter ~stretch times longer
+    uneven = [p * stretch if i % 4 == 0 else p for i, p in enumerate(prompts[::generations])]
     rows = [p for p in uneven for _ in range(generations)]
     per = len(rows) // 8
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
@@ -132,8 +133,8 @@ def packing_case(model: Any, tokenizer: Any, stretch: int) -> dict[str, Any]:
             run.run()
         return run
 
-    found: dict[str, Any] = {"distinct_prompts": len(uneven), "lengths": sorted(len(p) for p in uneven)}
-    for name, pass_tokens in (("packed", _launched_decode._BUCKET_TOKENS), ("one_pass", 10**12)):
+    found: dict[str, Any] = {"stretch": stretch, "lengths": sorted(len(p) for p in uneven)}
+    for name, pass_tokens in budgets.items():
         previous, _launched_decode._BUCKET_TOKENS = _launched_decode._BUCKET_TOKENS, pass_tokens
         try:
             seconds = []
@@ -146,11 +147,11 @@ def packing_case(model: Any, tokenizer: Any, stretch: int) -> dict[str, Any]:
         finally:
             _launched_decode._BUCKET_TOKENS = previous
         found[name] = {
+            "pass_tokens": pass_tokens,
             "seconds": statistics.median(seconds[2:]),
             "passes": [list(p) for p in run.prefilled],
             "prompt_tokens": sum(prompts * width for prompts, width in run.prefilled),
         }
-    found["one_pass_over_packed"] = found["one_pass"]["seconds"] / found["packed"]["seconds"]
     return found
 
 
@@ -179,13 +180,18 @@ def main() -> None:
             f"kernels, {found['kernels_per_step']:.0f} kernels per step",
             flush=True,
         )
-    results["packing"] = packing = packing_case(peft_model, tokenizer, stretch=2 if options.smoke else 4)
-    print(
-        f"packing: {packing['packed']['seconds'] * 1e3:.1f} ms packed ({len(packing['packed']['passes'])} passes, "
-        f"{packing['packed']['prompt_tokens']} tokens) vs {packing['one_pass']['seconds'] * 1e3:.1f} ms in one pass "
-        f"({packing['one_pass']['prompt_tokens']} tokens)",
-        flush=True,
-    )
+    own = _launched_decode._BUCKET_TOKENS
+    budgets = {"packed": own, "cheap_passes": own // 4, "one_pass": 10**12}
+    for stretch in (1, 4) if options.smoke else (1, 4, 8, 16):
+        packing = packing_case(peft_model, tokenizer, stretch, budgets)
+        packing["one_pass_over_packed"] = packing["one_pass"]["seconds"] / packing["packed"]["seconds"]
+        results[f"packing_x{stretch}"] = packing
+        said = [
+            f"{name} {found['seconds'] * 1e3:.1f} ms ({len(found['passes'])} passes, {found['prompt_tokens']} tokens)"
+            for name, found in packing.items()
+            if name in budgets
+        ]
+        print(f"packing x{stretch}: " + ", ".join(said), flush=True)
     (out / "decode_profile.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "decode_profile.txt").write_text("\n\n".join(tables) + "\n")
 
