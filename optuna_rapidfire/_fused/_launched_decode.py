@@ -10,7 +10,9 @@ step on an H200 for a 1B model, whose weights read in ~0.5 ms). Here, as in vLLM
   row's state (next token, position, valid key columns, ended, its output) and every adapter's LoRA
   projections stacked as ``[K, in, R]`` and ``[K, R, out]`` (ranks zero-padded to the largest, scalings
   folded in, an adapter that does not target a projection adds zeros). Workspaces are kept per model and
-  reused by later decodes of the same shape (weights and state copied in), so their graphs are too.
+  reused by later decodes of the same shape (weights and state copied in), so their graphs are too: a model's
+  last six shapes, fewer when the idle ones would take over a tenth of the GPU's memory, and all of them are
+  dropped when a new workspace does not fit (:func:`~optuna_rapidfire._fused._workspace.kept_workspace`).
 - **Per-row adapters without a per-adapter loop**: the rows sit in K slots of S rows (a request's rows,
   then idle rows up to S), so a projection's update is two batched matmuls over a view of its input,
   each slot reading its own adapter's stacked A and B (SGMV, Punica's segmented form).
@@ -40,8 +42,6 @@ import contextlib
 import dataclasses
 import math
 import sys
-import weakref
-from collections import OrderedDict
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, cast
 
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from optuna_rapidfire._fused._fused_pass import attention_kernels
 from optuna_rapidfire._fused._sampling import DecodeRequest, Sampling, penalize, warp
-from optuna_rapidfire._fused._workspace import PROJECTIONS, Shape, Workspace, projection
+from optuna_rapidfire._fused._workspace import PROJECTIONS, Shape, Workspace, kept_workspace, projection
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -61,8 +61,6 @@ CHECK_EVERY = 8
 # The KV cache's columns: at least this many, else the next power of two, so that decodes of a study (training
 # and evaluation prompts of different widths) share a workspace and its graph (a step reads every column).
 _MIN_COLUMNS = 256
-_KEPT = 6  # workspaces kept per model (least recently used dropped)
-_WORKSPACES: weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict[Shape, Workspace]] = weakref.WeakKeyDictionary()
 
 
 class LaunchedDecode:
@@ -156,14 +154,7 @@ class LaunchedDecode:
         )
         eos = max(len(r.eos_token_ids) for r in chosen)
         shape = Shape(slots, self.rows, columns, self.rank, self.targets, stages, self.dtype, eos)
-        kept = _WORKSPACES.setdefault(self.model, OrderedDict())
-        space = kept.pop(shape, None)
-        if space is None or space.device != self.device:
-            space = Workspace(self.lm, shape, self.device, self.vocab)
-        kept[shape] = space
-        while len(kept) > _KEPT:
-            kept.popitem(last=False)
-        return space
+        return kept_workspace(self.model, self.lm, shape, self.device, self.vocab)
 
     def _start(self, space: Workspace, live: list[int]) -> None:
         """Fill the workspace with the requests' rows and run the prefill (its logits for the first step)."""

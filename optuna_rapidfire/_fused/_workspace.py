@@ -5,15 +5,28 @@ See :mod:`~optuna_rapidfire._fused._launched_decode`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from optuna_rapidfire._fused._sampling import Sampling
+from optuna_rapidfire._logging import get_logger
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+_logger = get_logger(__name__)
+
+_KEPT = 6
+"""Workspaces kept per model for later decodes of their shapes (least recently used dropped first)."""
+_KEPT_SHARE = 0.1
+"""The share of a GPU's memory that the workspaces kept idle may take (the one in use aside)."""
+_CPU_KEPT_BYTES = 2**31
+"""What the workspaces kept idle may take on a CPU."""
+_WORKSPACES: weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict[Shape, Workspace]] = weakref.WeakKeyDictionary()
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -101,6 +114,11 @@ class Workspace:
         self.sampling = Sampling(floats[0], new(rows), floats[1], floats[2], floats[3])
         self.pad = new(1)
         self.graph: torch.cuda.CUDAGraph | None = None
+        tensors = [*self.keys, *self.values, *self.down.values(), *self.up.values()]
+        tensors += [getattr(self.sampling, field.name) for field in fields(self.sampling)]
+        tensors += [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
+        self.nbytes = sum(tensor.nbytes for tensor in tensors)
+        """The device memory the workspace's buffers take (its graph's own pool aside)."""
 
     def load(self, lm: Any, names: Sequence[str | None]) -> None:
         """Copy the slots' adapters in (``None``: an idle slot, zeros), each A times its scaling (so that a step
@@ -130,3 +148,61 @@ class Workspace:
         if downs:
             with torch.no_grad():
                 torch._foreach_copy_(targets + up_targets, [*torch._foreach_mul(downs, scalings), *ups])
+
+
+def kept_workspace(model: torch.nn.Module, lm: Any, shape: Shape, device: torch.device, vocab: int) -> Workspace:
+    """``model``'s workspace of ``shape``: the one kept from an earlier decode (its graph captured), or a new one.
+
+    Kept workspaces are ``model``'s last :data:`_KEPT` shapes, fewer when the idle ones would take more than
+    :data:`_KEPT_SHARE` of the GPU's memory. When a new workspace does not fit in the device's memory, every
+    workspace kept on the device is dropped and the allocation tried once more.
+    """
+    kept = _WORKSPACES.setdefault(model, OrderedDict())
+    space = kept.pop(shape, None)
+    if space is None or space.device != device:
+        space = _new_workspace(lm, shape, device, vocab)
+    kept[shape] = space
+    limit = _kept_bytes(device)
+    while len(kept) > 1 and (len(kept) > _KEPT or sum(w.nbytes for w in kept.values()) - space.nbytes > limit):
+        kept.popitem(last=False)
+    return space
+
+
+def drop_workspaces(device: torch.device) -> int:
+    """Forget every workspace kept on ``device`` (of every model) and return the GPU's cached memory; how many."""
+    dropped = 0
+    for kept in list(_WORKSPACES.values()):
+        for shape, space in list(kept.items()):
+            if space.device == device:
+                kept.pop(shape, None)
+                dropped += 1
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dropped
+
+
+def _new_workspace(lm: Any, shape: Shape, device: torch.device, vocab: int) -> Workspace:
+    for attempt in range(2):
+        try:
+            return Workspace(lm, shape, device, vocab)
+        except torch.cuda.OutOfMemoryError:
+            if attempt:
+                raise
+            dropped = drop_workspaces(device)
+            if not dropped:
+                raise
+            _logger.warning(
+                "A decode workspace (%d rows x %d columns) did not fit in %s's memory; dropped the %d kept for "
+                "other decode shapes (their graphs are captured again when needed) and trying again.",
+                shape.slots * shape.rows,
+                shape.columns,
+                device,
+                dropped,
+            )
+    raise AssertionError("unreachable")
+
+
+def _kept_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * _KEPT_SHARE)
+    return _CPU_KEPT_BYTES

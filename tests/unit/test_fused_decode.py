@@ -461,3 +461,62 @@ def test_the_decode_computes_llama_rms_norms_as_the_module_does_and_runs_other_n
 
     x = torch.randn(2, 4)
     assert torch.equal(_rms_norm(Doubling(), x), 2 * x)
+
+
+def _decode_of_width(model: PeftModel, width: int) -> list[list[list[int]]]:
+    """A greedy decode whose prompts are ``width`` wide: ``width`` > 250 needs a workspace of 512 columns."""
+    prompts = _prompts(13, [width, 3])
+    return decode(model, [DecodeRequest("t1", prompts, 4, do_sample=False)], PAD, launched=True)
+
+
+def test_kept_workspaces_stay_within_their_count_and_memory(model: PeftModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    kept = _workspace._WORKSPACES
+    monkeypatch.setattr(_workspace, "_WORKSPACES", type(kept)())
+    narrow, wide = _decode_of_width(model, 5), _decode_of_width(model, 300)
+    assert [shape.columns for shape in _workspace._WORKSPACES[model]] == [256, 512]  # both kept, latest last
+    assert _decode_of_width(model, 5) == narrow  # reused: moved to the end
+    assert [shape.columns for shape in _workspace._WORKSPACES[model]] == [512, 256]
+    spaces = list(_workspace._WORKSPACES[model].values())
+    cache = 2 * 2 * 2 * 2 * 256 * 8 * 4  # K and V of 2 layers: 2 rows x 2 heads x 256 columns x 8 dims, float32
+    assert spaces[0].nbytes > spaces[1].nbytes > cache
+    monkeypatch.setattr(_workspace, "_CPU_KEPT_BYTES", spaces[0].nbytes - 1)  # the idle 512-column one no longer fits
+    assert _decode_of_width(model, 6) == _decode_of_width(model, 6)
+    assert [shape.columns for shape in _workspace._WORKSPACES[model]] == [256]
+    assert _decode_of_width(model, 300) == wide  # made again; the idle 256-column one is small enough to stay
+    assert [shape.columns for shape in _workspace._WORKSPACES[model]] == [256, 512]
+    monkeypatch.setattr(_workspace, "_KEPT", 1)
+    _decode_of_width(model, 5)
+    assert [shape.columns for shape in _workspace._WORKSPACES[model]] == [256]
+
+
+def test_a_workspace_that_does_not_fit_drops_the_kept_ones_and_is_made_again(
+    model: PeftModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Out of memory making a new workspace: the kept ones go and the allocation is tried once more; when
+    it fails again (or nothing was kept), the decode raises the error."""
+    monkeypatch.setattr(_workspace, "_WORKSPACES", type(_workspace._WORKSPACES)())
+    narrow = _decode_of_width(model, 5)
+    wide = _decode_of_width(model, 300)
+    monkeypatch.setattr(_workspace, "_WORKSPACES", type(_workspace._WORKSPACES)())
+    made = _workspace.Workspace
+    failures = [1]
+
+    def short_of_memory(*args: Any) -> _workspace.Workspace:
+        if failures[0]:
+            failures[0] -= 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return made(*args)
+
+    assert _decode_of_width(model, 5) == narrow
+    monkeypatch.setattr(_workspace, "Workspace", short_of_memory)
+    with caplog.at_level("WARNING", logger="optuna_rapidfire"):
+        assert _decode_of_width(model, 300) == wide
+    assert "did not fit" in caplog.text and "dropped the 1 kept" in caplog.text
+    assert [shape.columns for shape in _workspace._WORKSPACES[model]] == [512]
+    failures[0] = 2  # fails again after the kept ones went: raised
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _decode_of_width(model, 5)
+    monkeypatch.setattr(_workspace, "_WORKSPACES", type(_workspace._WORKSPACES)())
+    failures[0] = 1  # nothing kept to drop: raised at once
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _decode_of_width(model, 5)
