@@ -140,6 +140,8 @@ class EngineStats:
             when the members of a gang decoded together).
         scoring_passes: Shared passes without gradients of GRPO gangs: the members' references (adapters
             off) or their evaluations' policies, each one pass for every member waiting.
+        prefix_passes: Of the GRPO gangs' shared passes (``fused_steps`` and ``scoring_passes``), those whose
+            rows of one prompt shared its tokens (:mod:`optuna_rapidfire._trainers.grpo._prefix`).
         launched_steps: Of ``fused_steps``, those that took the launched pass (compiled or not).
         compiles: Graphs the launched pass compiled (per layout and shape; a trial joining a seen layout
             adds none).
@@ -170,6 +172,7 @@ class EngineStats:
     decodes: int = 0
     decoded_requests: int = 0
     scoring_passes: int = 0
+    prefix_passes: int = 0
     launched_steps: int = 0
     compiles: int = 0
     compile_failures: int = 0

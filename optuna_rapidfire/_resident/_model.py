@@ -316,6 +316,11 @@ class ResidentModel:
             module.p = 0.0 if off else probability
         self._base_dropout_off = off
 
+    def has_base_dropout(self) -> bool:
+        """Whether the base model has dropout layers of its own that drop anything (as loaded; in train mode,
+        unless :meth:`set_base_dropout` turned them off)."""
+        return any(probability > 0 for probability in self._base_dropouts.values())
+
     def set_checkpointing(self, enabled: bool, kwargs: dict[str, Any] | None) -> None:
         """Turn activation checkpointing on or off for the next forward passes (a per-trial setting)."""
         key = (enabled, repr(sorted((kwargs or {}).items())))

@@ -74,7 +74,7 @@ def test_a_grpo_trial_generates_and_trains_the_same_alone_and_in_a_gang(
     make_executor, prompts, tiny_model, caplog
 ) -> None:
     """Fused, a gang decodes together and shares its policy passes (its references and evaluations' scores
-    too); a trial's completions, rewards and
+    too, the rows of one prompt packed into one); a trial's completions, rewards and
     per-chunk metrics are its own alone or in the gang, and those of the time-sliced engine where the
     engines draw the same (no adapter dropout: the fused passes draw masks from the trial's generator)."""
     alone, alone_metrics, alone_stats = _run(make_executor, prompts, [TARGET], "fused")
@@ -92,6 +92,10 @@ def test_a_grpo_trial_generates_and_trains_the_same_alone_and_in_a_gang(
     # The references (a member has beta > 0) and the evaluations' losses were scored in shared passes too.
     assert fused_stats.scoring_passes > 0
     assert "not together" not in caplog.text and "alone, not in shared passes" not in caplog.text
+    # Rows of one prompt shared its tokens in the policy steps' passes too (their members have no dropout); the
+    # lone target (adapter dropout) shared them in its evaluations' passes only (its steps' rows stay TRL's).
+    assert fused_stats.prefix_passes > fused_stats.scoring_passes
+    assert 0 < alone_stats.prefix_passes <= alone_stats.scoring_passes
 
     # Training moved every trial (a reward that varies gives advantages that are not 0).
     assert all(abs(m[-1]["train_loss"]) > 0 or m[-1].get("train_grad_norm", 1) > 0 for m in fused_metrics)

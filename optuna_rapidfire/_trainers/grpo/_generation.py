@@ -116,12 +116,14 @@ class Generation:
 
     def counters(self) -> dict[str, Any]:
         """Decode batches, the requests they served, the gangs' shared policy passes (fused steps), their
-        shared passes without gradients (references, evaluations), and where the gangs' host time went."""
+        shared passes without gradients (references, evaluations), those of either that shared their rows'
+        prompts, and where the gangs' host time went."""
         return {
             "decodes": self.decodes,
             "decoded_requests": self.requests,
             "fused_steps": self.policy.passes,
             "scoring_passes": self.policy.scoring_passes,
+            "prefix_passes": self.policy.prefix_passes,
             "gang_seconds": dict(self.seconds),
         }
 

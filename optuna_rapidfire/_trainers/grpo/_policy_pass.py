@@ -12,11 +12,14 @@ TRL does and hands it over as a :class:`BackwardRequest`: one backward of the lo
 adapter the gradient of its own loss (adapters share no parameters; the base is frozen). Each member
 then clips and steps its own optimizer, as alone.
 
-Rows are padded on the right to the pass's longest (causal attention: a row's tokens never see its
-padding), adapter dropout masks come from each trial's own stream (as in the fused engine's SFT
-passes). The log-probabilities TRL computes without gradients are shared too where that changes nothing:
-the references (adapters off: one pass of the frozen base over every member's rows) and the policies of
-evaluations (eval mode); an old policy's scored in train mode (with its dropout) stays the trial's own.
+The rows of one prompt (a GRPO step repeats each prompt once per generation) share its tokens: one packed
+row holds the prompt once and then each completion, which sees the prompt and itself only
+(:mod:`~optuna_rapidfire._trainers.grpo._prefix`; where the model and dropout allow it). Other rows are padded
+on the right to the pass's longest (causal attention: a row's tokens never see its padding), adapter dropout
+masks come from each trial's own stream (as in the fused engine's SFT passes). The log-probabilities TRL
+computes without gradients are shared too where that changes nothing: the references (adapters off: one pass
+of the frozen base over every member's rows) and the policies of evaluations (eval mode); an old policy's
+scored in train mode (with its dropout) stays the trial's own.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from optuna_rapidfire._fused._fused_pass import (
     pad_token_id,
 )
 from optuna_rapidfire._fused._token_stats import token_stats
+from optuna_rapidfire._trainers.grpo._prefix import prefix_layout
+from optuna_rapidfire._trainers.grpo._prefix import refusal as prefix_refusal
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -80,6 +85,9 @@ class PolicyPasses:
         self.trials = trials
         self.passes = 0
         self.scoring_passes = 0  # shared passes without gradients (references, evaluations)
+        self.prefix_passes = 0  # passes (of either kind) whose rows shared their prompts
+        self._prefix_refused: str | None = None  # why the model's passes cannot share prompts (None: they can)
+        self._prefix_asked = False
         self._open: set[Member] = set()  # members of passes whose backward has not run yet
         self._trainable: set[str] = set()
 
@@ -106,38 +114,63 @@ class PolicyPasses:
         resident = trials.resident
         names = [request.runtime.state.adapter_name for request in requests]
         rows = [len(request.input_ids) for request in requests]
-        length = max(request.input_ids.shape[1] for request in requests)
         pad = pad_token_id(first.trainer)
-        input_ids = torch.cat([pad_right(request.input_ids, length, pad) for request in requests])
-        attention = torch.cat([pad_right(request.attention_mask, length, 0) for request in requests])
-        streams = [trials.dropout_stream(request.runtime) for request in requests] if grad else []
-        gang = Gang(names, rows, [stream.next_key() for stream in streams] if grad else [0] * len(requests))
         base = resident.base
+        training = grad or requests[0].training
+        dropout_off = first.spec.kind.base_dropout_off(first.args)
+        if not self._prefix_asked:
+            self._prefix_refused, self._prefix_asked = prefix_refusal(base), True
+        layout = None
+        if self._prefix_refused is None and not (training and not dropout_off and resident.has_base_dropout()):
+            share = [not (training and self._adapter_dropout(name)) for name in names]
+            layout = prefix_layout(requests, share, pad, trials.device)
+        streams = [trials.dropout_stream(request.runtime) for request in requests] if grad else []
+        gang = Gang(
+            names,
+            rows if layout is None else layout.rows,
+            [stream.next_key() for stream in streams] if grad else [0] * len(requests),
+        )
         backbone, head = backbone_and_head(base)
-        resident.set_base_dropout(first.spec.kind.base_dropout_off(first.args))  # the gang's members agree
+        resident.set_base_dropout(dropout_off)  # the gang's members agree
         model = resident.module
         if grad:
             resident.set_trainable(names, True)
             self._trainable.update(names)
-        training = grad or requests[0].training
         if model.training != training:  # a walk of every module: only when it changes
             model.train(training)
         plans = layer_plans(model, gang)
         adapters = base_only(plans) if requests[0].reference else fused_forward(model, gang, plans)
+        if layout is None:
+            length = max(request.input_ids.shape[1] for request in requests)
+            inputs = {
+                "input_ids": torch.cat([pad_right(request.input_ids, length, pad) for request in requests]),
+                "attention_mask": torch.cat([pad_right(request.attention_mask, length, 0) for request in requests]),
+            }
+        else:
+            inputs = {
+                "input_ids": layout.input_ids,
+                "attention_mask": layout.attention_mask,
+                "position_ids": layout.position_ids,
+            }
+            self.prefix_passes += 1
         with (
             adapters,
             attention_kernels(),
             first.spec.kind.autocast(first.args, trials.device),
             contextlib.nullcontext() if grad else torch.no_grad(),
         ):
-            hidden = backbone(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
+            hidden = backbone(**inputs, use_cache=False).last_hidden_state
         answers: list[tuple[torch.Tensor, torch.Tensor | None, None]] = []
         start = 0
         for index, (request, count) in enumerate(zip(requests, rows, strict=True)):
             own = request.input_ids.shape[1]
             keep = request.logits_to_keep
             # Position j predicts token j + 1: the last ``keep`` tokens are predicted from the ``keep`` before.
-            states = hidden[start : start + count, own - keep - 1 : own - 1]
+            if layout is None:
+                states = hidden[start : start + count, own - keep - 1 : own - 1]
+            else:
+                flat = hidden.view(-1, hidden.shape[-1])
+                states = flat.index_select(0, layout.states[index].view(-1)).view(count, keep, -1)
             targets = request.input_ids[:, own - keep :]
             mask = request.attention_mask[:, own - keep :].bool()
             with first.spec.kind.autocast(first.args, trials.device), torch.set_grad_enabled(grad):
@@ -162,6 +195,11 @@ class PolicyPasses:
         else:
             self.scoring_passes += 1
         return answers
+
+    def _adapter_dropout(self, name: str) -> bool:
+        """Whether adapter ``name`` draws dropout (in train mode)."""
+        config: Any = getattr(self.trials.resident.module, "peft_config", {})
+        return name in config and float(getattr(config[name], "lora_dropout", 0.0) or 0.0) > 0
 
     def backward(self, requests: Sequence[BackwardRequest]) -> list[None]:
         """One backward of the members' losses; the graph is kept while a member of its pass has not come.

@@ -1,0 +1,155 @@
+"""Shared prompts in a GRPO gang's policy passes: each prompt's tokens computed once for all its completions.
+
+TRL scores a GRPO step's rows as ``prompt + completion`` each, and a step holds every prompt once per
+generation (``num_generations`` rows, 8 by default), so most of a policy pass recomputes the same prompt tokens.
+Here, as in tree or prefix-shared attention, the rows of one prompt become one *packed row*: the prompt's
+columns once, then each completion's columns after it. Each token keeps the position it has in TRL's row
+(prompt column ``c`` at ``c``, completion token ``t`` at the prompt's width plus ``t``) and sees what it sees
+there: a prompt token the prompt's tokens before it, a completion token the prompt's tokens and its own
+completion's tokens before it, never another completion's (a boolean mask per packed row, ``rows x 1 x
+length x length``). Each completion token's log-probability is then read where TRL reads it (the state of
+the token before it; the first from the prompt's last token, shared by the prompt's completions, so its
+gradient sums theirs as autograd sums a tensor used several times). Values equal TRL's within rounding.
+
+It applies where the result cannot change: decoders whose layers mix tokens only through attention (the
+layouts the launched decode knows: :func:`~optuna_rapidfire._fused._workspace.supports`) with PyTorch's
+scaled-dot-product attention (which takes such masks), no dropout of the base model drawn in the pass, and
+only when packing saves at least a fifth of the tokens. The rows of a trial whose adapter draws dropout in
+the pass stay one packed row each (sharing a prompt would share its tokens' dropout masks between
+completions); their columns are TRL's, so their masks stay the trial's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from optuna_rapidfire._fused._workspace import supports
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+SAVING = 0.2
+"""Pack a pass's rows only when that computes at least this share of its tokens fewer."""
+
+
+class Rows(Protocol):
+    """A request's rows as TRL scores them: prompt (left-padded) then completion (right-padded), and how many
+    last columns are scored (the completion's)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logits_to_keep: int
+
+
+@dataclass
+class PrefixLayout:
+    """A pass's packed rows: ``input_ids``, ``position_ids`` and ``attention_mask`` (packed rows x 1 x length x
+    length, True where a token sees another) for the backbone; ``rows``: each request's packed rows (in request
+    order, contiguous); ``states``: per request, where each of its rows' scored positions are predicted from
+    (indices into the backbone's output flattened to ``packed rows * length``, ``rows x logits_to_keep``)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    rows: list[int]
+    states: list[torch.Tensor]
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def refusal(base: Any) -> str | None:
+    """Why ``base``'s passes cannot share their prompts (``None``: they can)."""
+    reason = supports(base)
+    if reason is not None:
+        return reason
+    attention = getattr(base.config, "_attn_implementation", None)
+    if attention != "sdpa":
+        return f"attention {attention!r} is not 'sdpa' (which takes a mask per packed row)"
+    if float(getattr(base.config, "attention_dropout", 0.0) or 0.0) > 0:
+        return "the model's attention has dropout"
+    return None
+
+
+def prefix_layout(
+    requests: Sequence[Rows], share: Sequence[bool], pad: int, device: torch.device
+) -> PrefixLayout | None:
+    """The packed layout of ``requests``' rows, or ``None`` when it would not save :data:`SAVING` of the tokens
+    (prompts repeated too little). A request whose ``share`` is false keeps a packed row per row (its prompt
+    and one completion: TRL's row, the same columns, so the same dropout masks)."""
+    plans: list[tuple[int, int, int, list[list[int]]]] = []  # per request: width, prompt width, keep, groups
+    packed_lengths: list[int] = []
+    for request, shared in zip(requests, share, strict=True):
+        width, keep = request.input_ids.shape[1], request.logits_to_keep
+        prompt = width - keep
+        if prompt < 1:
+            return None
+        same: dict[tuple[int, ...], list[int]] = {}
+        if shared:
+            ids = request.input_ids[:, :prompt].masked_fill(~request.attention_mask[:, :prompt].bool(), -1)
+            for row, tokens in enumerate(ids.tolist()):  # one copy to the host per request
+                same.setdefault(tuple(tokens), []).append(row)
+        else:
+            same = {(row,): [row] for row in range(len(request.input_ids))}
+        plans.append((width, prompt, keep, list(same.values())))
+        packed_lengths += [prompt + len(rows) * keep for rows in same.values()]
+    length = max(packed_lengths)
+    unpacked = max(r.input_ids.shape[1] for r in requests) * sum(len(r.input_ids) for r in requests)
+    if len(packed_lengths) * length > (1 - SAVING) * unpacked:
+        return None
+    # Each packed column's source: a flat index into the requests' ids (one past them: padding), its
+    # position, and its segment (0: the prompt, i + 1: the i-th completion, -1: padding).
+    source: list[int] = []
+    positions: list[int] = []
+    segments: list[int] = []
+    states: list[list[list[int]]] = []
+    offset, packed = 0, 0
+    for request, (width, prompt, keep, groups) in zip(requests, plans, strict=True):
+        predicted: list[list[int]] = [[] for _ in range(len(request.input_ids))]
+        for rows in groups:
+            first = rows[0] * width + offset
+            row_source = list(range(first, first + prompt))
+            row_positions = list(range(prompt))
+            row_segments = [0] * prompt
+            for i, row in enumerate(rows):
+                start = offset + row * width + prompt
+                row_source += range(start, start + keep)
+                row_positions += range(prompt, prompt + keep)
+                row_segments += [i + 1] * keep
+                at = packed * length + prompt + i * keep  # the completion's first column in the packed row
+                predicted[row] = [packed * length + prompt - 1, *range(at, at + keep - 1)]
+            tail = length - len(row_source)
+            source += row_source + [-1] * tail
+            positions += row_positions + [0] * tail
+            segments += row_segments + [-1] * tail
+            packed += 1
+        states.append(predicted)
+        offset += request.input_ids.numel()
+    flat_ids = torch.cat([r.input_ids.reshape(-1) for r in requests] + [torch.full((1,), pad, device=device)])
+    flat_mask = torch.cat(
+        [r.attention_mask.reshape(-1).bool() for r in requests] + [torch.zeros(1, dtype=torch.bool, device=device)]
+    )
+    index = torch.tensor(source, device=device)
+    index.masked_fill_(index < 0, offset)
+    input_ids = flat_ids.index_select(0, index).view(packed, length)
+    keys = flat_mask.index_select(0, index).view(packed, length)
+    position_ids = torch.tensor(positions, device=device).view(packed, length)
+    segment = torch.tensor(segments, device=device).view(packed, length)
+    sees = (
+        keys[:, None, :]
+        & (position_ids[:, None, :] <= position_ids[:, :, None])
+        & ((segment[:, None, :] == 0) | (segment[:, None, :] == segment[:, :, None]))
+    )
+    # A query that sees nothing (padding) sees itself: no row of the mask is empty.
+    sees |= torch.eye(length, dtype=torch.bool, device=device)[None] & ~sees.any(-1, keepdim=True)
+    return PrefixLayout(
+        input_ids,
+        position_ids,
+        sees[:, None],
+        [len(plan[3]) for plan in plans],
+        [torch.tensor(rows, device=device) for rows in states],
+    )
