@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -71,7 +71,7 @@ class TrialSnapshot:
         return cls(
             trial_number=trial_number,
             kind=kind,
-            weights={k: v.detach().to("cpu", copy=True) for k, v in weights.items()},
+            weights=_to_cpu(dict(weights)),
             optimizer=_to_cpu(state.optimizer.state_dict()),
             scheduler_steps=state.position.optimizer_steps,
             scaler=None if state.scaler is None else dict(state.scaler.state_dict()),
@@ -209,13 +209,70 @@ class TrialSnapshot:
 
 
 def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    return value
+    """``value`` (tensors in dicts and lists) with every tensor copied to the CPU, each its own storage. The
+    device's tensors travel in a few bulk copies (one per dtype, up to :data:`_BULK_BYTES` each) instead of one
+    synchronous copy per tensor (a trial's LoRA weights and optimizer moments are hundreds of small tensors:
+    about 90 ms a snapshot one by one on an H200 host)."""
+    found: list[torch.Tensor] = []
+
+    def collect(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+            return _Slot(len(found) - 1)
+        if isinstance(item, dict):
+            return {k: collect(v) for k, v in item.items()}
+        if isinstance(item, list):
+            return [collect(v) for v in item]
+        return item
+
+    shape = collect(value)
+    copies = _copied_to_cpu(found)
+
+    def fill(item: Any) -> Any:
+        if isinstance(item, _Slot):
+            return copies[item.index]
+        if isinstance(item, dict):
+            return {k: fill(v) for k, v in item.items()}
+        if isinstance(item, list):
+            return [fill(v) for v in item]
+        return item
+
+    return fill(shape)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+_BULK_BYTES = 256 * 2**20
+"""The most bytes one bulk copy to the CPU gathers on the device (its transient copy there)."""
+
+
+def _copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A CPU copy of each of ``tensors`` (detached, contiguous, each its own storage)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    batches: dict[tuple[torch.device, torch.dtype], list[list[int]]] = {}
+    filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in each key's last run
+    for i, tensor in enumerate(tensors):
+        if tensor.numel() == 0:
+            out[i] = tensor.detach().to("cpu", copy=True)
+            continue
+        key = (tensor.device, tensor.dtype)
+        runs = batches.setdefault(key, [[]])
+        if runs[-1] and filled[key] + tensor.nbytes > _BULK_BYTES:
+            runs.append([])
+            filled[key] = 0
+        runs[-1].append(i)
+        filled[key] = filled.get(key, 0) + tensor.nbytes
+    with torch.no_grad():
+        for runs in batches.values():
+            for run in runs:
+                flat = torch.cat([tensors[i].detach().reshape(-1) for i in run]).cpu()
+                pieces = flat.split([tensors[i].numel() for i in run])
+                for i, piece in zip(run, pieces, strict=True):
+                    out[i] = piece.view(tensors[i].shape).clone()
+    return cast("list[torch.Tensor]", out)
 
 
 def _numpy_state_to_json(state: dict[str, Any]) -> dict[str, Any]:

@@ -211,3 +211,31 @@ def test_only_a_trial_of_the_same_kind_and_adapter_shapes_can_continue_from_a_sn
     other_modules = {"v_proj.lora_A.weight": shapes["q_proj.lora_A.weight"], "q_proj.lora_B.weight": torch.Size([2])}
     reason = snapshot.compatible_with("sft", other_modules)
     assert reason is not None and reason.endswith("e.g. q_proj.lora_A.weight")
+
+
+def test_state_is_copied_in_bulk_each_tensor_its_own_storage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors of any dtype and layout, in nested dicts and lists, copied in bulk runs (several per dtype here:
+    a run holds at most 64 bytes): each copy equals its source, has its own storage and stays apart from it."""
+    from optuna_rapidfire._resident import _snapshot
+
+    monkeypatch.setattr(_snapshot, "_BULK_BYTES", 64)
+    base = torch.arange(24, dtype=torch.float32).view(4, 6)
+    state = {
+        "state": {
+            0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 5), "exp_avg_sq": base.t()},  # a transposed view
+            1: {"step": torch.tensor(4.0), "exp_avg": torch.randn(7).to(torch.bfloat16), "empty": torch.zeros(0, 2)},
+        },
+        "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+        "rng": [torch.randint(0, 255, (9,), dtype=torch.uint8), torch.tensor([5, 6], dtype=torch.int64)],
+    }
+    copied = _snapshot._to_cpu(state)
+    sources = [*state["state"][0].values(), *state["state"][1].values(), *state["rng"]]
+    copies = [*copied["state"][0].values(), *copied["state"][1].values(), *copied["rng"]]
+    assert copied["param_groups"] == state["param_groups"]
+    for source, copy in zip(sources, copies, strict=True):
+        assert copy.dtype == source.dtype and copy.shape == source.shape and torch.equal(copy, source)
+        assert copy.is_contiguous() and copy.untyped_storage().nbytes() == copy.nbytes
+    assert len({copy.untyped_storage().data_ptr() for copy in copies if copy.numel()}) == len(copies) - 1
+    base.add_(1)  # the source changes; the copy does not
+    assert torch.equal(copied["state"][0]["exp_avg_sq"], (base - 1).t())
+    save({f"t{i}": copy for i, copy in enumerate(copies)})  # safetensors takes them (no shared storage)
