@@ -83,15 +83,18 @@ def named_lora_layers(model: torch.nn.Module) -> list[tuple[str, Any]]:
     ]
 
 
-def layer_plans(model: torch.nn.Module, gang: Gang) -> list[tuple[Any, _LayerPlan]]:
+def layer_plans(
+    model: torch.nn.Module, gang: Gang, layers: list[tuple[str, Any]] | None = None
+) -> list[tuple[Any, _LayerPlan]]:
     """``model``'s LoRA layers, each with what it needs for ``gang``: reusable while the gang's adapters,
-    rows and the adapters' settings stay the same (an engine prepares them once per chunk).
+    rows and the adapters' settings stay the same (an engine prepares them once per chunk). ``layers``:
+    :func:`named_lora_layers` of ``model``, when the caller keeps them (else listed here: a walk of the model).
 
     Raises:
         ValueError: If an adapter cannot be fused (a LoRA variant such as DoRA).
     """
     plans = []
-    for module_name, layer in named_lora_layers(model):
+    for module_name, layer in named_lora_layers(model) if layers is None else layers:
         for name in gang.names:
             reason = unsupported(layer, name)
             if reason is not None:

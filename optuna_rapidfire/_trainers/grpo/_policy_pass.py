@@ -37,6 +37,7 @@ from optuna_rapidfire._fused._fused_pass import (
     base_only,
     fused_forward,
     layer_plans,
+    named_lora_layers,
     pad_right,
     pad_token_id,
 )
@@ -88,6 +89,7 @@ class PolicyPasses:
         self.prefix_passes = 0  # passes (of either kind) whose rows shared their prompts
         self._prefix_refused: str | None = None  # why the model's passes cannot share prompts (None: they can)
         self._prefix_asked = False
+        self._layers: tuple[int, list[tuple[str, Any]]] = (-1, [])  # the model's LoRA layers, per adapters' version
         self._open: set[Member] = set()  # members of passes whose backward has not run yet
         self._trainable: set[str] = set()
 
@@ -138,7 +140,9 @@ class PolicyPasses:
             self._trainable.update(names)
         if model.training != training:  # a walk of every module: only when it changes
             model.train(training)
-        plans = layer_plans(model, gang)
+        if self._layers[0] != resident.adapters_version:  # adapters added or removed: the LoRA layers may differ
+            self._layers = (resident.adapters_version, named_lora_layers(model))
+        plans = layer_plans(model, gang, self._layers[1])
         adapters = base_only(plans) if requests[0].reference else fused_forward(model, gang, plans)
         if layout is None:
             length = max(request.input_ids.shape[1] for request in requests)

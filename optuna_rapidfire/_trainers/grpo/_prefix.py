@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 
 from optuna_rapidfire._fused._workspace import supports
@@ -102,30 +103,31 @@ def prefix_layout(
     if len(packed_lengths) * length > (1 - SAVING) * unpacked:
         return None
     # Each packed column's source: a flat index into the requests' ids (one past them: padding), its
-    # position, and its segment (0: the prompt, i + 1: the i-th completion, -1: padding).
-    source: list[int] = []
-    positions: list[int] = []
-    segments: list[int] = []
-    states: list[list[list[int]]] = []
+    # position, and its segment (0: the prompt, i + 1: the i-th completion, -1: padding); built in numpy (a
+    # pass holds thousands of columns).
+    rows_total = len(packed_lengths)
+    source = np.full((rows_total, length), -1, dtype=np.int64)
+    positions = np.zeros((rows_total, length), dtype=np.int64)
+    segments = np.full((rows_total, length), -1, dtype=np.int64)
+    states: list[np.ndarray] = []
     offset, packed = 0, 0
     for request, (width, prompt, keep, groups) in zip(requests, plans, strict=True):
-        predicted: list[list[int]] = [[] for _ in range(len(request.input_ids))]
+        predicted = np.zeros((len(request.input_ids), keep), dtype=np.int64)
+        steps = np.arange(keep)
         for rows in groups:
-            first = rows[0] * width + offset
-            row_source = list(range(first, first + prompt))
-            row_positions = list(range(prompt))
-            row_segments = [0] * prompt
-            for i, row in enumerate(rows):
-                start = offset + row * width + prompt
-                row_source += range(start, start + keep)
-                row_positions += range(prompt, prompt + keep)
-                row_segments += [i + 1] * keep
-                at = packed * length + prompt + i * keep  # the completion's first column in the packed row
-                predicted[row] = [packed * length + prompt - 1, *range(at, at + keep - 1)]
-            tail = length - len(row_source)
-            source += row_source + [-1] * tail
-            positions += row_positions + [0] * tail
-            segments += row_segments + [-1] * tail
+            count, end = len(rows), prompt + len(rows) * keep
+            source[packed, :prompt] = offset + rows[0] * width + np.arange(prompt)
+            starts = offset + np.asarray(rows) * width + prompt
+            source[packed, prompt:end] = (starts[:, None] + steps).reshape(-1)
+            positions[packed, :prompt] = np.arange(prompt)
+            positions[packed, prompt:end] = np.tile(prompt + steps, count)
+            segments[packed, :prompt] = 0
+            segments[packed, prompt:end] = np.repeat(np.arange(1, count + 1), keep)
+            # Token t of the i-th completion is predicted from column prompt + i * keep + t - 1 (the first from
+            # the prompt's last column).
+            at = packed * length + prompt + np.arange(count)[:, None] * keep + steps[None, :] - 1
+            at[:, 0] = packed * length + prompt - 1
+            predicted[rows] = at
             packed += 1
         states.append(predicted)
         offset += request.input_ids.numel()
@@ -133,12 +135,12 @@ def prefix_layout(
     flat_mask = torch.cat(
         [r.attention_mask.reshape(-1).bool() for r in requests] + [torch.zeros(1, dtype=torch.bool, device=device)]
     )
-    index = torch.tensor(source, device=device)
-    index.masked_fill_(index < 0, offset)
+    source[source < 0] = offset
+    index = torch.from_numpy(source.reshape(-1)).to(device)
     input_ids = flat_ids.index_select(0, index).view(packed, length)
     keys = flat_mask.index_select(0, index).view(packed, length)
-    position_ids = torch.tensor(positions, device=device).view(packed, length)
-    segment = torch.tensor(segments, device=device).view(packed, length)
+    position_ids = torch.from_numpy(positions).to(device)
+    segment = torch.from_numpy(segments).to(device)
     sees = (
         keys[:, None, :]
         & (position_ids[:, None, :] <= position_ids[:, :, None])
@@ -151,5 +153,5 @@ def prefix_layout(
         position_ids,
         sees[:, None],
         [len(plan[3]) for plan in plans],
-        [torch.tensor(rows, device=device) for rows in states],
+        [torch.from_numpy(rows).to(device) for rows in states],
     )
