@@ -10,7 +10,8 @@ import torch
 from _numerics import assert_within_rounding, forward_terms, gradient_terms
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from optuna_rapidfire._trainers.grpo._prefix import prefix_layout, refusal
+from optuna_rapidfire._trainers.grpo import _prefix
+from optuna_rapidfire._trainers.grpo._prefix import pair_work, prefix_layout, refusal
 
 PAD = 0
 
@@ -110,6 +111,21 @@ def test_rows_without_repeated_prompts_are_not_packed() -> None:
     assert prefix_layout([_request(4, [5, 7, 6], 1, 4)], [True], PAD, torch.device("cpu")) is None
     assert prefix_layout([_request(5, [5, 7], 4, 4)], [False], PAD, torch.device("cpu")) is None
     assert prefix_layout([_request(5, [5, 7], 4, 4)], [True], PAD, torch.device("cpu")) is not None
+
+
+def test_packing_that_saves_tokens_but_not_attention_or_whose_masks_are_too_large_is_refused(
+    model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 completions of 40 tokens after prompts of 40: packing computes 37.5 % fewer tokens (2 rows of 200
+    against 8 of 80), but its attention meets 2 x 200^2 query-key pairs against 8 x 80^2: refused where a pair
+    weighs 1/20 of a token."""
+    requests = [_request(6, [40, 40], 4, 40)]
+    cpu = torch.device("cpu")
+    assert pair_work(model.config) == 2 / (4 * 32 + 3 * 64)
+    assert prefix_layout(requests, [True], PAD, cpu) is not None
+    assert prefix_layout(requests, [True], PAD, cpu, 1 / 20) is None
+    monkeypatch.setattr(_prefix, "MASK_BYTES", 3 * 2 * 200 * 200 - 1)  # the 2 packed rows' masks, a byte short
+    assert prefix_layout(requests, [True], PAD, cpu) is None
 
 
 def test_models_that_cannot_take_a_packed_mask_are_refused(model: LlamaForCausalLM) -> None:

@@ -42,7 +42,7 @@ from optuna_rapidfire._fused._fused_pass import (
     pad_token_id,
 )
 from optuna_rapidfire._fused._token_stats import token_stats
-from optuna_rapidfire._trainers.grpo._prefix import prefix_layout
+from optuna_rapidfire._trainers.grpo._prefix import pair_work, prefix_layout
 from optuna_rapidfire._trainers.grpo._prefix import refusal as prefix_refusal
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class PolicyPasses:
         layout = None
         if self._prefix_refused is None and not (training and not dropout_off and resident.has_base_dropout()):
             share = [not (training and self._adapter_dropout(name)) for name in names]
-            layout = prefix_layout(requests, share, pad, trials.device)
+            layout = prefix_layout(requests, share, pad, trials.device, pair_work(base.config))
         streams = [trials.dropout_stream(request.runtime) for request in requests] if grad else []
         gang = Gang(
             names,

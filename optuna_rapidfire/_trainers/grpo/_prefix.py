@@ -14,7 +14,9 @@ gradient sums theirs as autograd sums a tensor used several times). Values equal
 It applies where the result cannot change: decoders whose layers mix tokens only through attention (the
 layouts the launched decode knows: :func:`~optuna_rapidfire._fused._workspace.supports`) with PyTorch's
 scaled-dot-product attention (which takes such masks), no dropout of the base model drawn in the pass, and
-only when packing saves at least a fifth of the tokens. The rows of a trial whose adapter draws dropout in
+only when packing saves at least a fifth of the pass's work: its tokens through the projections, and its
+query-key pairs (a packed row's mask is dense, so long completions after a short prompt can cost more in
+attention than the prompt tokens saved). The rows of a trial whose adapter draws dropout in
 the pass stay one packed row each (sharing a prompt would share its tokens' dropout masks between
 completions); their columns are TRL's, so their masks stay the trial's own.
 """
@@ -33,7 +35,28 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 SAVING = 0.2
-"""Pack a pass's rows only when that computes at least this share of its tokens fewer."""
+"""Pack a pass's rows only when that saves at least this share of its work (:func:`pass_work`)."""
+MASK_BYTES = 2**30
+"""The most bytes a packed pass's masks may take (a bool per query and key of every packed row, and the
+attention kernel's copy of it in the compute dtype: 3 bytes a pair)."""
+
+
+def pair_work(config: Any) -> float:
+    """What one query-key pair of attention costs against a token through the projections, for a decoder of
+    ``config``: ``4 d / (2 (4 d^2 + 3 d f))`` (per layer: the products with the query and value of each pair,
+    against the attention and gated MLP projections; grouped-query attention's smaller projections aside),
+    0 when the config does not say."""
+    hidden = getattr(config, "hidden_size", None)
+    inner = getattr(config, "intermediate_size", None)
+    if not hidden or not inner:
+        return 0.0
+    return 2.0 / (4 * hidden + 3 * inner)
+
+
+def pass_work(rows: int, width: int, pair: float) -> float:
+    """A pass's work in token-equivalents: ``rows`` rows padded to ``width`` tokens (every padded token goes
+    through the projections, and every query meets every key: the mask is dense)."""
+    return rows * (width + pair * width * width)
 
 
 class Rows(Protocol):
@@ -77,11 +100,13 @@ def refusal(base: Any) -> str | None:
 
 
 def prefix_layout(
-    requests: Sequence[Rows], share: Sequence[bool], pad: int, device: torch.device
+    requests: Sequence[Rows], share: Sequence[bool], pad: int, device: torch.device, pair: float = 0.0
 ) -> PrefixLayout | None:
-    """The packed layout of ``requests``' rows, or ``None`` when it would not save :data:`SAVING` of the tokens
-    (prompts repeated too little). A request whose ``share`` is false keeps a packed row per row (its prompt
-    and one completion: TRL's row, the same columns, so the same dropout masks)."""
+    """The packed layout of ``requests``' rows, or ``None`` when it would not save :data:`SAVING` of the work
+    (prompts repeated too little, or completions so long that attending over a packed row costs more than the
+    prompt tokens saved: ``pair`` is :func:`pair_work`) or its masks would take over :data:`MASK_BYTES`. A
+    request whose ``share`` is false keeps a packed row per row (its prompt and one completion: TRL's row, the
+    same columns, so the same dropout masks)."""
     plans: list[tuple[int, int, int, list[list[int]]]] = []  # per request: width, prompt width, keep, groups
     packed_lengths: list[int] = []
     for request, shared in zip(requests, share, strict=True):
@@ -99,8 +124,10 @@ def prefix_layout(
         plans.append((width, prompt, keep, list(same.values())))
         packed_lengths += [prompt + len(rows) * keep for rows in same.values()]
     length = max(packed_lengths)
-    unpacked = max(r.input_ids.shape[1] for r in requests) * sum(len(r.input_ids) for r in requests)
-    if len(packed_lengths) * length > (1 - SAVING) * unpacked:
+    unpacked = pass_work(sum(len(r.input_ids) for r in requests), max(r.input_ids.shape[1] for r in requests), pair)
+    if pass_work(len(packed_lengths), length, pair) > (1 - SAVING) * unpacked:
+        return None
+    if 3 * len(packed_lengths) * length * length > MASK_BYTES:
         return None
     # Each packed column's source: a flat index into the requests' ids (one past them: padding), its
     # position, and its segment (0: the prompt, i + 1: the i-th completion, -1: padding); built in numpy (a
