@@ -52,6 +52,23 @@ CASES = {"one_adapter_128": (1, 128), "gang_k8_128": (8, 16), "one_adapter_16": 
 TOP = 25
 
 
+def _requests(
+    rows: list[list[int]], per: int, count: int, settings: dict[str, Any], eos: tuple[int], device: torch.device
+) -> list[DecodeRequest]:
+    """``count`` requests of ``per`` rows each: request k takes rows ``k * per`` on, adapter ``a<k>``, a generator
+    seeded with k."""
+    return [
+        DecodeRequest(
+            adapter=f"a{k}",
+            prompts=rows[k * per : (k + 1) * per],
+            generator=torch.Generator(device=device).manual_seed(k),
+            eos_token_ids=eos,
+            **settings,
+        )
+        for k in range(count)
+    ]
+
+
 def profile_case(model: Any, tokenizer: Any, requests: int, rows: int, new_tokens: int) -> tuple[dict[str, Any], str]:
     """One case: two warm-up decodes, then one profiled; its numbers and the profiler's table."""
     device = next(model.parameters()).device
@@ -60,16 +77,7 @@ def profile_case(model: Any, tokenizer: Any, requests: int, rows: int, new_token
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
     def once() -> int:
-        batch = [
-            DecodeRequest(
-                adapter=f"a{k}",
-                prompts=prompts[k * rows : (k + 1) * rows],
-                generator=torch.Generator(device=device).manual_seed(k),
-                eos_token_ids=eos,
-                **settings,
-            )
-            for k in range(requests)
-        ]
+        batch = _requests(prompts, rows, requests, settings, eos, device)
         with torch.no_grad(), autocast:
             out = decode(model, batch, int(tokenizer.pad_token_id))
         return sum(len(row) for completions in out for row in completions)
@@ -118,16 +126,7 @@ def packing_case(model: Any, tokenizer: Any, stretch: int, budgets: dict[str, in
     lm = model.get_base_model()
 
     def once() -> _launched_decode.LaunchedDecode:
-        batch = [
-            DecodeRequest(
-                adapter=f"a{k}",
-                prompts=rows[k * per : (k + 1) * per],
-                generator=torch.Generator(device=device).manual_seed(k),
-                eos_token_ids=eos,
-                **{**settings, "max_new_tokens": 1},
-            )
-            for k in range(8)
-        ]
+        batch = _requests(rows, per, 8, {**settings, "max_new_tokens": 1}, eos, device)
         run = _launched_decode.LaunchedDecode(model, lm, batch, int(tokenizer.pad_token_id), device)
         with torch.no_grad(), autocast:
             run.run()
