@@ -73,8 +73,7 @@ def decode(
     names = [r.adapter for r in requests]
     if len(set(names)) != len(names):
         raise ValueError(f"Each request needs its own adapter, but got adapters {names}.")
-    # A PeftModel lists its adapters (a walk of its modules would cost milliseconds at every decode).
-    held = set(model.peft_config) if isinstance(model, PeftModel) else {n for m in lora_layers(model) for n in m.lora_A}
+    held = {name for layer in lora_layers(model) for name in layer.lora_A}
     missing = [name for name in names if name not in held]
     if missing:
         raise ValueError(f"The model has no adapter {missing[0]!r} (its adapters: {sorted(held)}).")

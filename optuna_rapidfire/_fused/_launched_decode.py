@@ -11,8 +11,8 @@ step on an H200 for a 1B model, whose weights read in ~0.5 ms). Here, as in vLLM
   projections stacked as ``[K, in, R]`` and ``[K, R, out]`` (ranks zero-padded to the largest, scalings
   folded in, an adapter that does not target a projection adds zeros). Workspaces are kept per model and
   reused by later decodes of the same shape (weights and state copied in), so their graphs are too: a model's
-  last six shapes, fewer when the idle ones would take over a tenth of the GPU's memory, and all of them are
-  dropped when a new workspace does not fit (:func:`~optuna_rapidfire._fused._workspace.kept_workspace`).
+  last six shapes, fewer when the idle ones' buffers would take over a tenth of the GPU's memory, and all of
+  them are dropped when a new workspace does not fit (:func:`~optuna_rapidfire._fused._workspace.kept_workspace`).
 - **Per-row adapters without a per-adapter loop**: the rows sit in K slots of S rows (a request's rows,
   then idle rows up to S), so a projection's update is two batched matmuls over a view of its input,
   each slot reading its own adapter's stacked A and B (SGMV, Punica's segmented form).
@@ -168,6 +168,9 @@ class LaunchedDecode:
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device, dtype=torch.bool)
         real_rows = torch.tensor(real, device=device)
+        # A reused workspace's cache holds an earlier decode's keys and values; masked columns still enter the
+        # attention's products (with weight 0), so a non-finite value left there would spread: zeros instead.
+        torch._foreach_zero_(space.keys + space.values)
         space.valid.zero_()
         space.valid[:, :width].copy_(mask)
         space.done.copy_(~real_rows)

@@ -5,6 +5,7 @@ See :mod:`~optuna_rapidfire._fused._launched_decode`.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, fields
@@ -27,6 +28,7 @@ _KEPT_SHARE = 0.1
 _CPU_KEPT_BYTES = 2**31
 """What the workspaces kept idle may take on a CPU."""
 _WORKSPACES: weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict[Shape, Workspace]] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()  # over _WORKSPACES: each device's worker decodes in a thread of its own
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -118,7 +120,7 @@ class Workspace:
         tensors += [getattr(self.sampling, field.name) for field in fields(self.sampling)]
         tensors += [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
         self.nbytes = sum(tensor.nbytes for tensor in tensors)
-        """The device memory the workspace's buffers take (its graph's own pool aside)."""
+        """The device memory the workspace's buffers take (its captured graph's own memory pool aside)."""
 
     def load(self, lm: Any, names: Sequence[str | None]) -> None:
         """Copy the slots' adapters in (``None``: an idle slot, zeros), each A times its scaling (so that a step
@@ -153,29 +155,33 @@ class Workspace:
 def kept_workspace(model: torch.nn.Module, lm: Any, shape: Shape, device: torch.device, vocab: int) -> Workspace:
     """``model``'s workspace of ``shape``: the one kept from an earlier decode (its graph captured), or a new one.
 
-    Kept workspaces are ``model``'s last :data:`_KEPT` shapes, fewer when the idle ones would take more than
-    :data:`_KEPT_SHARE` of the GPU's memory. When a new workspace does not fit in the device's memory, every
-    workspace kept on the device is dropped and the allocation tried once more.
+    Kept workspaces are ``model``'s last :data:`_KEPT` shapes, fewer when the idle ones' buffers would take more
+    than :data:`_KEPT_SHARE` of the GPU's memory (per model: the executor keeps one model per device; each
+    captured graph's own memory pool is not counted). When a new workspace does not fit in the device's memory,
+    every workspace kept on the device is dropped and the allocation tried once more.
     """
-    kept = _WORKSPACES.setdefault(model, OrderedDict())
-    space = kept.pop(shape, None)
+    with _LOCK:
+        kept = _WORKSPACES.setdefault(model, OrderedDict())
+        space = kept.pop(shape, None)
     if space is None or space.device != device:
         space = _new_workspace(lm, shape, device, vocab)
-    kept[shape] = space
     limit = _kept_bytes(device)
-    while len(kept) > 1 and (len(kept) > _KEPT or sum(w.nbytes for w in kept.values()) - space.nbytes > limit):
-        kept.popitem(last=False)
+    with _LOCK:
+        kept[shape] = space
+        while len(kept) > 1 and (len(kept) > _KEPT or sum(w.nbytes for w in kept.values()) - space.nbytes > limit):
+            kept.popitem(last=False)
     return space
 
 
 def drop_workspaces(device: torch.device) -> int:
     """Forget every workspace kept on ``device`` (of every model) and return the GPU's cached memory; how many."""
     dropped = 0
-    for kept in list(_WORKSPACES.values()):
-        for shape, space in list(kept.items()):
-            if space.device == device:
-                kept.pop(shape, None)
-                dropped += 1
+    with _LOCK:  # device workers decode in threads of their own: no other thread adds a model meanwhile
+        for kept in list(_WORKSPACES.values()):
+            for shape, space in list(kept.items()):
+                if space.device == device:
+                    kept.pop(shape, None)
+                    dropped += 1
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return dropped

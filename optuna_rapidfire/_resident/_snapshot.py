@@ -250,13 +250,13 @@ _BULK_BYTES = 256 * 2**20
 
 
 def _copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A CPU copy of each of ``tensors`` (detached, contiguous, each its own storage)."""
+    """A CPU copy of each of ``tensors`` (detached, each its own storage, contiguous unless sparse)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     batches: dict[tuple[torch.device, torch.dtype], list[list[int]]] = {}
     filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in each key's last run
     for i, tensor in enumerate(tensors):
-        if tensor.numel() == 0:
-            out[i] = tensor.detach().to("cpu", copy=True)
+        if tensor.layout != torch.strided or tensor.numel() == 0 or tensor.nbytes > _BULK_BYTES:
+            out[i] = _one_to_cpu(tensor)  # nothing to gather (or a copy on the device too large)
             continue
         key = (tensor.device, tensor.dtype)
         runs = batches.setdefault(key, [[]])
@@ -268,11 +268,21 @@ def _copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     with torch.no_grad():
         for runs in batches.values():
             for run in runs:
+                if len(run) == 1:
+                    out[run[0]] = _one_to_cpu(tensors[run[0]])
+                    continue
                 flat = torch.cat([tensors[i].detach().reshape(-1) for i in run]).cpu()
                 pieces = flat.split([tensors[i].numel() for i in run])
                 for i, piece in zip(run, pieces, strict=True):
                     out[i] = piece.view(tensors[i].shape).clone()
     return cast("list[torch.Tensor]", out)
+
+
+def _one_to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor`` (contiguous where the layout is strided)."""
+    if tensor.layout != torch.strided:
+        return tensor.detach().to("cpu", copy=True)
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach())
 
 
 def _numpy_state_to_json(state: dict[str, Any]) -> dict[str, Any]:

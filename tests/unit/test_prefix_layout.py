@@ -113,19 +113,23 @@ def test_rows_without_repeated_prompts_are_not_packed() -> None:
     assert prefix_layout([_request(5, [5, 7], 4, 4)], [True], PAD, torch.device("cpu")) is not None
 
 
-def test_packing_that_saves_tokens_but_not_attention_or_whose_masks_are_too_large_is_refused(
+def test_packing_that_saves_tokens_but_not_attention_or_keeps_too_many_masks_is_refused(
     model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """4 completions of 40 tokens after prompts of 40: packing computes 37.5 % fewer tokens (2 rows of 200
-    against 8 of 80), but its attention meets 2 x 200^2 query-key pairs against 8 x 80^2: refused where a pair
-    weighs 1/20 of a token."""
-    requests = [_request(6, [40, 40], 4, 40)]
+    """Prompts of 50 with 2 completions of 20: packing computes 36 % fewer tokens (2 rows of 90 against 4 of 70)
+    and 83 % of the query-key pairs, so it packs unless a pair weighs as much as a token. Prompts of 40 with 4
+    completions of 40 save 37.5 % of the tokens but hold more pairs than TRL's rows (2 x 200^2 against 8 x 80^2):
+    packed while the masks the layers keep for the backward stay within the allowance, not beyond it."""
     cpu = torch.device("cpu")
     assert pair_work(model.config) == 2 / (4 * 32 + 3 * 64)
+    requests = [_request(7, [50, 50], 2, 20)]
     assert prefix_layout(requests, [True], PAD, cpu) is not None
-    assert prefix_layout(requests, [True], PAD, cpu, 1 / 20) is None
-    monkeypatch.setattr(_prefix, "MASK_BYTES", 3 * 2 * 200 * 200 - 1)  # the 2 packed rows' masks, a byte short
-    assert prefix_layout(requests, [True], PAD, cpu) is None
+    assert prefix_layout(requests, [True], PAD, cpu, 1.0) is None
+    longer = [_request(6, [40, 40], 4, 40)]
+    assert prefix_layout(longer, [True], PAD, cpu, layers=32) is not None
+    monkeypatch.setattr(_prefix, "MASK_BYTES", 2 * 32 * 2 * 200**2 - 1)  # a byte short of 32 layers' masks
+    assert prefix_layout(longer, [True], PAD, cpu, layers=32) is None
+    assert prefix_layout(requests, [True], PAD, cpu, layers=32) is not None  # fewer pairs than TRL's: no bound
 
 
 def test_models_that_cannot_take_a_packed_mask_are_refused(model: LlamaForCausalLM) -> None:

@@ -215,7 +215,8 @@ def test_only_a_trial_of_the_same_kind_and_adapter_shapes_can_continue_from_a_sn
 
 def test_state_is_copied_in_bulk_each_tensor_its_own_storage(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors of any dtype and layout, in nested dicts and lists, copied in bulk runs (several per dtype here:
-    a run holds at most 64 bytes): each copy equals its source, has its own storage and stays apart from it."""
+    a run holds at most 64 bytes; a larger tensor goes alone): each copy equals its source, has its own storage
+    and stays apart from it."""
     from optuna_rapidfire._resident import _snapshot
 
     monkeypatch.setattr(_snapshot, "_BULK_BYTES", 64)
@@ -239,3 +240,5 @@ def test_state_is_copied_in_bulk_each_tensor_its_own_storage(monkeypatch: pytest
     base.add_(1)  # the source changes; the copy does not
     assert torch.equal(copied["state"][0]["exp_avg_sq"], (base - 1).t())
     save({f"t{i}": copy for i, copy in enumerate(copies)})  # safetensors takes them (no shared storage)
+    sparse = torch.eye(3).to_sparse()  # not gathered: copied as it is
+    assert torch.equal(_snapshot._to_cpu({"s": sparse})["s"].to_dense(), torch.eye(3))

@@ -14,11 +14,11 @@ gradient sums theirs as autograd sums a tensor used several times). Values equal
 It applies where the result cannot change: decoders whose layers mix tokens only through attention (the
 layouts the launched decode knows: :func:`~optuna_rapidfire._fused._workspace.supports`) with PyTorch's
 scaled-dot-product attention (which takes such masks), no dropout of the base model drawn in the pass, and
-only when packing saves at least a fifth of the pass's work: its tokens through the projections, and its
-query-key pairs (a packed row's mask is dense, so long completions after a short prompt can cost more in
-attention than the prompt tokens saved). The rows of a trial whose adapter draws dropout in
-the pass stay one packed row each (sharing a prompt would share its tokens' dropout masks between
-completions); their columns are TRL's, so their masks stay the trial's own.
+only when packing saves at least a fifth of the pass's work (its tokens through the projections, and its
+query-key pairs: a packed row's mask is dense) and the masks its layers keep for the backward take at most
+1 GiB more than TRL's rows' (so long completions after a short prompt stay unpacked). The rows of a trial
+whose adapter draws dropout in the pass stay one packed row each (sharing a prompt would share its tokens'
+dropout masks between completions); their columns are TRL's, so their masks stay the trial's own.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ if TYPE_CHECKING:
 SAVING = 0.2
 """Pack a pass's rows only when that saves at least this share of its work (:func:`pass_work`)."""
 MASK_BYTES = 2**30
-"""The most bytes a packed pass's masks may take (a bool per query and key of every packed row, and the
-attention kernel's copy of it in the compute dtype: 3 bytes a pair)."""
+"""How much more memory than TRL's rows the attention masks a packed pass keeps for its backward may take."""
 
 
 def pair_work(config: Any) -> float:
@@ -100,11 +99,17 @@ def refusal(base: Any) -> str | None:
 
 
 def prefix_layout(
-    requests: Sequence[Rows], share: Sequence[bool], pad: int, device: torch.device, pair: float = 0.0
+    requests: Sequence[Rows],
+    share: Sequence[bool],
+    pad: int,
+    device: torch.device,
+    pair: float = 0.0,
+    layers: int = 1,
 ) -> PrefixLayout | None:
     """The packed layout of ``requests``' rows, or ``None`` when it would not save :data:`SAVING` of the work
     (prompts repeated too little, or completions so long that attending over a packed row costs more than the
-    prompt tokens saved: ``pair`` is :func:`pair_work`) or its masks would take over :data:`MASK_BYTES`. A
+    prompt tokens saved: ``pair`` is :func:`pair_work`) or when its attention masks, one kept per layer of the
+    ``layers``, would take more than :data:`MASK_BYTES` beyond those of TRL's rows. A
     request whose ``share`` is false keeps a packed row per row (its prompt and one completion: TRL's row, the
     same columns, so the same dropout masks)."""
     plans: list[tuple[int, int, int, list[list[int]]]] = []  # per request: width, prompt width, keep, groups
@@ -127,7 +132,10 @@ def prefix_layout(
     unpacked = pass_work(sum(len(r.input_ids) for r in requests), max(r.input_ids.shape[1] for r in requests), pair)
     if pass_work(len(packed_lengths), length, pair) > (1 - SAVING) * unpacked:
         return None
-    if 3 * len(packed_lengths) * length * length > MASK_BYTES:
+    # The attention's masks: each layer keeps one in the compute dtype (2 bytes a pair) for the backward. More
+    # query-key pairs than TRL's rows hold only while those copies stay within MASK_BYTES.
+    pairs = len(packed_lengths) * length**2
+    if pairs > sum(len(r.input_ids) * r.input_ids.shape[1] ** 2 for r in requests) and 2 * layers * pairs > MASK_BYTES:
         return None
     # Each packed column's source: a flat index into the requests' ids (one past them: padding), its
     # position, and its segment (0: the prompt, i + 1: the i-th completion, -1: padding); built in numpy (a
