@@ -124,7 +124,8 @@ class PolicyPasses:
             self._prefix_refused, self._prefix_asked = prefix_refusal(base), True
         layout = None
         if self._prefix_refused is None and not (training and not dropout_off and resident.has_base_dropout()):
-            share = [not (training and self._adapter_dropout(name)) for name in names]
+            dropping = training and not requests[0].reference  # a reference pass runs the base alone
+            share = [not (dropping and self._adapter_dropout(name)) for name in names]
             layers = int(getattr(base.config, "num_hidden_layers", 1) or 1)
             layout = prefix_layout(requests, share, pad, trials.device, pair_work(base.config), layers)
         streams = [trials.dropout_stream(request.runtime) for request in requests] if grad else []
