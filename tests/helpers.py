@@ -14,6 +14,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 from peft import LoraConfig
+from transformers import LlamaConfig
 from trl import SFTConfig
 
 
@@ -30,6 +31,20 @@ def sft_args(**overrides: Any) -> SFTConfig:
     }
     settings.update(overrides)
     return SFTConfig(**settings)
+
+
+def small_llama_config(**overrides: Any) -> LlamaConfig:
+    """A 2-layer Llama config with grouped-query attention (32 wide, 4 heads over 2 key-value heads) for
+    tests that build the model themselves; ``overrides`` wins."""
+    settings: dict[str, Any] = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    settings.update(overrides)
+    return LlamaConfig(**settings)
 
 
 def lora(**overrides: Any) -> LoraConfig:

@@ -56,7 +56,6 @@ from optuna_rapidfire._fused._decoder import (
     salts_of,
 )
 from optuna_rapidfire._fused._dropout import layer_salt
-from optuna_rapidfire._fused._fused_pass import named_lora_layers
 from optuna_rapidfire._fused._slots import (
     GangAdamW,
     GangSlots,
@@ -113,7 +112,6 @@ class LaunchedPasses:
         # What each trial is in slot terms, for the model's adapters as they are (see :meth:`member`).
         self._members_of: int | None = None
         self._members: dict[str, Member | str] = {}
-        self._named: list[tuple[str, Any]] = []
         self._layer_fn: Callable[..., torch.Tensor] = decoder_layer
         self._step_fn: Callable[..., None] = adamw_step
         self._local = threading.local()  # the layout whose compilations are counted, per thread
@@ -159,11 +157,10 @@ class LaunchedPasses:
         version = self.resident.adapters_version
         if self._members_of != version:
             self._members_of, self._members = version, {}
-            self._named = named_lora_layers(self.resident.module)
         name = runtime.state.adapter_name
         found = self._members.get(name)
         if found is None:
-            found = self._members[name] = member_of(self._named, runtime)
+            found = self._members[name] = member_of(self.resident.lora_layers(), runtime)
         return found
 
     @property
@@ -218,7 +215,7 @@ class LaunchedPasses:
         for p in projections:
             by_layer[p.layer][PROJECTIONS.index(p.name)] = Lora(slots.a[p], slots.b[p], slots.scale[p])
         layout.loras = [tuple(entries) for entries in by_layer]
-        named = [(projection_of(n), n) for n, _ in self._named]
+        named = [(projection_of(n), n) for n, _ in self.resident.lora_layers()]
         places = [(where, layer_salt(n)) for where, n in named if where is not None]
         table = salts_of(len(self.decoder.layers), [w for w, _ in places], [s for _, s in places])
         layout.salts = torch.tensor(table, dtype=torch.int64, device=device)
@@ -241,7 +238,7 @@ class LaunchedPasses:
             self.background.close()
         self.release()
         self._layouts.clear()
-        self._members, self._named, self._decoder = {}, [], None
+        self._members, self._decoder = {}, None
         del self.resident
 
     def storage_bytes(self) -> int:

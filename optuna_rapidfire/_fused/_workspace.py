@@ -188,24 +188,21 @@ def drop_workspaces(device: torch.device) -> int:
 
 
 def _new_workspace(lm: Any, shape: Shape, device: torch.device, vocab: int) -> Workspace:
-    for attempt in range(2):
-        try:
-            return Workspace(lm, shape, device, vocab)
-        except torch.cuda.OutOfMemoryError:
-            if attempt:
-                raise
-            dropped = drop_workspaces(device)
-            if not dropped:
-                raise
-            _logger.warning(
-                "A decode workspace (%d rows x %d columns) did not fit in %s's memory; dropped the %d kept for "
-                "other decode shapes (their graphs are captured again when needed) and trying again.",
-                shape.slots * shape.rows,
-                shape.columns,
-                device,
-                dropped,
-            )
-    raise AssertionError("unreachable")
+    try:
+        return Workspace(lm, shape, device, vocab)
+    except torch.cuda.OutOfMemoryError:
+        dropped = drop_workspaces(device)
+        if not dropped:
+            raise
+        _logger.warning(
+            "A decode workspace (%d rows x %d columns) did not fit in %s's memory; dropped the %d kept for "
+            "other decode shapes (their graphs are captured again when needed) and trying again.",
+            shape.slots * shape.rows,
+            shape.columns,
+            device,
+            dropped,
+        )
+    return Workspace(lm, shape, device, vocab)  # out of the handler: the failed attempt's buffers are freed
 
 
 def _kept_bytes(device: torch.device) -> int:

@@ -120,6 +120,7 @@ class ResidentModel:
         self._base_dropout_off = False
         self._active: str | None = None
         self._layers: list[torch.nn.Module] | None = None  # PEFT's adapter layers, listed once
+        self._lora_layers: tuple[int, list[tuple[str, Any]]] = (-1, [])  # see lora_layers()
         # Each adapter's parameters, keyed as adapter_weights keys them (found once: a walk over the model's
         # parameters costs more with every adapter it holds).
         self._params: dict[str, dict[str, torch.nn.Parameter]] = {}
@@ -263,6 +264,15 @@ class ResidentModel:
         if self._layers is None:
             self._layers = [m for m in self.peft.modules() if isinstance(m, BaseTunerLayer)]
         return cast("list[Any]", self._layers)
+
+    def lora_layers(self) -> list[tuple[str, Any]]:
+        """PEFT's LoRA ``Linear`` layers with the base model's name of each
+        (:func:`~optuna_rapidfire._fused._fused_pass.named_lora_layers`), listed once per :attr:`adapters_version`."""
+        from optuna_rapidfire._fused._fused_pass import named_lora_layers
+
+        if self._lora_layers[0] != self.adapters_version:
+            self._lora_layers = (self.adapters_version, named_lora_layers(self.module))
+        return self._lora_layers[1]
 
     def adapters_are_off(self) -> bool:
         """Whether the adapters are off (inside :meth:`adapters_off` or PEFT's ``disable_adapter()``)."""

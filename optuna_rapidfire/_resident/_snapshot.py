@@ -22,6 +22,8 @@ from safetensors.torch import load, save
 from optuna_rapidfire._resident._state import Position, RngState
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from optuna_rapidfire._resident._state import SwapState
 
 _FORMAT = 2
@@ -71,7 +73,7 @@ class TrialSnapshot:
         return cls(
             trial_number=trial_number,
             kind=kind,
-            weights=_to_cpu(dict(weights)),
+            weights=_to_cpu(weights),
             optimizer=_to_cpu(state.optimizer.state_dict()),
             scheduler_steps=state.position.optimizer_steps,
             scaler=None if state.scaler is None else dict(state.scaler.state_dict()),
@@ -214,35 +216,20 @@ def _to_cpu(value: Any) -> Any:
     synchronous copy per tensor (a trial's LoRA weights and optimizer moments are hundreds of small tensors:
     about 90 ms a snapshot one by one on an H200 host)."""
     found: list[torch.Tensor] = []
-
-    def collect(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-            return _Slot(len(found) - 1)
-        if isinstance(item, dict):
-            return {k: collect(v) for k, v in item.items()}
-        if isinstance(item, list):
-            return [collect(v) for v in item]
-        return item
-
-    shape = collect(value)
-    copies = _copied_to_cpu(found)
-
-    def fill(item: Any) -> Any:
-        if isinstance(item, _Slot):
-            return copies[item.index]
-        if isinstance(item, dict):
-            return {k: fill(v) for k, v in item.items()}
-        if isinstance(item, list):
-            return [fill(v) for v in item]
-        return item
-
-    return fill(shape)
+    _mapped(value, found.append)
+    copies = iter(_copied_to_cpu(found))
+    return _mapped(value, lambda _: next(copies))
 
 
-@dataclass(frozen=True)
-class _Slot:
-    index: int
+def _mapped(value: Any, change: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``change(tensor)`` in place of each tensor in its dicts and lists, in their order."""
+    if isinstance(value, torch.Tensor):
+        return change(value)
+    if isinstance(value, dict):
+        return {k: _mapped(v, change) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mapped(v, change) for v in value]
+    return value
 
 
 _BULK_BYTES = 256 * 2**20

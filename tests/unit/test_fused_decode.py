@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 from _numerics import FLOAT32_EPS, rounding_bound
+from helpers import small_llama_config
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (
     GenerationConfig,
-    LlamaConfig,
     LlamaForCausalLM,
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -41,17 +41,8 @@ ADAPTERS = {
 def model() -> Iterator[PeftModel]:
     """A 2-layer Llama (random weights, grouped-query attention) with the ADAPTERS, their B non-zero."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        pad_token_id=PAD,
-        eos_token_id=None,
+    config = small_llama_config(
+        vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.2, pad_token_id=PAD, eos_token_id=None
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 from _numerics import assert_within_rounding, forward_terms, gradient_terms
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import small_llama_config
+from transformers import LlamaForCausalLM
 
 from optuna_rapidfire._trainers.grpo import _prefix
 from optuna_rapidfire._trainers.grpo._prefix import pair_work, prefix_layout, refusal
@@ -28,16 +29,8 @@ class _Rows:
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=48,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=PAD,
-        attn_implementation="sdpa",
+    config = small_llama_config(
+        vocab_size=48, max_position_embeddings=128, pad_token_id=PAD, attn_implementation="sdpa"
     )
     return LlamaForCausalLM(config).eval()
 
@@ -89,7 +82,7 @@ def test_packed_rows_give_trls_log_probabilities_and_gradients(model: LlamaForCa
     assert layout is not None
     assert layout.rows == [3, 2, 6]  # a packed row per prompt; the third request's rows stay their own
     assert layout.input_ids.shape == (11, 12 + 4 * 3)  # the longest: a prompt 12 wide, then 4 completions of 3
-    assert layout.tokens < 0.8 * 16 * (12 + 4 + 6)  # TRL's rows: 22 rows of 16 tokens
+    assert layout.input_ids.numel() < 0.8 * 16 * (12 + 4 + 6)  # TRL's rows: 22 rows of 16 tokens
 
     model.zero_grad()
     packed = _scores(model, requests, layout)
@@ -134,9 +127,7 @@ def test_packing_that_saves_tokens_but_not_attention_or_keeps_too_many_masks_is_
 
 def test_models_that_cannot_take_a_packed_mask_are_refused(model: LlamaForCausalLM) -> None:
     assert refusal(model) is None
-    eager = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "attn_implementation": "eager"}))
+    eager = LlamaForCausalLM(small_llama_config(vocab_size=48, attn_implementation="eager"))
     assert "'eager' is not 'sdpa'" in str(refusal(eager))
-    dropping = LlamaForCausalLM(
-        LlamaConfig(**{**model.config.to_dict(), "attn_implementation": "sdpa", "attention_dropout": 0.1})
-    )
+    dropping = LlamaForCausalLM(small_llama_config(vocab_size=48, attn_implementation="sdpa", attention_dropout=0.1))
     assert "dropout" in str(refusal(dropping))

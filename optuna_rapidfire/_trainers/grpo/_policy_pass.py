@@ -25,6 +25,7 @@ scored in train mode (with its dropout) stays the trial's own.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,6 @@ from optuna_rapidfire._fused._fused_pass import (
     base_only,
     fused_forward,
     layer_plans,
-    named_lora_layers,
     pad_right,
     pad_token_id,
 )
@@ -87,9 +87,6 @@ class PolicyPasses:
         self.passes = 0
         self.scoring_passes = 0  # shared passes without gradients (references, evaluations)
         self.prefix_passes = 0  # passes (of either kind) whose rows shared their prompts
-        self._prefix_refused: str | None = None  # why the model's passes cannot share prompts (None: they can)
-        self._prefix_asked = False
-        self._layers: tuple[int, list[tuple[str, Any]]] = (-1, [])  # the model's LoRA layers, per adapters' version
         self._open: set[Member] = set()  # members of passes whose backward has not run yet
         self._trainable: set[str] = set()
 
@@ -120,8 +117,6 @@ class PolicyPasses:
         base = resident.base
         training = grad or requests[0].training
         dropout_off = first.spec.kind.base_dropout_off(first.args)
-        if not self._prefix_asked:
-            self._prefix_refused, self._prefix_asked = prefix_refusal(base), True
         layout = None
         if self._prefix_refused is None and not (training and not dropout_off and resident.has_base_dropout()):
             dropping = training and not requests[0].reference  # a reference pass runs the base alone
@@ -142,9 +137,7 @@ class PolicyPasses:
             self._trainable.update(names)
         if model.training != training:  # a walk of every module: only when it changes
             model.train(training)
-        if self._layers[0] != resident.adapters_version:  # adapters added or removed: the LoRA layers may differ
-            self._layers = (resident.adapters_version, named_lora_layers(model))
-        plans = layer_plans(model, gang, self._layers[1])
+        plans = layer_plans(model, gang, resident.lora_layers())
         adapters = base_only(plans) if requests[0].reference else fused_forward(model, gang, plans)
         if layout is None:
             length = max(request.input_ids.shape[1] for request in requests)
@@ -201,6 +194,11 @@ class PolicyPasses:
         else:
             self.scoring_passes += 1
         return answers
+
+    @functools.cached_property
+    def _prefix_refused(self) -> str | None:
+        """Why the model's passes cannot share their rows' prompts (``None``: they can)."""
+        return prefix_refusal(self.trials.resident.base)
 
     def _adapter_dropout(self, name: str) -> bool:
         """Whether adapter ``name`` draws dropout (in train mode)."""

@@ -80,10 +80,6 @@ class PrefixLayout:
     rows: list[int]
     states: list[torch.Tensor]
 
-    @property
-    def tokens(self) -> int:
-        return self.input_ids.numel()
-
 
 def refusal(base: Any) -> str | None:
     """Why ``base``'s passes cannot share their prompts (``None``: they can)."""
