@@ -363,18 +363,26 @@ def reference_is_the_base(resident: ResidentModel, args: TrainingArguments) -> I
     Given a ``PeftModel``, TRL's DPO and GRPO trainers look for an adapter named ``default`` and copy it
     into a frozen ``ref`` adapter. Here every trial has its own adapter and the reference is the base
     itself (a fresh LoRA adapter computes exactly the base), so ``default`` is shown only while the
-    trainer is built and its ``ref`` copy is removed afterwards; TRL then disables the adapters to
-    compute reference log-probabilities. No second copy of the base exists at any time.
+    trainer is built, and the ``ref`` copy is never made (PEFT's injection of a whole adapter, then its
+    removal: a third of a trial's build); TRL, finding no ``ref`` adapter, disables the adapters to compute
+    reference log-probabilities. No second copy of the base exists at any time.
     """
     peft = resident.peft
     assert peft is not None and resident._active is not None
     configs = peft.peft_config
     configs["default"] = configs[resident._active]
+    add_adapter = peft.add_adapter
+
+    def add_all_but_ref(adapter_name: str, *others: Any, **kwargs: Any) -> Any:
+        return None if adapter_name == "ref" else add_adapter(adapter_name, *others, **kwargs)
+
+    peft.__dict__["add_adapter"] = add_all_but_ref
     try:
         yield
     finally:
+        peft.__dict__.pop("add_adapter", None)
         configs.pop("default", None)
-        if "ref" in configs:
+        if "ref" in configs:  # made some other way than TRL's add_adapter call
             peft.delete_adapter("ref")
         resident._active = None  # deleting an adapter may have moved PEFT's active one
 

@@ -400,6 +400,30 @@ def test_a_dpo_trials_first_loss_is_log_2_because_its_reference_is_the_base(
         assert_within_rounding(loss, torch.tensor(float(np.log(2.0))), terms=terms, what="loss")
 
 
+@pytest.mark.parametrize("name", ["dpo", "grpo"])
+def test_trainers_with_a_reference_build_no_copy_of_the_trials_adapter(
+    name: str, resident: ResidentModel, rows: dict[str, Dataset], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL copies a ``default`` adapter into a frozen ``ref`` one for DPO, and for GRPO with a KL term; a trial's
+    reference is the base, so no adapter is injected while its trainer is built (and none is left)."""
+    from peft import PeftModel
+
+    added: list[str] = []
+    add_adapter = PeftModel.add_adapter
+
+    def counted(self: PeftModel, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+        added.append(adapter_name)
+        return add_adapter(self, adapter_name, *args, **kwargs)
+
+    monkeypatch.setattr(PeftModel, "add_adapter", counted)
+    args = _dpo_args() if name == "dpo" else _grpo_args(beta=0.04)
+    with _trial(resident, args, "trial_0", rows[name], tmp_path) as (_, trainer):
+        assert getattr(trainer, "beta", 0.1) != 0.0
+        assert resident.peft is not None and "ref" not in resident.peft.peft_config
+        assert "default" not in resident.peft.peft_config
+    assert "ref" not in added
+
+
 def _token_nll(resident: ResidentModel, batch: dict[str, Any], labels: torch.Tensor, base: bool) -> torch.Tensor:
     """Each loss token's negative log-probability from the plain model's logits (``base``: adapters off)."""
     row, column = (labels != -100).nonzero(as_tuple=True)
