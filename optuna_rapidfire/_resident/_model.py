@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Union, cast
 import torch
 
 from optuna_rapidfire import _compat
+from optuna_rapidfire._resident._adapter_files import AdapterWriter
 from optuna_rapidfire._resident._walks import ModeSwitch, publish_checkpointing
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ class ResidentModel:
         # parameters costs more with every adapter it holds).
         self._params: dict[str, dict[str, torch.nn.Parameter]] = {}
         self._checkpointing: tuple[bool, str] = (False, "")
+        self._writer = AdapterWriter()
         self._lock = threading.RLock()
         self._alone_depth = 0  # open alone() contexts
         # Counts every adapter added or removed: what is known of the adapters is stale once it changes.
@@ -227,23 +229,27 @@ class ResidentModel:
             for key, target in own.items():
                 target.copy_(weights[key], non_blocking=True)
 
-    def activate(self, name: str) -> None:
+    def activate(self, name: str, only: bool = True) -> None:
         """Make ``name`` the adapter the next forward pass uses (and the only trainable one).
 
         This is the hot swap. PEFT's ``set_adapter`` walks every module and every parameter of every
         adapter; here the adapter layers are listed once, and only the two adapters concerned have their
         ``requires_grad`` changed, so a switch costs microseconds whatever the number of live trials.
+        ``only=False`` (a gang's members taking turns, each training its own adapter): the adapters trainable
+        now stay so, and ``name`` is made trainable unless it is.
         """
         assert self.peft is not None
         with self._lock:
             if self._active == name:
                 return
             self._point_at(name)
-            if self._active is not None and self._active in self._params:
+            if only and self._active is not None and self._active in self._params:
                 for param in self._params[self._active].values():
                     param.requires_grad_(False)
-            for param in self._named_params(name).values():
-                param.requires_grad_(True)
+            params = self._named_params(name).values()
+            if only or not all(param.requires_grad for param in params):
+                for param in params:
+                    param.requires_grad_(True)
             self._active = name
 
     @contextlib.contextmanager
@@ -386,14 +392,10 @@ class ResidentModel:
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
         try:
-            self.peft.save_pretrained(staging, selected_adapters=[name], safe_serialization=True)
-            # PEFT writes a non-default adapter into a sub-folder named after it.
-            written = os.path.join(staging, name)
-            if not os.path.isdir(written):
-                written = staging
+            self._writer.write(self.peft, name, self.adapter_weights(name), staging)
             if os.path.isdir(directory):
                 shutil.rmtree(directory)
-            os.replace(written, directory)
+            os.replace(staging, directory)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 

@@ -217,7 +217,7 @@ def _to_cpu(value: Any) -> Any:
     about 90 ms a snapshot one by one on an H200 host)."""
     found: list[torch.Tensor] = []
     _mapped(value, found.append)
-    copies = iter(_copied_to_cpu(found))
+    copies = iter(copied_to_cpu(found))
     return _mapped(value, lambda _: next(copies))
 
 
@@ -236,7 +236,7 @@ _BULK_BYTES = 256 * 2**20
 """The most bytes one bulk copy to the CPU gathers on the device (its transient copy there)."""
 
 
-def _copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """A CPU copy of each of ``tensors`` (detached, each its own storage, contiguous unless sparse)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     batches: dict[tuple[torch.device, torch.dtype], list[list[int]]] = {}

@@ -183,3 +183,51 @@ def test_is_gradient_checkpointing_follows_the_resident_models_setting(tiny_mode
     assert peft.is_gradient_checkpointing is True is scanned()
     resident.set_checkpointing(False, None)
     assert peft.is_gradient_checkpointing is False is scanned()
+
+
+def _saved(directory: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    import json
+
+    from safetensors.torch import load_file
+
+    config = json.loads((directory / "adapter_config.json").read_text())
+    return load_file(f"{directory}/adapter_model.safetensors"), config
+
+
+def test_adapters_written_directly_are_what_peft_saves(tiny_model: str, tmp_path: Any) -> None:
+    """After the first plain LoRA adapter (saved by PEFT, which shows that it adds nothing of the model's), plain
+    adapters are written without PEFT's walks: the same tensor names and values and the same config file as
+    ``save_pretrained``; a DoRA adapter (PEFT adds its magnitudes) is still saved by PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ours = _resident(tiny_model)
+    configs = [*CONFIGS[:3], LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=ATTENTION, task_type=None)]
+    for index, config in enumerate(configs):
+        ours.add_adapter(f"trial_{index}", config, seed=100 + index)
+    assert ours.peft is not None
+    with torch.no_grad():  # B starts at zero: make every weight differ
+        for name, param in ours.peft.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn_like(param))
+    assert ours._writer.direct is None
+    for index in range(len(configs)):
+        ours.save_adapter(f"trial_{index}", str(tmp_path / f"ours_{index}"))
+        ours.peft.save_pretrained(str(tmp_path / "peft"), selected_adapters=[f"trial_{index}"])
+        tensors, config = _saved(tmp_path / f"ours_{index}")
+        reference, reference_config = _saved(tmp_path / "peft" / f"trial_{index}")
+        assert tensors.keys() == reference.keys() and tensors, index
+        assert all(torch.equal(tensors[key], reference[key]) for key in tensors), index
+        assert config == reference_config, index
+        assert sorted(p.name for p in (tmp_path / f"ours_{index}").iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
+    assert ours._writer.direct is True  # the adapters after the first were written directly
+    assert "lora_magnitude_vector" in " ".join(_saved(tmp_path / "ours_3")[0])
+    # A directly written adapter loads as PEFT's does.
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(tmp_path / "ours_1"))
+    own = ours.adapter_weights("trial_1")
+    for name, param in loaded.named_parameters():
+        if "lora_" in name:
+            assert torch.equal(param, own[name.replace(".default.", ".")]), name
