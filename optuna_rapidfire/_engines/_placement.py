@@ -91,9 +91,10 @@ class Placement:
             runtime.last_used = time.monotonic()
         self.fit_budget(keep=runtimes)
 
-    def use(self, runtime: TrialRuntime) -> None:
-        """Route the model's forward passes through the trial: its adapter, its TRL head, its dropout."""
-        self.resident.activate(runtime.state.adapter_name)
+    def use(self, runtime: TrialRuntime, only: bool = True) -> None:
+        """Route the model's forward passes through the trial: its adapter, its TRL head, its dropout
+        (``only``: its adapter the only trainable one; else the trainable ones stay so, as in a gang)."""
+        self.resident.activate(runtime.state.adapter_name, only)
         self.resident.use_forward(runtime.forward)
         self.resident.set_base_dropout(runtime.spec.kind.base_dropout_off(runtime.args))
 
@@ -126,7 +127,7 @@ class Placement:
         ran (:class:`~optuna_rapidfire._trainers.grpo._turns.Turns`): the gang's states on the device, the trial's
         adapter, forward and checkpointing, the global RNG as the trial left it, and train or eval mode."""
         self.on_device(gang)
-        self.use(runtime)
+        self.use(runtime, only=False)  # the members' adapters train in turns: no requires_grad churn
         enabled, kwargs = runtime.spec.kind.checkpointing(runtime.args)
         self.resident.set_checkpointing(enabled, kwargs)
         rng.restore(self.device)

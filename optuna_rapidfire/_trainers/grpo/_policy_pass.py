@@ -89,6 +89,9 @@ class PolicyPasses:
         self.prefix_passes = 0  # passes (of either kind) whose rows shared their prompts
         self._open: set[Member] = set()  # members of passes whose backward has not run yet
         self._trainable: set[str] = set()
+        # Each layer's plan for a gang's adapters and rows (see layer_plans): the same for every pass of one
+        # layout while no adapter is added or removed.
+        self._plans: dict[tuple[int, tuple[str, ...], tuple[int, ...]], list[Any]] = {}
 
     def forward(self, requests: Sequence[LogpsRequest]) -> list[tuple[torch.Tensor, torch.Tensor | None, None]]:
         """Each member's ``(log-probabilities, entropies or None, None)`` of its scored positions, as TRL's
@@ -137,7 +140,12 @@ class PolicyPasses:
             self._trainable.update(names)
         if model.training != training:  # a walk of every module: only when it changes
             model.train(training)
-        plans = layer_plans(model, gang, resident.lora_layers())
+        key = (resident.adapters_version, tuple(gang.names), tuple(gang.rows))
+        plans = self._plans.get(key)
+        if plans is None:
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            plans = self._plans[key] = layer_plans(model, gang, resident.lora_layers())
         adapters = base_only(plans) if requests[0].reference else fused_forward(model, gang, plans)
         if layout is None:
             length = max(request.input_ids.shape[1] for request in requests)

@@ -41,6 +41,7 @@ class _Member:
     request: Any = _NOTHING
     answer: Any = _NOTHING
     thread: threading.Thread | None = field(default=None, repr=False)
+    go: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0), repr=False)  # its turn
 
 
 class Turns(Generic[Request, Answer]):
@@ -63,8 +64,9 @@ class Turns(Generic[Request, Answer]):
         self._shared = shared
         self._name = name
         self._setup = setup
-        self._turn: _Member | None = None  # the member allowed to run; None: the coordinator
-        self._changed = threading.Condition()
+        # A turn is handed over by releasing the semaphore of whoever runs next (a member's ``go``, or
+        # ``_back`` for the coordinator): only that thread wakes, whatever the number of members.
+        self._back = threading.Semaphore(0)
         self._local = threading.local()
         self.member_seconds = 0.0  # host time the members ran their own code (all runs of this object)
 
@@ -123,10 +125,8 @@ class Turns(Generic[Request, Answer]):
         if member is None:
             raise RuntimeError("Turns.meet() is called from inside a member's work only.")
         member.request = request
-        with self._changed:
-            self._turn = None
-            self._changed.notify_all()
-            self._changed.wait_for(lambda: self._turn is member)
+        self._back.release()
+        member.go.acquire()
         answer, member.answer = member.answer, _NOTHING
         if isinstance(answer, BaseException):
             raise answer
@@ -134,15 +134,12 @@ class Turns(Generic[Request, Answer]):
 
     def _give_turn(self, member: _Member) -> None:
         """Let ``member`` run until it finishes or meets."""
-        with self._changed:
-            self._turn = member
-            self._changed.notify_all()
-            self._changed.wait_for(lambda: self._turn is None)
+        member.go.release()
+        self._back.acquire()
 
     def _body(self, member: _Member) -> None:
         self._local.member = member
-        with self._changed:
-            self._changed.wait_for(lambda: self._turn is member)
+        member.go.acquire()
         try:
             if self._setup is not None:
                 self._setup()
@@ -151,9 +148,7 @@ class Turns(Generic[Request, Answer]):
             member.outcome = error
         finally:
             member.done = True
-            with self._changed:
-                self._turn = None
-                self._changed.notify_all()
+            self._back.release()
 
 
 def each_alone_after_failure(
