@@ -273,6 +273,27 @@ def private_accelerate_state(trainer: Any, autocast: Callable[[], Any]) -> None:
     trainer.accelerator.autocast = lambda autocast_handler=None: autocast()
 
 
+def unwrap_without_walks(trainer: Any) -> None:
+    """Make ``trainer.accelerator.unwrap_model(trainer.model)`` return the model without accelerate's walks.
+
+    TRL unwraps its model several times a step; accelerate's ``extract_model_from_parallel`` walks every module
+    (looking for compiled regions) and looks its optional packages up each time: with several trials' adapters
+    resident, a few milliseconds a call. The trainer's model here is the resident ``PeftModel``, which nothing
+    wraps (no DDP, DeepSpeed, FSDP or compiled top level, accelerate never prepared it): accelerate would return
+    it as it is. Any other model, or one carrying accelerate's mixed-precision hook, is unwrapped by accelerate.
+    Public alternative: none."""
+    accelerator = trainer.accelerator
+    unwrap = accelerator.unwrap_model
+    own = trainer.model
+
+    def unwrap_model(model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any:
+        if model is own and "_original_forward" not in model.__dict__:
+            return model
+        return unwrap(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
+
+    accelerator.unwrap_model = unwrap_model
+
+
 def reset_accelerate_state() -> None:
     """Clear accelerate's process-wide state (``AcceleratorState._reset_state``), as every new
     ``TrainingArguments`` does, so that the next ``Accelerator`` (a trainer being built) sets it up whole

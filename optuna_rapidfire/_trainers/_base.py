@@ -211,8 +211,9 @@ class TrainerKind(ABC):
         return bool(enabled), kwargs
 
     def isolate(self, trainer: Trainer) -> None:
-        """Give the trainer a private copy of accelerate's process-wide state, and its accelerator's
-        ``autocast()`` the trial's own (:meth:`autocast`).
+        """Give the trainer a private copy of accelerate's process-wide state, its accelerator's
+        ``autocast()`` the trial's own (:meth:`autocast`), and an ``unwrap_model`` that returns the resident
+        model without walking it (:func:`~optuna_rapidfire._compat.unwrap_without_walks`).
 
         accelerate keeps its state in class-level dicts shared by every object, and every new
         ``TrainingArguments`` clears them, for instance when another thread runs ``configure(trial)``
@@ -220,6 +221,7 @@ class TrainerKind(ABC):
         """
         args, device = trainer.args, trainer.args.device
         _compat.private_accelerate_state(trainer, lambda: self.autocast(args, device))
+        _compat.unwrap_without_walks(trainer)
 
     def autocast(self, args: TrainingArguments, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         """Mixed-precision context of the trial (``bf16``/``fp16``), as accelerate's autocast would set it.

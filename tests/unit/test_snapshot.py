@@ -242,3 +242,21 @@ def test_state_is_copied_in_bulk_each_tensor_its_own_storage(monkeypatch: pytest
     save({f"t{i}": copy for i, copy in enumerate(copies)})  # safetensors takes them (no shared storage)
     sparse = torch.eye(3).to_sparse()  # not gathered: copied as it is
     assert torch.equal(_snapshot._to_cpu({"s": sparse})["s"].to_dense(), torch.eye(3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="copies from a GPU via page-locked memory (run on the H200)")
+def test_bulk_copies_from_a_gpu_equal_their_sources_and_outlive_the_staging_buffer() -> None:
+    """A GPU's tensors come to the CPU through a page-locked buffer that the next copy reuses: each copy equals its
+    source (written just before, on the device's stream), and a later bulk copy leaves the earlier ones as they were."""
+    from optuna_rapidfire._resident._snapshot import copied_to_cpu
+
+    device = torch.device("cuda")
+    first = [torch.randn(shape, device=device) for shape in [(16, 64), (64, 16), (3,), (5, 5)]]
+    for tensor in first:
+        tensor.mul_(2)  # queued on the stream before the copy
+    copies = copied_to_cpu([*first, torch.tensor(7.0)])
+    expected = [tensor.cpu() for tensor in first]
+    second = copied_to_cpu([torch.full_like(tensor, -1.0) for tensor in first])
+    assert all(copy.device.type == "cpu" and not copy.is_pinned() for copy in copies)
+    assert all(torch.equal(copy, source) for copy, source in zip(copies, expected, strict=False))
+    assert copies[-1].item() == 7.0 and all(torch.all(copy == -1) for copy in second)

@@ -424,6 +424,31 @@ def test_trainers_with_a_reference_build_no_copy_of_the_trials_adapter(
     assert "ref" not in added
 
 
+def test_a_trainer_unwraps_the_resident_model_without_walking_it(
+    resident: ResidentModel, rows: dict[str, Dataset], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL unwraps its model several times a step; accelerate's unwrap walks every module. The resident model is
+    returned as it is without the walk; another model still goes through accelerate."""
+    import accelerate.utils.other
+
+    walked: list[Any] = []
+    has_compiled_regions = accelerate.utils.other.has_compiled_regions
+
+    def counted(module: torch.nn.Module) -> bool:
+        walked.append(module)
+        return has_compiled_regions(module)
+
+    monkeypatch.setattr(accelerate.utils.other, "has_compiled_regions", counted)
+    with _trial(resident, _grpo_args(), "trial_0", rows["grpo"], tmp_path) as (_, trainer):
+        walked.clear()  # the build's own unwraps, before the trainer was set up
+        assert trainer.accelerator.unwrap_model(trainer.model) is resident.module
+        assert trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False) is resident.module
+        assert not walked
+        other = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        assert trainer.accelerator.unwrap_model(other) is other
+        assert walked == [other]
+
+
 def _token_nll(resident: ResidentModel, batch: dict[str, Any], labels: torch.Tensor, base: bool) -> torch.Tensor:
     """Each loss token's negative log-probability from the plain model's logits (``base``: adapters off)."""
     row, column = (labels != -100).nonzero(as_tuple=True)
