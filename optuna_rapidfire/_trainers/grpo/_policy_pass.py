@@ -167,35 +167,47 @@ class PolicyPasses:
             contextlib.nullcontext() if grad else torch.no_grad(),
         ):
             hidden = backbone(**inputs, use_cache=False).last_hidden_state
-        answers: list[tuple[torch.Tensor, torch.Tensor | None, None]] = []
+        # Each member's scored positions (position j predicts token j + 1: the last ``keep`` tokens are predicted
+        # from the ``keep`` before), then one LM-head call for all members that share a temperature and ask
+        # alike for entropies (the head's statistics are per token).
+        spans: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (states, targets, mask) per member
         start = 0
         for index, (request, count) in enumerate(zip(requests, rows, strict=True)):
-            own = request.input_ids.shape[1]
-            keep = request.logits_to_keep
-            # Position j predicts token j + 1: the last ``keep`` tokens are predicted from the ``keep`` before.
+            own, keep = request.input_ids.shape[1], request.logits_to_keep
             if layout is None:
-                states = hidden[start : start + count, own - keep - 1 : own - 1]
+                states = hidden[start : start + count, own - keep - 1 : own - 1].reshape(-1, hidden.shape[-1])
             else:
-                flat = hidden.view(-1, hidden.shape[-1])
-                states = flat.index_select(0, layout.states[index].view(-1)).view(count, keep, -1)
-            targets = request.input_ids[:, own - keep :]
+                states = hidden.view(-1, hidden.shape[-1]).index_select(0, layout.states[index].view(-1))
             mask = request.attention_mask[:, own - keep :].bool()
-            with first.spec.kind.autocast(first.args, trials.device), torch.set_grad_enabled(grad):
-                log_probs, entropy, _, _ = token_stats(
-                    states.reshape(-1, states.shape[-1]),
-                    head,
-                    targets.masked_fill(~mask, 0).reshape(-1),
-                    base.config,
-                    ("entropy",) if request.entropy else (),
-                    temperature=float(getattr(request.runtime.trainer, "temperature", 1.0)),
-                )
-            log_probs = log_probs.view(count, keep).masked_fill(~mask, 0.0)
-            if entropy is not None:
-                entropy = entropy.view(count, keep).masked_fill(~mask, 0.0)
-            answers.append((log_probs, entropy, None))
-            if grad:
-                request.runtime.state.dropout_rng = streams[index].state()
+            spans.append((states, request.input_ids[:, own - keep :].masked_fill(~mask, 0).reshape(-1), mask))
             start += count
+        answers: list[Any] = [None] * len(requests)
+        groups: dict[tuple[float, bool], list[int]] = {}
+        for index, request in enumerate(requests):
+            temperature = float(getattr(request.runtime.trainer, "temperature", 1.0))
+            groups.setdefault((temperature, request.entropy), []).append(index)
+        for (temperature, entropy), members in groups.items():
+            with first.spec.kind.autocast(first.args, trials.device), torch.set_grad_enabled(grad):
+                stats = token_stats(
+                    torch.cat([spans[i][0] for i in members]) if len(members) > 1 else spans[members[0]][0],
+                    head,
+                    torch.cat([spans[i][1] for i in members]) if len(members) > 1 else spans[members[0]][1],
+                    base.config,
+                    ("entropy",) if entropy else (),
+                    temperature=temperature,
+                )
+            sizes = [spans[i][1].numel() for i in members]
+            entropies = stats.entropy.split(sizes) if stats.entropy is not None else [None] * len(members)
+            for i, log_probs, own_entropy in zip(members, stats.log_probs.split(sizes), entropies, strict=True):
+                mask = spans[i][2]
+                answers[i] = (
+                    log_probs.view(mask.shape).masked_fill(~mask, 0.0),
+                    None if own_entropy is None else own_entropy.view(mask.shape).masked_fill(~mask, 0.0),
+                    None,
+                )
+        if grad:
+            for index, request in enumerate(requests):
+                request.runtime.state.dropout_rng = streams[index].state()
         if grad:
             self.passes += 1
             self._open.update(request.runtime for request in requests)
