@@ -282,9 +282,13 @@ def unwrap_without_walks(trainer: Any) -> None:
     wraps (no DDP, DeepSpeed, FSDP or compiled top level, accelerate never prepared it): accelerate would return
     it as it is. Any other model, or one carrying accelerate's mixed-precision hook, is unwrapped by accelerate.
     Public alternative: none."""
+    from peft import PeftModel
+
     accelerator = trainer.accelerator
     unwrap = accelerator.unwrap_model
     own = trainer.model
+    if not isinstance(own, PeftModel) or hasattr(own, "_orig_mod"):  # not the plain resident model
+        return
 
     def unwrap_model(model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any:
         if model is own and "_original_forward" not in model.__dict__:

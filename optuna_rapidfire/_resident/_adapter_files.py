@@ -29,19 +29,48 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _EMBEDDINGS = ("embed_tokens", "lm_head")  # PEFT's EMBEDDING_LAYER_NAMES
 
 
+_EXTRAS = (
+    "use_dora",
+    "modules_to_save",
+    "trainable_token_indices",
+    "target_parameters",
+    "lora_bias",
+    "velora_config",
+    "monteclora_config",
+    "kasa_config",
+    "arrow_config",
+    "use_bdlora",
+    "use_qalora",
+    "alora_invocation_tokens",
+    "megatron_config",
+    "layer_replication",
+)
+"""LoraConfig fields that add weights, buffers or saving rules of their own (set: saved by PEFT)."""
+
+
 def plain_lora(config: Any) -> bool:
-    """Whether ``config`` is a LoRA adapter whose saved file holds its own LoRA parameters only."""
+    """Whether ``config`` is a plain LoRA adapter: its saved file holds its own LoRA parameters only."""
     from peft import LoraConfig
 
-    if type(config) is not LoraConfig:
+    if type(config) is not LoraConfig or config.bias != "none":
         return False
-    if config.use_dora or config.bias != "none" or config.modules_to_save:
-        return False
-    if any(getattr(config, field, None) for field in ("trainable_token_indices", "target_parameters", "lora_bias")):
+    if any(getattr(config, field, None) for field in _EXTRAS):
         return False
     targets = config.target_modules
     names = [targets] if isinstance(targets, str) else list(targets or [])
     return not any(layer in target for target in names for layer in _EMBEDDINGS)
+
+
+def _own_extras(layers: list[Any], name: str) -> bool:
+    """Whether adapter ``name`` has a LoRA variant or buffers of its own in any of the adapter ``layers``
+    (what a newer PEFT may add without a config field listed here): PEFT saves those, not the direct writer."""
+    marker = f".{name}."
+    for layer in layers:
+        if name in getattr(layer, "lora_variant", {}):
+            return True
+        if any(marker in f".{buffer}." for buffer, _ in layer.named_buffers()):
+            return True
+    return False
 
 
 class AdapterWriter:
@@ -50,12 +79,16 @@ class AdapterWriter:
     def __init__(self) -> None:
         self.direct: bool | None = None  # whether plain adapters are written directly (None: not known yet)
 
-    def write(self, peft: PeftModel, name: str, params: dict[str, torch.Tensor], directory: str) -> None:
+    def write(
+        self, peft: PeftModel, name: str, params: dict[str, torch.Tensor], layers: list[Any], directory: str
+    ) -> None:
         """Write adapter ``name`` (its parameters ``params``, keyed with the adapter's name removed, as
-        :meth:`~optuna_rapidfire._resident._model.ResidentModel.adapter_weights` gives them) into the new
-        folder ``directory``."""
+        :meth:`~optuna_rapidfire._resident._model.ResidentModel.adapter_weights` gives them; ``layers``: the model's
+        adapter layers) into ``directory``, a folder made here (it must not exist; its parent must)."""
         config = peft.peft_config[name]
-        if self.direct and plain_lora(config):
+        plain = plain_lora(config) and not _own_extras(layers, name)
+        if self.direct and plain:
+            os.makedirs(directory)
             self._direct(peft, config, params, directory)
             return
         peft.__dict__["create_or_update_model_card"] = _no_card  # a README per adapter: not ours to write
@@ -68,7 +101,7 @@ class AdapterWriter:
             for entry in os.listdir(written):
                 os.replace(os.path.join(written, entry), os.path.join(directory, entry))
             os.rmdir(written)
-        if self.direct is None and plain_lora(config):
+        if self.direct is None and plain:
             with safe_open(os.path.join(directory, WEIGHTS_FILE), framework="pt") as saved:
                 self.direct = set(saved.keys()) == set(params)
 

@@ -392,10 +392,12 @@ class ResidentModel:
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
         try:
-            self._writer.write(self.peft, name, self.adapter_weights(name), staging)
+            # Written into a folder made with the process's umask (mkdtemp's own is private to the user).
+            written = os.path.join(staging, "adapter")
+            self._writer.write(self.peft, name, self.adapter_weights(name), self.adapter_layers(), written)
             if os.path.isdir(directory):
                 shutil.rmtree(directory)
-            os.replace(staging, directory)
+            os.replace(written, directory)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 

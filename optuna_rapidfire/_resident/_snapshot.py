@@ -273,7 +273,10 @@ def _bulk_to_cpu(flat: torch.Tensor) -> torch.Tensor:
     is only read here (the caller copies the pieces out), so the next snapshot reuses it."""
     if flat.device.type != "cuda":
         return flat.cpu()
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    try:
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    except RuntimeError:  # no page-locked memory to be had (a locked-memory limit): the driver's staging
+        return flat.cpu()
     host.copy_(flat, non_blocking=True)
     torch.cuda.current_stream(flat.device).synchronize()
     return host

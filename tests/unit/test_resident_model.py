@@ -197,12 +197,20 @@ def _saved(directory: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 def test_adapters_written_directly_are_what_peft_saves(tiny_model: str, tmp_path: Any) -> None:
     """After the first plain LoRA adapter (saved by PEFT, which shows that it adds nothing of the model's), plain
     adapters are written without PEFT's walks: the same tensor names and values and the same config file as
-    ``save_pretrained``; a DoRA adapter (PEFT adds its magnitudes) is still saved by PEFT."""
+    ``save_pretrained``, in a folder as readable as one made with the process's umask; a DoRA adapter (PEFT adds
+    its magnitudes) and a VeLoRA one (PEFT adds its buffers) are still saved by PEFT."""
+    import os
+
     from peft import PeftModel
+    from peft.tuners.lora.config import VeloraConfig
     from transformers import AutoModelForCausalLM
 
     ours = _resident(tiny_model)
-    configs = [*CONFIGS[:3], LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=ATTENTION, task_type=None)]
+    configs = [
+        *CONFIGS[:3],
+        LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=ATTENTION, task_type=None),
+        LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, task_type="CAUSAL_LM", velora_config=VeloraConfig()),
+    ]
     for index, config in enumerate(configs):
         ours.add_adapter(f"trial_{index}", config, seed=100 + index)
     assert ours.peft is not None
@@ -225,6 +233,10 @@ def test_adapters_written_directly_are_what_peft_saves(tiny_model: str, tmp_path
         ]
     assert ours._writer.direct is True  # the adapters after the first were written directly
     assert "lora_magnitude_vector" in " ".join(_saved(tmp_path / "ours_3")[0])
+    assert "velora" in " ".join(_saved(tmp_path / "ours_4")[0])
+    os.makedirs(tmp_path / "umask")
+    modes = {(tmp_path / folder).stat().st_mode & 0o777 for folder in ["umask", "ours_0", "ours_1", "ours_3"]}
+    assert len(modes) == 1
     # A directly written adapter loads as PEFT's does.
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(tmp_path / "ours_1"))
     own = ours.adapter_weights("trial_1")

@@ -178,6 +178,8 @@ class Generation:
             self.trials.keep_on_device([])
             self._shared_forward.clear()
             self.policy.close()
+            # Members resumed with the gang's adapters left trainable (Placement.resume): none stays so.
+            self.trials.resident.set_trainable([runtime.state.adapter_name for runtime in runtimes], False)
 
     def _member(self, work: Callable[[M], R], runtime: M) -> R:
         """A member's work in the gang; afterwards (or after its failure) no open pass waits for it."""
