@@ -141,6 +141,25 @@ def test_no_member_of_a_running_gang_is_offloaded(make_executor, prompts) -> Non
     assert executor.stats().fused_steps > 0 and not offloaded_in_gang
 
 
+def test_a_gangs_adapters_are_frozen_again_when_it_ends(make_executor, prompts) -> None:
+    """Members resume with the gang's adapters left trainable (no requires_grad churn at each meet); once the gang's
+    pass is over, none of them is."""
+    from optuna_rapidfire import events
+
+    executor = _executor(make_executor, prompts, 2)
+    trainable: list[list[str]] = []
+
+    def after_pass(event: events.PassTrained) -> None:
+        resident = executor._device.engine.trials.resident
+        trainable.append([name for name, p in resident.module.named_parameters() if p.requires_grad])
+
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+    with events.listen(after_pass, events.PassTrained):  # type: ignore[arg-type]
+        executor.optimize(study, by_number([(lora(r=4), grpo_args()), (lora(r=2), grpo_args(seed=3))]), n_trials=2)
+    assert executor.stats().fused_steps > 0 and trainable
+    assert trainable == [[]] * len(trainable)
+
+
 def _numbers(chunks: list[dict[str, float]]) -> dict[str, float]:
     """A trial's chunk metrics as one flat mapping (chunk/name -> value), wall times left out."""
     return {
