@@ -189,9 +189,9 @@ class PolicyPasses:
         for (temperature, entropy), members in groups.items():
             with first.spec.kind.autocast(first.args, trials.device), torch.set_grad_enabled(grad):
                 stats = token_stats(
-                    torch.cat([spans[i][0] for i in members]) if len(members) > 1 else spans[members[0]][0],
+                    _joined([spans[i][0] for i in members]),
                     head,
-                    torch.cat([spans[i][1] for i in members]) if len(members) > 1 else spans[members[0]][1],
+                    _joined([spans[i][1] for i in members]),
                     base.config,
                     ("entropy",) if entropy else (),
                     temperature=temperature,
@@ -206,9 +206,8 @@ class PolicyPasses:
                     None,
                 )
         if grad:
-            for index, request in enumerate(requests):
-                request.runtime.state.dropout_rng = streams[index].state()
-        if grad:
+            for request, stream in zip(requests, streams, strict=True):
+                request.runtime.state.dropout_rng = stream.state()
             self.passes += 1
             self._open.update(request.runtime for request in requests)
         else:
@@ -255,3 +254,8 @@ class PolicyPasses:
         if self._trainable:
             self.trials.resident.set_trainable(sorted(self._trainable), False)
             self._trainable.clear()
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` concatenated along their first dimension (the one tensor itself, uncopied, when alone)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
