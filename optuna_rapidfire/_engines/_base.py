@@ -95,9 +95,10 @@ class Engine(ABC):
         """Move an idle trial's state off the device until it trains again."""
         self.trials.placement.pause(runtime)
 
-    def snapshot(self, runtime: TrialRuntime) -> TrialSnapshot:
-        """The trial's state at its latest chunk boundary, as CPU copies (a per-chunk checkpoint)."""
-        return self.trials.snapshot(runtime)
+    def snapshot(self, runtime: TrialRuntime, keep: bool = False) -> TrialSnapshot:
+        """The trial's state at its latest chunk boundary, as CPU copies (a per-chunk checkpoint, kept for the
+        trial's snapshot file when ``keep``: see :meth:`DeviceTrials.snapshot`)."""
+        return self.trials.snapshot(runtime, keep)
 
     def save_snapshot(self, runtime: TrialRuntime) -> None:
         """Write the trial's state to its snapshot folder (what clones of it start from)."""

@@ -197,6 +197,7 @@ class DeviceTrials:
         if runtime.released:
             return
         runtime.released = True
+        runtime.kept_snapshot = None
         self.resident.delete_adapter(runtime.state.adapter_name)
         runtime.state.optimizer.state.clear()
         runtime.state.params.clear()
@@ -250,26 +251,37 @@ class DeviceTrials:
                 return saved
         return reason
 
-    def snapshot(self, runtime: TrialRuntime) -> TrialSnapshot:
-        """The trial's state at its latest chunk boundary, copied to the CPU."""
+    def snapshot(self, runtime: TrialRuntime, keep: bool = False) -> TrialSnapshot:
+        """The trial's state at its latest chunk boundary, copied to the CPU.
+
+        ``keep``: the snapshot is a chunk's checkpoint, only read from now on: kept until the trial's next
+        chunk, so that writing its snapshot file at its end (:meth:`save_snapshot`) neither copies the state
+        from the device again nor serialises it again.
+        """
         if not runtime.state.resident and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # its offload copies to host memory may still be in flight
         name = runtime.state.adapter_name
         weights = self.resident.adapter_weights(name)
-        return TrialSnapshot.capture(
+        snapshot = TrialSnapshot.capture(
             runtime.spec.number, runtime.spec.kind.name, runtime.state, weights, runtime.history
         )
+        if keep:
+            runtime.kept_snapshot = (_boundary(runtime), snapshot)
+        return snapshot
 
     def save_snapshot(self, runtime: TrialRuntime) -> None:
         """Write the trial's state to its snapshot folder (what clones of it start from), once it trained.
 
-        The state is copied to the host here; the file is written by a background thread (a reader of the
-        folder here waits for it: :meth:`flush`), so the device thread goes on training meanwhile.
+        The state is copied to the host here (unless its chunk's checkpoint holds it already); the file is
+        written by a background thread (a reader of the folder here waits for it: :meth:`flush`), so the
+        device thread goes on training meanwhile.
         """
         if runtime.state.position.chunks_done > 0:
-            snapshot = self.snapshot(runtime)
+            kept = runtime.kept_snapshot
+            snapshot = kept[1] if kept is not None and kept[0] == _boundary(runtime) else self.snapshot(runtime)
             directory = os.path.join(runtime.spec.state_dir, f"trial-{runtime.spec.number}")
-            self._writes.submit(directory, lambda: snapshot.save(directory))
+            study = runtime.spec.study_name
+            self._writes.submit(directory, lambda: snapshot.save(directory, study))
 
     def flush(self) -> None:
         """Wait until every snapshot file handed to the background writer is written."""
@@ -280,6 +292,7 @@ class DeviceTrials:
     def next_chunk(self, runtime: TrialRuntime) -> tuple[Dataset, list[list[int]]]:
         """The trial's next chunk (prepared) and the row indices of its micro-batches, in visit order."""
         plan = self.data.plan
+        runtime.kept_snapshot = None  # the chunk changes the state
         epoch, chunk = runtime.state.position.chunk(plan.num_chunks)
         dataset = self.data.chunk(runtime.data_key, chunk, runtime.prepare)
         return dataset, runtime.spec.kind.micro_batches(runtime.args, plan.visit_order(len(dataset), epoch, chunk))
@@ -501,3 +514,9 @@ def _summed(counters: list[dict[str, Any]]) -> dict[str, Any]:
             else:
                 total[name] = total.get(name, 0) + count
     return total
+
+
+def _boundary(runtime: TrialRuntime) -> tuple[int, int, int]:
+    """Where the trial stands: chunks done, optimizer steps, chunks evaluated (a kept snapshot's key)."""
+    position = runtime.state.position
+    return position.chunks_done, position.optimizer_steps, len(runtime.history)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from peft import PeftConfig
     from transformers import Trainer, TrainingArguments
 
+    from optuna_rapidfire._resident._snapshot import TrialSnapshot
     from optuna_rapidfire._resident._state import SwapState
     from optuna_rapidfire._trainers._base import TrainerKind
     from optuna_rapidfire._trainers._host import Member
@@ -82,6 +83,7 @@ class TrialSpec:
         clone_of: Set when the trial is a clone.
         checkpoint: Capture the trial's state after every chunk (:attr:`ChunkResult.snapshot`): what its
             checkpoints and the chunk states clones branch from are made of.
+        study_name: The study's name, written into the trial's snapshots.
     """
 
     number: int
@@ -92,6 +94,7 @@ class TrialSpec:
     state_dir: str
     clone_of: CloneOf | None = None
     checkpoint: bool = False
+    study_name: str = ""
 
 
 @dataclass
@@ -201,6 +204,8 @@ class TrialRuntime:
     last_used: float = field(default_factory=time.monotonic)
     tokens_at_last_chunk: int = 0  # the trainer's count of training tokens when its last chunk ended
     released: bool = False
+    # The last chunk's checkpoint (see DeviceTrials.snapshot) and where the trial stood when it was taken.
+    kept_snapshot: tuple[tuple[int, int, int], TrialSnapshot] | None = field(default=None, repr=False)
 
     def prepare(self, dataset: Dataset, split: str) -> Dataset:
         return self.spec.kind.prepare(self.trainer, dataset, split)

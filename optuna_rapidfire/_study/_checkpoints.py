@@ -118,7 +118,7 @@ class Checkpoints:
         Returns:
             The new link.
         """
-        blob = snapshot.to_bytes(study.study_name)
+        blob = snapshot.blob(study.study_name)
         artifact_id = f"rapidfire-{uuid.uuid4().hex}"
         folder = _compat.artifact_folder(self.store)
         if folder is not None and not os.path.isdir(folder):
@@ -129,7 +129,7 @@ class Checkpoints:
             "artifact_id": artifact_id,
             "step": snapshot.position.chunks_done,
             "sha256": hashlib.sha256(blob).hexdigest(),
-            "bytes": len(blob),
+            "bytes": blob.nbytes,
         }
         if not self.shared:
             link["memory"] = MEMORY.where

@@ -414,4 +414,5 @@ def trial_spec(run: Run, trial: optuna.Trial, configure: Configure, record: Tria
         state_dir=os.path.join(root, "state"),
         clone_of=record.clone_request(),
         checkpoint=True,
+        study_name=study.study_name,
     )

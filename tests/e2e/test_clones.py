@@ -8,11 +8,12 @@ import sys
 
 import optuna
 import pytest
-from helpers import lora, sft_args, until_the_clone_is_taken, wait_until
+from helpers import by_number, lora, sft_args, until_the_clone_is_taken, wait_until
 from optuna.trial import TrialState
 
 from optuna_rapidfire import control
 from optuna_rapidfire._engines import ENGINES
+from optuna_rapidfire._resident._snapshot import TrialSnapshot
 from optuna_rapidfire._study import _attrs
 
 NUM_CHUNKS = 6
@@ -250,3 +251,29 @@ def test_a_clone_asked_for_while_the_study_runs_branches_where_asked_and_trains_
     # The budget counts the trials the study asked for: the clone came on top.
     assert sum(_attrs.CLONE_OF not in t.user_attrs for t in study.trials) == 2
     assert all(t.state.is_finished() for t in study.trials)  # nothing left waiting
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_finished_trials_snapshot_file_is_its_last_checkpoint_taken_from_the_device_once(
+    make_executor, monkeypatch, tmp_path, engine: str
+) -> None:
+    """The state a finished trial leaves for clones is the one its last chunk's checkpoint copied to the host:
+    copied from the device once a chunk, not again at the trial's end, and written with the study's name."""
+    captured: list[int] = []
+    capture = TrialSnapshot.capture
+
+    def counted(number: int, *args, **kwargs) -> TrialSnapshot:
+        captured.append(number)
+        return capture(number, *args, **kwargs)
+
+    monkeypatch.setattr(TrialSnapshot, "capture", counted)
+    executor = make_executor(num_chunks=2, max_concurrent_trials=2, engine=engine)
+    study = optuna.create_study(study_name="kept", pruner=optuna.pruners.NopPruner())
+    configs = [(lora(r=4), sft_args(learning_rate=1e-2 * (i + 1), seed=i)) for i in range(2)]
+    executor.optimize(study, by_number(configs), n_trials=2)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    assert sorted(captured) == [0, 0, 1, 1]  # one per chunk
+    for number in (0, 1):
+        path = tmp_path / "out" / "kept" / "state" / f"trial-{number}" / "snapshot.safetensors"
+        snapshot, study_name = TrialSnapshot.from_bytes(path.read_bytes())
+        assert study_name == "kept" and snapshot.trial_number == number and snapshot.position.chunks_done == 2

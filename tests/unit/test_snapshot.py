@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save
+from safetensors.torch import load, save
 
-from optuna_rapidfire._resident._snapshot import TrialSnapshot
+from optuna_rapidfire._resident._snapshot import TrialSnapshot, _serialized
 from optuna_rapidfire._resident._state import Position, RngState, SwapState
 
 CPU = torch.device("cpu")
@@ -260,3 +260,30 @@ def test_bulk_copies_from_a_gpu_equal_their_sources_and_outlive_the_staging_buff
     assert all(copy.device.type == "cpu" and not copy.is_pinned() for copy in copies)
     assert all(torch.equal(copy, source) for copy, source in zip(copies, expected, strict=False))
     assert copies[-1].item() == 7.0 and all(torch.all(copy == -1) for copy in second)
+
+
+def test_the_blob_is_what_safetensors_writes_for_every_dtype_and_shape_and_is_made_once() -> None:
+    tensors = {
+        "f32": torch.randn(3, 5),
+        "scalar": torch.tensor(2.0),
+        "i64": torch.arange(7),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.randn(4, 6).t(),
+        "bool": torch.tensor([True, False, True]),
+        "bf16": torch.randn(3, dtype=torch.bfloat16),
+        "u8": torch.arange(9, dtype=torch.uint8),
+        "i32": torch.arange(3, dtype=torch.int32),
+        "c64": torch.randn(2, dtype=torch.complex64),  # a dtype the blob leaves to safetensors' own writer
+    }
+    for chosen in (tensors, {k: v for k, v in tensors.items() if k != "c64"}):
+        blob = _serialized(chosen, {"rapidfire": "{}"})
+        ours, theirs = load(bytes(blob)), load(save({k: v.contiguous() for k, v in chosen.items()}))
+        assert blob.readonly and ours.keys() == theirs.keys() == chosen.keys()
+        for name, tensor in chosen.items():
+            assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    snapshot, _, _ = _snapshot()
+    assert snapshot.blob("s") is snapshot.blob("s")
+    assert bytes(snapshot.blob("s")) == snapshot.to_bytes("s") != snapshot.to_bytes("t")
+    loaded, study_name = TrialSnapshot.from_bytes(bytes(snapshot.blob("s")))
+    assert study_name == "s"
+    _assert_same(loaded, snapshot)
