@@ -395,3 +395,13 @@ def run_beside_compiler() -> None:
     import torch._dynamo.config
 
     torch._dynamo.config.error_on_nested_fx_trace = False
+
+
+def flatten_dense_tensors(tensors: list[Any]) -> Any:
+    """``tensors`` (one dtype) flattened and concatenated into one 1-D tensor by a single operator
+    (``torch._utils._flatten_dense_tensors``, what DDP buckets use): one release of Python's global lock where
+    a ``torch.cat`` of flattened views takes one per tensor. Public alternative: ``torch.cat([t.reshape(-1)
+    ...])``, one operator per tensor."""
+    from torch._utils import _flatten_dense_tensors
+
+    return _flatten_dense_tensors(tensors)

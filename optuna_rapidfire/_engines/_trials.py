@@ -252,16 +252,11 @@ class DeviceTrials:
         return reason
 
     def snapshot(self, runtime: TrialRuntime, keep: bool = False) -> TrialSnapshot:
-        """The trial's state at its latest chunk boundary, copied to the CPU.
-
-        ``keep``: the snapshot is a chunk's checkpoint, only read from now on: kept until the trial's next
-        chunk, so that writing its snapshot file at its end (:meth:`save_snapshot`) neither copies the state
-        from the device again nor serialises it again.
-        """
+        """The trial's state at its latest chunk boundary, copied to the CPU; ``keep``: a chunk's checkpoint (only
+        read from now on), kept until the next chunk for :meth:`save_snapshot` (no second copy or serialisation)."""
         if not runtime.state.resident and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # its offload copies to host memory may still be in flight
-        name = runtime.state.adapter_name
-        weights = self.resident.adapter_weights(name)
+        weights = self.resident.adapter_weights(runtime.state.adapter_name)
         snapshot = TrialSnapshot.capture(
             runtime.spec.number, runtime.spec.kind.name, runtime.state, weights, runtime.history
         )
@@ -272,16 +267,13 @@ class DeviceTrials:
     def save_snapshot(self, runtime: TrialRuntime) -> None:
         """Write the trial's state to its snapshot folder (what clones of it start from), once it trained.
 
-        The state is copied to the host here (unless its chunk's checkpoint holds it already); the file is
-        written by a background thread (a reader of the folder here waits for it: :meth:`flush`), so the
-        device thread goes on training meanwhile.
+        The state is copied to the host here (unless its chunk's checkpoint holds it); the file is written by a
+        background thread (a reader of the folder waits for it: :meth:`flush`) while the device trains on.
         """
         if runtime.state.position.chunks_done > 0:
-            kept = runtime.kept_snapshot
-            snapshot = kept[1] if kept is not None and kept[0] == _boundary(runtime) else self.snapshot(runtime)
+            snapshot = _kept(runtime) or self.snapshot(runtime)
             directory = os.path.join(runtime.spec.state_dir, f"trial-{runtime.spec.number}")
-            study = runtime.spec.study_name
-            self._writes.submit(directory, lambda: snapshot.save(directory, study))
+            self._writes.submit(directory, lambda: snapshot.save(directory, runtime.spec.study_name))
 
     def flush(self) -> None:
         """Wait until every snapshot file handed to the background writer is written."""
@@ -514,6 +506,12 @@ def _summed(counters: list[dict[str, Any]]) -> dict[str, Any]:
             else:
                 total[name] = total.get(name, 0) + count
     return total
+
+
+def _kept(runtime: TrialRuntime) -> TrialSnapshot | None:
+    """The trial's kept checkpoint (:meth:`DeviceTrials.snapshot`), if the trial has not moved since."""
+    kept = runtime.kept_snapshot
+    return kept[1] if kept is not None and kept[0] == _boundary(runtime) else None
 
 
 def _boundary(runtime: TrialRuntime) -> tuple[int, int, int]:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 from safetensors.torch import load, save
-from torch._utils import _flatten_dense_tensors
 
+from optuna_rapidfire import _compat
 from optuna_rapidfire._resident._state import Position, RngState
 
 if TYPE_CHECKING:
@@ -356,7 +356,7 @@ def _serialized(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> m
     start = 8 + len(text)
     buffer = torch.empty(start + offset, dtype=torch.uint8)
     buffer[:start] = torch.frombuffer(bytearray(len(text).to_bytes(8, "little") + text), dtype=torch.uint8)
-    flats = [_flatten_dense_tensors([tensors[name] for name in groups[dtype]]) for dtype in dtypes]
+    flats = [_compat.flatten_dense_tensors([tensors[name] for name in groups[dtype]]) for dtype in dtypes]
     parts = [flat.view(torch.uint8) for flat in flats if flat.numel()]
     if parts:
         torch.cat(parts, out=buffer[start:])
