@@ -252,8 +252,8 @@ class DeviceTrials:
         return reason
 
     def snapshot(self, runtime: TrialRuntime, keep: bool = False) -> TrialSnapshot:
-        """The trial's state at its latest chunk boundary, copied to the CPU; ``keep``: a chunk's checkpoint (only
-        read from now on), kept until the next chunk for :meth:`save_snapshot` (no second copy or serialisation)."""
+        """The trial's state at its latest chunk boundary, copied to the CPU; ``keep``: its last chunk's checkpoint
+        (only read from now on), kept for :meth:`save_snapshot` at its end (no second copy or serialisation)."""
         if not runtime.state.resident and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # its offload copies to host memory may still be in flight
         weights = self.resident.adapter_weights(runtime.state.adapter_name)
@@ -271,9 +271,9 @@ class DeviceTrials:
         background thread (a reader of the folder waits for it: :meth:`flush`) while the device trains on.
         """
         if runtime.state.position.chunks_done > 0:
-            snapshot = _kept(runtime) or self.snapshot(runtime)
+            snapshot, study = _kept(runtime) or self.snapshot(runtime), runtime.spec.study_name
             directory = os.path.join(runtime.spec.state_dir, f"trial-{runtime.spec.number}")
-            self._writes.submit(directory, lambda: snapshot.save(directory, runtime.spec.study_name))
+            self._writes.submit(directory, lambda: snapshot.save(directory, study))
 
     def flush(self) -> None:
         """Wait until every snapshot file handed to the background writer is written."""
@@ -284,7 +284,7 @@ class DeviceTrials:
     def next_chunk(self, runtime: TrialRuntime) -> tuple[Dataset, list[list[int]]]:
         """The trial's next chunk (prepared) and the row indices of its micro-batches, in visit order."""
         plan = self.data.plan
-        runtime.kept_snapshot = None  # the chunk changes the state
+        runtime.kept_snapshot = None  # the chunk changes the state (a stream moves the position at its end only)
         epoch, chunk = runtime.state.position.chunk(plan.num_chunks)
         dataset = self.data.chunk(runtime.data_key, chunk, runtime.prepare)
         return dataset, runtime.spec.kind.micro_batches(runtime.args, plan.visit_order(len(dataset), epoch, chunk))

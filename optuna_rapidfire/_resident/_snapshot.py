@@ -328,8 +328,9 @@ _DTYPES = {
 
 
 def _serialized(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> memoryview:
-    """``tensors`` and ``metadata`` in the safetensors format (what ``safetensors.torch.save`` writes: the header's
-    length, the JSON header padded to 8 bytes, then each tensor's bytes, larger items first).
+    """``tensors`` and ``metadata`` in the safetensors format, as ``safetensors.torch.load`` reads it: the header's
+    length, the JSON header padded to 8 bytes, then the tensors' bytes, by dtype (larger items first) and name (the
+    same tensors as ``safetensors.torch.save`` writes, not always in its order).
 
     The bytes are gathered by a few operators (one flattening per dtype, one concatenation into the blob's
     buffer) whatever the number of tensors: each runs outside Python's global lock, which another thread (the
@@ -337,7 +338,8 @@ def _serialized(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> m
     big-endian machine, take safetensors' own writer.
     """
     if sys.byteorder != "little" or any(
-        t.dtype not in _DTYPES or t.layout != torch.strided or t.device.type != "cpu" for t in tensors.values()
+        t.dtype not in _DTYPES or t.layout != torch.strided or t.device.type != "cpu" or t.is_neg()
+        for t in tensors.values()
     ):
         return memoryview(save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)).toreadonly()
     groups: dict[torch.dtype, list[str]] = {}

@@ -214,7 +214,7 @@ class DeviceWorker(threading.Thread):
         """Hand a trained chunk to the trial's driver (with its state as a checkpoint, when it has them)."""
         if entry.spec.checkpoint:
             start = time.perf_counter()
-            result.snapshot = self.engine.snapshot(entry.built, keep=True)
+            result.snapshot = self.engine.snapshot(entry.built, keep=result.last)  # kept for FINISH
             result.snapshot_seconds = time.perf_counter() - start
         self.scheduler.chunk_done(entry, mates)
         entry.events.put(result)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import subprocess
 import sys
@@ -273,7 +274,10 @@ def test_a_finished_trials_snapshot_file_is_its_last_checkpoint_taken_from_the_d
     executor.optimize(study, by_number(configs), n_trials=2)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     assert sorted(captured) == [0, 0, 1, 1]  # one per chunk
+    kept = study._storage.get_study_system_attrs(study._study_id)
     for number in (0, 1):
-        path = tmp_path / "out" / "kept" / "state" / f"trial-{number}" / "snapshot.safetensors"
-        snapshot, study_name = TrialSnapshot.from_bytes(path.read_bytes())
+        blob = (tmp_path / "out" / "kept" / "state" / f"trial-{number}" / "snapshot.safetensors").read_bytes()
+        snapshot, study_name = TrialSnapshot.from_bytes(blob)
         assert study_name == "kept" and snapshot.trial_number == number and snapshot.position.chunks_done == 2
+        last_checkpoint = kept[f"{_attrs.CHUNK_STATES_PREFIX}{number}"]["2"]
+        assert hashlib.sha256(blob).hexdigest() == last_checkpoint["sha256"]  # the very bytes of the checkpoint

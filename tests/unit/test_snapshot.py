@@ -8,14 +8,18 @@ import json
 import os
 import random
 import re
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load, save
 
+from optuna_rapidfire._engines._trials import _boundary, _kept
+from optuna_rapidfire._resident import _snapshot as snapshot_module
 from optuna_rapidfire._resident._snapshot import TrialSnapshot, _serialized
 from optuna_rapidfire._resident._state import Position, RngState, SwapState
 
@@ -262,28 +266,82 @@ def test_bulk_copies_from_a_gpu_equal_their_sources_and_outlive_the_staging_buff
     assert copies[-1].item() == 7.0 and all(torch.all(copy == -1) for copy in second)
 
 
-def test_the_blob_is_what_safetensors_writes_for_every_dtype_and_shape_and_is_made_once() -> None:
+def test_the_blob_holds_what_safetensors_writes_for_every_dtype_and_shape_without_its_writer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     tensors = {
         "f32": torch.randn(3, 5),
+        "f64": torch.randn(2, dtype=torch.float64),
         "scalar": torch.tensor(2.0),
         "i64": torch.arange(7),
+        "i32": torch.arange(3, dtype=torch.int32),
+        "i8": torch.arange(-2, 3, dtype=torch.int8),
         "empty": torch.zeros(0, 4),
         "strided": torch.randn(4, 6).t(),
         "bool": torch.tensor([True, False, True]),
         "bf16": torch.randn(3, dtype=torch.bfloat16),
+        "f16": torch.randn(5, dtype=torch.float16),
         "u8": torch.arange(9, dtype=torch.uint8),
-        "i32": torch.arange(3, dtype=torch.int32),
-        "c64": torch.randn(2, dtype=torch.complex64),  # a dtype the blob leaves to safetensors' own writer
     }
-    for chosen in (tensors, {k: v for k, v in tensors.items() if k != "c64"}):
+    writes: list[int] = []
+
+    def counted(found: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+        writes.append(len(found))
+        return save(found, metadata=metadata)
+
+    monkeypatch.setattr(snapshot_module, "save", counted)
+    odd = {"c64": torch.randn(2, dtype=torch.complex64)}  # a dtype left to safetensors' own writer
+    for chosen, expected_writes in ((tensors, []), ({**tensors, **odd}, [len(tensors) + 1])):
+        writes.clear()
         blob = _serialized(chosen, {"rapidfire": "{}"})
+        assert writes == expected_writes and blob.readonly
         ours, theirs = load(bytes(blob)), load(save({k: v.contiguous() for k, v in chosen.items()}))
-        assert blob.readonly and ours.keys() == theirs.keys() == chosen.keys()
+        assert ours.keys() == theirs.keys() == chosen.keys()
         for name, tensor in chosen.items():
             assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+
+
+def test_a_snapshots_blob_is_made_once_whichever_threads_ask(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[str] = []
+    serialized = snapshot_module._serialized
+
+    def counted(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> memoryview:
+        made.append(json.loads(metadata["rapidfire"])["study_name"])
+        return serialized(tensors, metadata)
+
+    monkeypatch.setattr(snapshot_module, "_serialized", counted)
     snapshot, _, _ = _snapshot()
-    assert snapshot.blob("s") is snapshot.blob("s")
-    assert bytes(snapshot.blob("s")) == snapshot.to_bytes("s") != snapshot.to_bytes("t")
+    barrier = threading.Barrier(4)
+    blobs: list[memoryview] = []
+
+    def ask() -> None:
+        barrier.wait()
+        blobs.append(snapshot.blob("s"))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert made == ["s"] and all(blob is blobs[0] for blob in blobs)
+    assert bytes(blobs[0]) == snapshot.to_bytes("s") != snapshot.to_bytes("t")  # to_bytes: made anew each time
+    assert made == ["s", "s", "t"]
     loaded, study_name = TrialSnapshot.from_bytes(bytes(snapshot.blob("s")))
     assert study_name == "s"
     _assert_same(loaded, snapshot)
+
+
+def test_a_kept_checkpoint_serves_the_trials_snapshot_file_only_while_the_trial_has_not_moved() -> None:
+    snapshot, state, _ = _snapshot()
+    runtime = SimpleNamespace(state=state, history=[{"eval_loss": 1.5}], kept_snapshot=None)
+    assert _kept(runtime) is None
+    runtime.kept_snapshot = (_boundary(runtime), snapshot)
+    assert _kept(runtime) is snapshot
+    for move in (
+        lambda: setattr(state.position, "optimizer_steps", state.position.optimizer_steps + 1),
+        lambda: setattr(state.position, "chunks_done", state.position.chunks_done + 1),
+        lambda: runtime.history.append({"eval_loss": 1.0}),
+    ):
+        runtime.kept_snapshot = (_boundary(runtime), snapshot)
+        move()
+        assert _kept(runtime) is None
