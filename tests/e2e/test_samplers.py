@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import optuna
@@ -17,10 +18,19 @@ def configure(trial: optuna.Trial):
 
 
 class PruneFirstTrial(optuna.pruners.BasePruner):
-    """Prunes trial 0 after its first chunk, so trial 2 is asked while trial 1 is mid-run."""
+    """Prunes trial 0 after its first chunk, once trial 1 has reported its own first chunk: trial 2 is then asked
+    while trial 1 is mid-run with a value in the storage (whichever trial's thread is quicker)."""
 
     def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
-        return trial.number == 0
+        if trial.number != 0:
+            return False
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            others = study.get_trials(deepcopy=False)
+            if len(others) > 1 and 0 in others[1].intermediate_values:
+                break
+            time.sleep(0.01)
+        return True
 
 
 class Watching(optuna.samplers.BaseSampler):
