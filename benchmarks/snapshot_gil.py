@@ -35,7 +35,7 @@ from benchmarks.harness.environment import machine
 from optuna_rapidfire._resident._snapshot import TrialSnapshot, _serialized
 from optuna_rapidfire._resident._state import Position, RngState
 
-REPEATS = 5
+REPEATS = 9
 OPERATORS = 20_000
 # The grpo part's shape: 16 layers; q and o 2048 -> 2048, k and v 2048 -> 512 (8 KV heads of 64).
 LAYERS, RANK = 16, 16
