@@ -10,7 +10,8 @@ and backward passes, TRL's steps and evaluation batches) and, on a GPU, every ke
 (``torch.profiler`` with CUDA activity only, so the host is not slowed by per-operator records). Each moment
 of the study belongs to the innermost phase open then (the one that started last); for each phase the table
 gives its host seconds and the seconds the device was busy meanwhile (the union of its kernels and copies).
-Where a phase's busy time is well under its host time, the GPU waits for the host there.
+Where a phase's busy time is well under its host time, the GPU waits for the host there. The trials' checkpoints
+and the snapshot files, written by other threads meanwhile, are summed apart (``background``).
 
 Writes ``grpo_timeline_<engine>.json`` and prints the table.
 """
@@ -66,9 +67,15 @@ PHASES = {
     "torch.nn.utils:clip_grad_norm_": "member: clip",
     "torch.optim:AdamW.step": "member: optimizer step",
     "optuna_rapidfire._engines._trials:DeviceTrials.after_optimizer_step": "member: after step",
+    "optuna_rapidfire._study._checkpoints:Checkpoints.save": "checkpoint (a trial's thread)",
+    "optuna_rapidfire._resident._snapshot:TrialSnapshot.save": "snapshot file (the writer's thread)",
 }
 """``module:Class.method`` or ``module:function`` -> the phase it opens (where the name is looked up at call
 time: a module's function is replaced in that module only)."""
+
+BACKGROUND = ("checkpoint (a trial's thread)", "snapshot file (the writer's thread)")
+"""Phases of threads beside the device's and the members': summed on their own (:func:`background`), never the
+phase a moment of the study belongs to."""
 
 
 class Recorder:
@@ -187,6 +194,20 @@ def attribute(
     return table
 
 
+def background(spans: list[tuple[int, int, str, int]]) -> dict[str, dict[str, float]]:
+    """Per :data:`BACKGROUND` phase: its calls, their summed seconds, and the seconds some were running (the
+    union of their spans: the trials' threads checkpoint at once at a lockstep chunk boundary)."""
+    out: dict[str, dict[str, float]] = {}
+    for phase in BACKGROUND:
+        own = [(start, end) for start, end, name, _ in spans if name == phase]
+        out[phase] = {
+            "calls": len(own),
+            "seconds": sum(end - start for start, end in own) / 1e9,
+            "wall_seconds": sum(end - start for start, end in merged(own)) / 1e9,
+        }
+    return out
+
+
 def device_intervals(profiler: Any) -> list[tuple[int, int]]:
     """Start and end (unix ns) of every kernel and copy the profiler saw on a device."""
     out = []
@@ -243,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels = device_intervals(profiler)
         offset = clock_offset(kernels, marker)
         busy = Busy([(s - offset, e - offset) for s, e in kernels])
-    table = attribute(recorder.spans, begin, end, busy)
+    table = attribute([span for span in recorder.spans if span[2] not in BACKGROUND], begin, end, busy)
     wall = (end - begin) / 1e9
     rows = sorted(table.items(), key=lambda item: -item[1][0])
     result = {
@@ -259,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             phase: {"host_seconds": host, "device_busy_seconds": dev if busy else None} for phase, (host, dev) in rows
         },
         "gang_seconds": found["gang_seconds"],
+        "background": background(recorder.spans),
     }
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -266,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{options.engine}: wall {wall:.2f} s, device busy {result['device_busy_seconds']}")
     for phase, (host, dev) in rows:
         print(f"  {phase:24s} host {host:7.3f} s   device busy {dev:7.3f} s")
+    for phase, row in result["background"].items():
+        print(f"  {phase}: {row['calls']} calls, {row['seconds']:.3f} s in all, running {row['wall_seconds']:.3f} s")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.grpo_timeline import MEET, TURN, Busy, attribute, clock_offset
+from benchmarks.grpo_timeline import BACKGROUND, MEET, TURN, Busy, attribute, background, clock_offset
 
 
 def test_moments_go_to_the_running_member_or_the_innermost_phase_with_the_gpus_busy_time() -> None:
@@ -33,3 +33,19 @@ def test_moments_go_to_the_running_member_or_the_innermost_phase_with_the_gpus_b
 
 def test_the_clocks_are_aligned_on_the_profiles_second_kernel() -> None:
     assert clock_offset([(500, 600), (1_000, 1_100), (1_200, 1_300)], marker_host_ns=900) == 100
+
+
+def test_checkpoints_of_other_threads_are_summed_apart_and_leave_the_attribution_alone() -> None:
+    device, trial_a, trial_b = 1, 2, 3
+    spans = [
+        (0, 100, "waiting for a task", device),
+        (10, 60, "checkpoint (a trial's thread)", trial_a),
+        (30, 90, "checkpoint (a trial's thread)", trial_b),
+    ]
+    table = attribute([span for span in spans if span[2] not in BACKGROUND], 0, 100, None)
+    assert table.keys() == {"waiting for a task"}
+    found = background(spans)
+    checkpoints = found["checkpoint (a trial's thread)"]
+    assert checkpoints["calls"] == 2 and round(checkpoints["seconds"] * 1e9) == 110
+    assert round(checkpoints["wall_seconds"] * 1e9) == 80  # from 10 to 90
+    assert found["snapshot file (the writer's thread)"] == {"calls": 0, "seconds": 0.0, "wall_seconds": 0.0}
