@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save
 
 from benchmarks.harness.environment import machine
-from optuna_rapidfire._resident._snapshot import TrialSnapshot, _serialized
+from optuna_rapidfire._resident._snapshot import TrialSnapshot, safetensors_blob
 from optuna_rapidfire._resident._state import Position, RngState
 
 REPEATS = 9
@@ -64,7 +64,7 @@ def writers(snapshot: TrialSnapshot) -> dict[str, Callable[[], Any]]:
         return save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
 
     def as_blob() -> memoryview:
-        return _serialized(*snapshot._parts("study"))  # uncached: each call serialises again
+        return safetensors_blob(*snapshot._parts("study"))  # uncached: each call serialises again
 
     return {"safetensors": with_safetensors, "blob": as_blob}
 
@@ -104,7 +104,7 @@ def main() -> None:
     torch.set_num_threads(1)
     snapshot = trial_state()
     found: dict[str, Any] = {"command": "python -m benchmarks.snapshot_gil", "machine": machine()}
-    found["bytes"] = _serialized(*snapshot._parts("study")).nbytes
+    found["bytes"] = safetensors_blob(*snapshot._parts("study")).nbytes
     found["tensors"] = len(snapshot._parts("study")[0])
     alone = statistics.median(operators() for _ in range(REPEATS))
     found["operators_alone_seconds"] = alone

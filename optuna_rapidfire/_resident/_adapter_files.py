@@ -17,9 +17,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from optuna_rapidfire._resident._snapshot import copied_to_cpu
+from optuna_rapidfire._resident._snapshot import copied_to_cpu, safetensors_blob
 
 if TYPE_CHECKING:
     import torch
@@ -110,7 +109,8 @@ class AdapterWriter:
         """PEFT's ``save_pretrained`` of a plain LoRA adapter, without its walks."""
         names = list(params)
         tensors = dict(zip(names, copied_to_cpu([params[key] for key in names]), strict=True))
-        save_file(tensors, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
+        with open(os.path.join(directory, WEIGHTS_FILE), "wb") as out:  # the writer snapshots use (see its text)
+            out.write(safetensors_blob(tensors, {"format": "pt"}))
         config = copy.copy(config)  # as PEFT saves it: in inference mode, naming its base model
         if config.base_model_name_or_path is None:
             config.base_model_name_or_path = peft.base_model.model.__dict__.get("name_or_path", None) or None

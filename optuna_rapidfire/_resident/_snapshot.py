@@ -109,13 +109,13 @@ class TrialSnapshot:
 
     def to_bytes(self, study_name: str = "") -> bytes:
         """One safetensors blob: the tensors, with everything else as JSON in its header's metadata."""
-        return bytes(_serialized(*self._parts(study_name)))
+        return bytes(safetensors_blob(*self._parts(study_name)))
 
     def blob(self, study_name: str = "") -> memoryview:
         """:meth:`to_bytes`'s blob as a read-only view, made once per study name and kept (the snapshot is not to
         change afterwards): a trial's chunk state goes to its checkpoint and to its snapshot file, from two threads.
 
-        Serialising takes a few operators, which run without Python's global lock (:func:`_serialized`), while the
+        Serialising takes a few operators, which run without Python's global lock (:func:`safetensors_blob`), while the
         device's thread trains on: beside a thread that serialises a 1B trial's state (41 MB, 513 tensors) without
         pause, a thread of small torch operators ran 2.76x slower with safetensors' writer and 1.24x with this one
         (``python -m benchmarks.snapshot_gil``, a 2-core CPU).
@@ -123,7 +123,7 @@ class TrialSnapshot:
         with self._blob_lock:
             found = self._blobs.get(study_name)
             if found is None:
-                found = self._blobs[study_name] = _serialized(*self._parts(study_name))
+                found = self._blobs[study_name] = safetensors_blob(*self._parts(study_name))
             return found
 
     def _parts(self, study_name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -328,7 +328,7 @@ _DTYPES = {
 }
 
 
-def _serialized(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> memoryview:
+def safetensors_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> memoryview:
     """``tensors`` and ``metadata`` in the safetensors format, as ``safetensors.torch.load`` reads it: the header's
     length, the JSON header padded to 8 bytes, then the tensors' bytes, by dtype (larger items first) and name (the
     same tensors as ``safetensors.torch.save`` writes, not always in its order).

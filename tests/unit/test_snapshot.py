@@ -20,7 +20,7 @@ from safetensors.torch import load, save
 
 from optuna_rapidfire._engines._trials import _boundary, _kept
 from optuna_rapidfire._resident import _snapshot as snapshot_module
-from optuna_rapidfire._resident._snapshot import TrialSnapshot, _serialized
+from optuna_rapidfire._resident._snapshot import TrialSnapshot, safetensors_blob
 from optuna_rapidfire._resident._state import Position, RngState, SwapState
 
 CPU = torch.device("cpu")
@@ -293,7 +293,7 @@ def test_the_blob_holds_what_safetensors_writes_for_every_dtype_and_shape_withou
     odd = {"c64": torch.randn(2, dtype=torch.complex64)}  # a dtype left to safetensors' own writer
     for chosen, expected_writes in ((tensors, []), ({**tensors, **odd}, [len(tensors) + 1])):
         writes.clear()
-        blob = _serialized(chosen, {"rapidfire": "{}"})
+        blob = safetensors_blob(chosen, {"rapidfire": "{}"})
         assert writes == expected_writes and blob.readonly
         ours, theirs = load(bytes(blob)), load(save({k: v.contiguous() for k, v in chosen.items()}))
         assert ours.keys() == theirs.keys() == chosen.keys()
@@ -303,13 +303,13 @@ def test_the_blob_holds_what_safetensors_writes_for_every_dtype_and_shape_withou
 
 def test_a_snapshots_blob_is_made_once_whichever_threads_ask(monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[str] = []
-    serialized = snapshot_module._serialized
+    serialized = snapshot_module.safetensors_blob
 
     def counted(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> memoryview:
         made.append(json.loads(metadata["rapidfire"])["study_name"])
         return serialized(tensors, metadata)
 
-    monkeypatch.setattr(snapshot_module, "_serialized", counted)
+    monkeypatch.setattr(snapshot_module, "safetensors_blob", counted)
     snapshot, _, _ = _snapshot()
     barrier = threading.Barrier(4)
     blobs: list[memoryview] = []
