@@ -12,6 +12,12 @@ shape (Llama-3.2-1B, LoRA r16 on the attention projections: A, B and AdamW's two
 - ``slowdown``: how much longer a stand-in for the device's thread (:data:`OPERATORS` small torch operators in a
   loop, one thread) takes while another thread serialises snapshots without pause, over the same loop alone.
 
+and the other way round, what Python code in another thread (a trial's thread reporting to its study, a stand-in:
+building small dicts without pause) costs the device's thread as it copies that state out (``copies``): the
+state's tensors gathered into one buffer and cut back into views by one operator each (``bulk``,
+:func:`~optuna_rapidfire._resident._snapshot.copied_to_cpu`) against the same gathering cut by a ``clone`` per
+tensor (``per_tensor``: one release and retaking of Python's lock per tensor), each alone and beside that thread.
+
 Writes ``snapshot_gil.json``.
 """
 
@@ -32,7 +38,8 @@ import torch
 from safetensors.torch import save
 
 from benchmarks.harness.environment import machine
-from optuna_rapidfire._resident._snapshot import TrialSnapshot, safetensors_blob
+from optuna_rapidfire import _compat
+from optuna_rapidfire._resident._snapshot import TrialSnapshot, copied_to_cpu, safetensors_blob
 from optuna_rapidfire._resident._state import Position, RngState
 
 REPEATS = 9
@@ -97,6 +104,41 @@ def beside(write: Callable[[], Any]) -> float:
         thread.join()
 
 
+def copiers(snapshot: TrialSnapshot) -> dict[str, Callable[[], Any]]:
+    tensors = [*snapshot.weights.values()] + [v for s in snapshot.optimizer["state"].values() for v in s.values()]
+
+    def per_tensor() -> list[torch.Tensor]:
+        with torch.no_grad():
+            pieces = _compat.flatten_dense_tensors(tensors).split([t.numel() for t in tensors])
+            return [piece.view(t.shape).clone() for piece, t in zip(pieces, tensors, strict=True)]
+
+    return {"per_tensor": per_tensor, "bulk": lambda: copied_to_cpu(tensors)}
+
+
+def timed(work: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def python_beside(work: Callable[[], Any]) -> float:
+    """Seconds of ``work`` while another thread runs Python code without pause (small dicts built)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            {i: str(i) for i in range(200)}
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    time.sleep(0.05)
+    try:
+        return timed(work)
+    finally:
+        stop.set()
+        thread.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -117,6 +159,12 @@ def main() -> None:
         slowed = statistics.median(beside(write) for _ in range(REPEATS))
         found[label] = {"seconds": statistics.median(times), "operators_seconds": slowed, "slowdown": slowed / alone}
         print(f"{label}: {found[label]['seconds'] * 1e3:.1f} ms a snapshot; operators beside it x{slowed / alone:.2f}")
+    found["copies"] = {}
+    for label, copy in copiers(snapshot).items():
+        alone = statistics.median(timed(copy) for _ in range(REPEATS))
+        slowed = statistics.median(python_beside(copy) for _ in range(REPEATS))
+        found["copies"][label] = {"seconds": alone, "seconds_beside_python": slowed}
+        print(f"copies {label}: {alone * 1e3:.1f} ms alone, {slowed * 1e3:.1f} ms beside a thread running Python")
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "snapshot_gil.json").write_text(json.dumps(found, indent=2) + "\n")

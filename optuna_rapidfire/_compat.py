@@ -405,3 +405,12 @@ def flatten_dense_tensors(tensors: list[Any]) -> Any:
     from torch._utils import _flatten_dense_tensors
 
     return _flatten_dense_tensors(tensors)
+
+
+def unflatten_dense_tensors(flat: Any, tensors: list[Any]) -> list[Any]:
+    """Views of ``flat`` (what :func:`flatten_dense_tensors` made of ``tensors``) shaped as ``tensors``, made by
+    a single operator (``torch._utils._unflatten_dense_tensors``). Public alternative: ``flat.split([t.numel()
+    ...])`` and one ``view`` per tensor."""
+    from torch._utils import _unflatten_dense_tensors
+
+    return list(_unflatten_dense_tensors(flat, tensors))

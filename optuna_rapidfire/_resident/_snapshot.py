@@ -75,11 +75,12 @@ class TrialSnapshot:
         history: list[dict[str, float]],
     ) -> TrialSnapshot:
         """Copy ``state`` (and the adapter ``weights``) to the CPU."""
+        on_cpu, optimizer = _to_cpu([weights, state.optimizer.state_dict()])  # in one bulk copy per dtype
         return cls(
             trial_number=trial_number,
             kind=kind,
-            weights=_to_cpu(weights),
-            optimizer=_to_cpu(state.optimizer.state_dict()),
+            weights=on_cpu,
+            optimizer=optimizer,
             scheduler_steps=state.position.optimizer_steps,
             scaler=None if state.scaler is None else dict(state.scaler.state_dict()),
             rng=RngState(
@@ -235,7 +236,7 @@ class TrialSnapshot:
 
 
 def _to_cpu(value: Any) -> Any:
-    """``value`` (tensors in dicts and lists) with every tensor copied to the CPU, each its own storage. The
+    """``value`` (tensors in dicts and lists) with every tensor copied to the CPU (:func:`copied_to_cpu`). The
     device's tensors travel in a few bulk copies (one per dtype, up to :data:`_BULK_BYTES` each) instead of one
     synchronous copy per tensor (a trial's LoRA weights and optimizer moments are hundreds of small tensors:
     about 90 ms a snapshot one by one on an H200 host)."""
@@ -261,7 +262,12 @@ _BULK_BYTES = 256 * 2**20
 
 
 def copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A CPU copy of each of ``tensors`` (detached, each its own storage, contiguous unless sparse)."""
+    """A CPU copy of each of ``tensors``: detached, contiguous unless sparse, and apart from its source (a change to
+    one never shows in the other). The copies of one bulk run are views of one buffer of their own, gathered and
+    cut by one operator each whatever the number of tensors: a device's thread that copied each tensor out by an
+    operator of its own waited for Python's global lock at each of them while another thread ran Python code
+    (a 1B trial's state, 513 tensors, beside such a thread: 4.9 s against 0.10 s on a 2-core CPU, ``python -m
+    benchmarks.snapshot_gil``)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     batches: dict[tuple[torch.device, torch.dtype], list[list[int]]] = {}
     filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in each key's last run
@@ -279,31 +285,31 @@ def copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     with torch.no_grad():
         for runs in batches.values():
             for run in runs:
+                chosen = [tensors[i] for i in run]
                 if len(run) == 1:
-                    out[run[0]] = _one_to_cpu(tensors[run[0]])
+                    out[run[0]] = _one_to_cpu(chosen[0])
                     continue
-                pieces = _bulk_to_cpu(torch.cat([tensors[i].detach().reshape(-1) for i in run])).split(
-                    [tensors[i].numel() for i in run]
-                )
-                for i, piece in zip(run, pieces, strict=True):
-                    out[i] = piece.view(tensors[i].shape).clone()
+                flat = _bulk_to_cpu(_compat.flatten_dense_tensors(chosen))
+                for i, copy in zip(run, _compat.unflatten_dense_tensors(flat, chosen), strict=True):
+                    out[i] = copy
     return cast("list[torch.Tensor]", out)
 
 
 def _bulk_to_cpu(flat: torch.Tensor) -> torch.Tensor:
-    """``flat`` on the CPU, read through a page-locked buffer from a GPU: a copy into pageable memory goes through
-    the driver's staging buffers at a fraction of the bus's pace (35 ms against 2 ms for a 1B trial's 41 MB of
-    LoRA weights and moments on an H200 host). The buffer comes from torch's cache of page-locked memory and
-    is only read here (the caller copies the pieces out), so the next snapshot reuses it."""
+    """``flat`` (a tensor made for this copy) on the CPU, in memory of its own; from a GPU, read through a
+    page-locked buffer: a copy into pageable memory goes through the driver's staging buffers at a fraction of the
+    bus's pace (35 ms against 2 ms for a 1B trial's 41 MB of LoRA weights and moments on an H200 host). The buffer
+    comes from torch's cache of page-locked memory and is only read here (copied out in one operator), so the next
+    snapshot reuses it."""
     if flat.device.type != "cuda":
-        return flat.cpu()
+        return flat.cpu()  # on the CPU already: ``flat`` itself, made for this copy
     try:
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
     except RuntimeError:  # no page-locked memory to be had (a locked-memory limit): the driver's staging
         return flat.cpu()
     host.copy_(flat, non_blocking=True)
     torch.cuda.current_stream(flat.device).synchronize()
-    return host
+    return host.clone()
 
 
 def _one_to_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -342,7 +348,12 @@ def safetensors_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str])
         t.dtype not in _DTYPES or t.layout != torch.strided or t.device.type != "cpu" or t.is_neg()
         for t in tensors.values()
     ):
-        return memoryview(save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)).toreadonly()
+        # safetensors' writer takes no two tensors of one storage (copies of one bulk run share theirs)
+        alone = {
+            k: v.clone(memory_format=torch.contiguous_format) if v.layout == torch.strided else v
+            for k, v in tensors.items()
+        }
+        return memoryview(save(alone, metadata=metadata)).toreadonly()
     groups: dict[torch.dtype, list[str]] = {}
     for name in sorted(tensors):
         groups.setdefault(tensors[name].dtype, []).append(name)
