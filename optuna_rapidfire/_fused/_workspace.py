@@ -116,6 +116,7 @@ class Workspace:
         self.sampling = Sampling(floats[0], new(rows), floats[1], floats[2], floats[3])
         self.pad = new(1)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._views: dict[tuple[int, str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         tensors = [*self.keys, *self.values, *self.down.values(), *self.up.values()]
         tensors += [getattr(self.sampling, field.name) for field in fields(self.sampling)]
         tensors += [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
@@ -145,8 +146,11 @@ class Workspace:
                 downs.append(a)
                 scalings.append(float(layer.scaling[adapter]))
                 ups.append(b)
-                targets.append(down[slot, :rank])
-                up_targets.append(up[slot, :, :rank])
+                view = self._views.get((index, name, slot, rank))
+                if view is None:  # made once per workspace (an operator each: a decode loads hundreds)
+                    view = self._views[index, name, slot, rank] = (down[slot, :rank], up[slot, :, :rank])
+                targets.append(view[0])
+                up_targets.append(view[1])
         if downs:
             with torch.no_grad():
                 torch._foreach_copy_(targets + up_targets, [*torch._foreach_mul(downs, scalings), *ups])
