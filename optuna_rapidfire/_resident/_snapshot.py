@@ -118,7 +118,7 @@ class TrialSnapshot:
 
         Serialising takes a few operators, which run without Python's global lock (:func:`safetensors_blob`), while the
         device's thread trains on: beside a thread that serialises a 1B trial's state (41 MB, 513 tensors) without
-        pause, a thread of small torch operators ran 2.76x slower with safetensors' writer and 1.24x with this one
+        pause, a thread of small torch operators ran 2.0-2.8x slower with safetensors' writer and 1.1-1.2x with this one
         (``python -m benchmarks.snapshot_gil``, a 2-core CPU).
         """
         with self._blob_lock:
