@@ -263,11 +263,11 @@ _BULK_BYTES = 256 * 2**20
 
 def copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """A CPU copy of each of ``tensors``: detached, contiguous unless sparse, and apart from its source (a change to
-    one never shows in the other). The copies of one bulk run are views of one buffer of their own, gathered and
-    cut by one operator each whatever the number of tensors: a device's thread that copied each tensor out by an
-    operator of its own waited for Python's global lock at each of them while another thread ran Python code
-    (a 1B trial's state, 513 tensors, beside such a thread: 4.9 s against 0.10 s on a 2-core CPU, ``python -m
-    benchmarks.snapshot_gil``)."""
+    one never shows in the other). The copies of one bulk run are views of one buffer of their own (pickling one
+    alone writes the whole buffer; ``torch.save`` of them all writes it once), gathered and cut by one operator each
+    whatever the number of tensors: a device's thread that copied each tensor out by an operator of its own waited
+    for Python's global lock at each of them while another thread ran Python code (a 1B trial's state, 513 tensors,
+    beside such a thread: 4.9 s against 0.10 s on a 2-core CPU, ``python -m benchmarks.snapshot_gil``)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     batches: dict[tuple[torch.device, torch.dtype], list[list[int]]] = {}
     filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in each key's last run
@@ -282,16 +282,17 @@ def copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             filled[key] = 0
         runs[-1].append(i)
         filled[key] = filled.get(key, 0) + tensor.nbytes
-    with torch.no_grad():
-        for runs in batches.values():
-            for run in runs:
-                chosen = [tensors[i] for i in run]
-                if len(run) == 1:
-                    out[run[0]] = _one_to_cpu(chosen[0])
-                    continue
+    for runs in batches.values():
+        for run in runs:
+            chosen = [tensors[i] for i in run]
+            if len(run) == 1:
+                out[run[0]] = _one_to_cpu(chosen[0])
+                continue
+            with torch.no_grad():
                 flat = _bulk_to_cpu(_compat.flatten_dense_tensors(chosen))
-                for i, copy in zip(run, _compat.unflatten_dense_tensors(flat, chosen), strict=True):
-                    out[i] = copy
+            # Cut with grad mode as the caller has it: views made under no_grad refuse in-place changes under grad.
+            for i, copy in zip(run, _compat.unflatten_dense_tensors(flat, chosen), strict=True):
+                out[i] = copy
     return cast("list[torch.Tensor]", out)
 
 
