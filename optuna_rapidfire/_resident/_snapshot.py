@@ -285,7 +285,7 @@ def copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for runs in batches.values():
         for run in runs:
             chosen = [tensors[i] for i in run]
-            if len(run) == 1:
+            if len(run) == 1:  # flattening one tensor gives a view of it, not a copy
                 out[run[0]] = _one_to_cpu(chosen[0])
                 continue
             with torch.no_grad():
