@@ -9,6 +9,8 @@ operators of one forward + backward pass, with torch.profiler, for:
 
 * ``alone``: one adapter (r16, attention targets) on 8 rows, through the fused pass as a lone trial;
 * ``equal_k``: K adapters of one shape (r16, attention targets, no dropout) on 8 rows each;
+* ``equal_stacked``: the same gang with its adapters kept stacked (``_fused/_stacks.py``, as GRPO gangs' shared
+  passes read them), the stacks' load and the gradients' hand-out counted with the pass;
 * ``mixed_k``: K adapters as a search makes them: ranks 8/16/32/64, attention or all-linear targets,
   dropout 0.05, rows 4/8/16.
 
@@ -34,6 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from benchmarks.harness.environment import machine
 from benchmarks.parts.search.settings import BASE_MODEL
 from optuna_rapidfire._fused._fused_pass import Gang, fused_forward, layer_plans, segment_losses
+from optuna_rapidfire._fused._stacks import GangStacks
 from optuna_rapidfire._resident._model import ResidentModel
 
 MODEL = BASE_MODEL
@@ -44,7 +47,7 @@ ALL_LINEAR = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
 def _members(kind: str, k: int) -> list[dict[str, Any]]:
     if kind == "alone":
         return [{"r": 16, "targets": ATTENTION, "dropout": 0.0, "rows": 8}]
-    if kind == "equal":
+    if kind in ("equal", "equal_stacked"):
         return [{"r": 16, "targets": ATTENTION, "dropout": 0.0, "rows": 8} for _ in range(k)]
     ranks, rows = (8, 16, 32, 64), (4, 8, 16)
     return [
@@ -68,13 +71,18 @@ def count(kind: str, k: int, length: int, shape: dict[str, Any]) -> dict[str, An
     rows = [m["rows"] for m in members]
     gang = Gang(names=names, rows=rows, keys=list(range(len(members))))
     plans = layer_plans(peft, gang)
+    stacks = GangStacks(plans, names) if kind == "equal_stacked" else None
     ids = torch.randint(0, MODEL["vocab_size"], (sum(rows), length))
 
     def one_pass() -> None:
-        with fused_forward(peft, gang, plans):
+        if stacks is not None:
+            stacks.load(grad=True)
+        with fused_forward(peft, gang, plans, stacks):
             logits = peft(input_ids=ids).logits
             losses = segment_losses(logits, ids, rows)
             torch.stack(losses).sum().backward()
+        if stacks is not None:
+            stacks.hand_out(range(len(names)))
         for name in names:
             for param in resident.adapter_params(name):
                 param.grad = None
@@ -107,10 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="2 layers: a quick dry run")
     options = parser.parse_args(argv)
     shape = dict(MODEL, num_hidden_layers=2) if options.smoke else MODEL
-    runs = [count(kind, options.k, options.length, shape) for kind in ("alone", "equal", "mixed")]
+    runs = [count(kind, options.k, options.length, shape) for kind in ("alone", "equal", "equal_stacked", "mixed")]
     for run in runs:
         print(
-            f"{run['kind']:6s} members {len(run['members']):2d}: {run['top_level_aten_calls']:6d} top-level ATen calls "
+            f"{run['kind']:13s} members {len(run['members']):2d}: "
+            f"{run['top_level_aten_calls']:6d} top-level ATen calls "
             f"({run['top_level_per_member']:.0f} per member), {run['aten_calls']} in all, "
             f"{run['cpu_seconds_profiled']:.2f} s CPU (profiled)",
             flush=True,

@@ -181,10 +181,13 @@ def run_study(bench: Bench, shape: str, engine: Literal["fused", "time_sliced"],
         "engine_decodes": stats.decodes,
         "engine_decoded_requests": stats.decoded_requests,
         "gang_seconds": stats.gang_seconds,  # fused: host time of the members' own code and the shared steps
-        "shared_passes": {  # fused: the gangs' policy passes, their scoring passes, those that shared prompts
+        # fused: the gangs' policy passes, their scoring passes, those that shared prompts, those that read stacked
+        # adapters
+        "shared_passes": {
             "policy": stats.fused_steps,
             "scoring": stats.scoring_passes,
             "prefix_shared": stats.prefix_passes,
+            "stacked": stats.stacked_passes,
         },
         "decode_settings": log.settings,
         "decodes": log.decodes,

@@ -145,6 +145,9 @@ class EngineStats:
             off) or their evaluations' policies, each one pass for every member waiting.
         prefix_passes: Of the GRPO gangs' shared passes (``fused_steps`` and ``scoring_passes``), those whose
             rows of one prompt shared its tokens (:mod:`optuna_rapidfire._trainers.grpo._prefix`).
+        stacked_passes: Of the GRPO gangs' shared passes with adapters, those whose layers read the members'
+            adapters from stacks kept for the gang (:mod:`optuna_rapidfire._fused._stacks`): layers where every
+            member has one rank, on equal rows.
         launched_steps: Of ``fused_steps``, those that took the launched pass (compiled or not).
         compiles: Graphs the launched pass compiled (per layout and shape; a trial joining a seen layout
             adds none).
@@ -176,6 +179,7 @@ class EngineStats:
     decoded_requests: int = 0
     scoring_passes: int = 0
     prefix_passes: int = 0
+    stacked_passes: int = 0
     launched_steps: int = 0
     compiles: int = 0
     compile_failures: int = 0

@@ -28,6 +28,8 @@ from optuna_rapidfire._fused._dropout import apply, feature_keys, keep_scale, la
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
+    from optuna_rapidfire._fused._stacks import GangStacks
+
 
 @dataclass
 class Gang:
@@ -104,17 +106,24 @@ def layer_plans(
 
 
 def fused_forward(
-    model: torch.nn.Module, gang: Gang, plans: list[tuple[Any, _LayerPlan]] | None = None
+    model: torch.nn.Module,
+    gang: Gang,
+    plans: list[tuple[Any, _LayerPlan]] | None = None,
+    stacks: GangStacks | None = None,
 ) -> contextlib.AbstractContextManager[None]:
     """Within the context, ``model``'s LoRA layers apply ``gang``'s adapters row segment by row segment.
 
-    ``plans``: :func:`layer_plans` of this model and gang, when the caller has them already.
+    ``plans``: :func:`layer_plans` of this model and gang, when the caller has them already. ``stacks``: where
+    the layers it holds read the gang's adapters stacked (:class:`~optuna_rapidfire._fused._stacks.GangStacks`,
+    loaded for this pass) instead of stacking them.
 
     Raises:
         ValueError: If an adapter cannot be fused (a LoRA variant such as DoRA).
     """
     plans = layer_plans(model, gang) if plans is None else plans
-    return _forwards(plans, lambda plan: _bound_forward(gang, plan))
+    return _forwards(
+        plans, lambda layer, plan: _bound_forward(gang, plan, None if stacks is None else stacks.of(layer))
+    )
 
 
 def attention_kernels() -> contextlib.AbstractContextManager[None]:
@@ -131,15 +140,15 @@ def base_only(plans: list[tuple[Any, _LayerPlan]]) -> contextlib.AbstractContext
 
     Unlike PEFT's ``disable_adapter()``, this leaves which adapters are trainable untouched.
     """
-    return _forwards(plans, lambda plan: _base_forward)
+    return _forwards(plans, lambda layer, plan: _base_forward)
 
 
 @contextlib.contextmanager
-def _forwards(plans: list[tuple[Any, _LayerPlan]], forward: Callable[[_LayerPlan], Any]) -> Iterator[None]:
-    """Within the context, each planned layer runs ``forward(plan)`` (bound to the layer) instead of its own."""
+def _forwards(plans: list[tuple[Any, _LayerPlan]], forward: Callable[[Any, _LayerPlan], Any]) -> Iterator[None]:
+    """Within the context, each planned layer runs ``forward(layer, plan)`` (bound to the layer) instead of its own."""
     try:
         for layer, plan in plans:
-            layer.forward = types.MethodType(forward(plan), layer)
+            layer.forward = types.MethodType(forward(layer, plan), layer)
         yield
     finally:
         for layer, _ in plans:
@@ -157,7 +166,8 @@ class _LayerPlan:
     ``present``: the gang's adapters that target the layer (positions in the gang); ``uniform``: every
     adapter targets it with the same rank and the segments have equal rows, so the rows reshape to
     ``[K, rows * tokens, in]`` without copies and the ranks need no padding; ``dropout``: each present
-    adapter's dropout probability; ``salt``: the layer's dropout salt.
+    adapter's dropout probability; ``salt``: the layer's dropout salt; ``shared_scale``: the present adapters'
+    scaling when they share one.
     """
 
     present: list[int]
@@ -166,6 +176,7 @@ class _LayerPlan:
     dropout: list[float]
     rank: int
     salt: int
+    shared_scale: float | None = None
     _row_drop: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -173,13 +184,15 @@ class _LayerPlan:
         present = [i for i, name in enumerate(gang.names) if name in layer.lora_A]
         ranks = [layer.lora_A[gang.names[i]].weight.shape[0] for i in present]
         uniform = len(present) == len(gang.names) and len(set(ranks)) <= 1 and len(set(gang.rows)) == 1
+        scales = [float(layer.scaling[gang.names[i]]) for i in present]
         return cls(
             present=present,
             uniform=uniform,
-            scales=[float(layer.scaling[gang.names[i]]) for i in present],
+            scales=scales,
             dropout=[float(getattr(layer.lora_dropout[gang.names[i]], "p", 0.0)) for i in present],
             rank=max(ranks, default=0),
             salt=salt,
+            shared_scale=scales[0] if len(set(scales)) == 1 else None,
         )
 
     def row_drop(self, gang: Gang, device: torch.device) -> torch.Tensor:
@@ -192,9 +205,9 @@ class _LayerPlan:
         return found
 
 
-def _bound_forward(gang: Gang, plan: _LayerPlan) -> Any:
+def _bound_forward(gang: Gang, plan: _LayerPlan, stacked: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
     def forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return fused_linear(layer, gang, plan, x, *args, **kwargs)
+        return fused_linear(layer, gang, plan, x, *args, stacked=stacked, **kwargs)
 
     return forward
 
@@ -213,11 +226,22 @@ def _scales(values: list[float], dtype: torch.dtype, device: torch.device) -> to
     return tensor
 
 
-def fused_linear(layer: Any, gang: Gang, plan: _LayerPlan, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def fused_linear(
+    layer: Any,
+    gang: Gang,
+    plan: _LayerPlan,
+    x: torch.Tensor,
+    *args: Any,
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     """The base layer on all rows, plus adapter i's update on segment i, in batched matmuls.
 
     When every adapter targets the layer with one rank on equal row counts, two batched matmuls over a
-    view of the input, the second adding onto the base output (``baddbmm``) when the dtypes allow. Else
+    view of the input, the second adding onto the base output (``baddbmm``) when the dtypes allow; the
+    adapters' down- and up-projections stacked here, or read from ``stacked`` (``[K, r, in]``, ``[K, out, r]``:
+    a :class:`~optuna_rapidfire._fused._stacks.GangStacks` loaded with them), and a scaling the adapters
+    share applied by the matmul (its ``alpha``). Else
     one gather of the present adapters' rows (zero-padded to the longest segment), one of their
     projections (zero-padded to the largest rank), two batched matmuls and one indexed add of the
     updates onto the base output: the operators launched do not grow with the number of adapters. The
@@ -244,23 +268,30 @@ def fused_linear(layer: Any, gang: Gang, plan: _LayerPlan, x: torch.Tensor, *arg
         x = apply(x, scale)
     if plan.uniform:
         # Every adapter targets the layer with one rank, on equal row counts: no copies, no padding.
-        stacked = x.reshape(len(names), -1, x.shape[-1])  # a view: segments are contiguous rows
-        down = torch.stack([layer.lora_A[name].weight for name in names]).transpose(1, 2)  # [K, in, r]
-        ups = torch.stack([layer.lora_B[name].weight for name in names])  # [K, out, r]
-        up = (ups * _scales(plan.scales, ups.dtype, x.device)).transpose(1, 2)  # [K, r, out]
-        hidden = torch.bmm(stacked, down)  # [K, rows*tokens, r]
+        rows = x.reshape(len(names), -1, x.shape[-1])  # a view: segments are contiguous rows
+        if stacked is None:
+            downs = torch.stack([layer.lora_A[name].weight for name in names])  # [K, r, in]
+            ups = torch.stack([layer.lora_B[name].weight for name in names])  # [K, out, r]
+        else:
+            downs, ups = stacked
+        # A scaling the adapters share is the matmul's alpha; else each adapter's scales its up-projection.
+        up = ups if plan.shared_scale is not None else ups * _scales(plan.scales, ups.dtype, x.device)
+        hidden = torch.bmm(rows, downs.transpose(1, 2))  # [K, rows*tokens, r]
+        alpha = 1.0 if plan.shared_scale is None else plan.shared_scale
         if not dropping and (autocast or result.dtype == hidden.dtype):
-            fused = torch.baddbmm(result.reshape(len(names), -1, result.shape[-1]), hidden, up)
+            base = result.reshape(len(names), -1, result.shape[-1])
+            fused = torch.baddbmm(base, hidden, up.transpose(1, 2), alpha=alpha)
             return fused.view(result.shape).to(result.dtype)
-        return result + torch.bmm(hidden, up).view(result.shape).to(result.dtype)
+        update = torch.bmm(hidden, up.transpose(1, 2))
+        return result + (update if alpha == 1.0 else update * alpha).view(result.shape).to(result.dtype)
     # Mixed ranks, targets or row counts: the present adapters' rows gathered into a stack zero-padded to
     # the longest segment, their projections zero-padded to the largest rank, two batched matmuls, and
     # the updates added back onto the base output by index.
     gather, valid, targets, longest = _row_indices(plan.present, gang.rows, inner, x.device)
     padded = F.pad(x.reshape(-1, x.shape[-1]), (0, 0, 0, 1))  # one zero row that padding positions read
-    stacked = padded.index_select(0, gather).view(len(names), longest, x.shape[-1])
+    gathered = padded.index_select(0, gather).view(len(names), longest, x.shape[-1])
     down, up = _stacked_weights(layer, names, plan, x.device)  # [K, in, r], [K, r, out]
-    update = torch.bmm(torch.bmm(stacked, down), up * _scales(plan.scales, up.dtype, x.device))
+    update = torch.bmm(torch.bmm(gathered, down), up * _scales(plan.scales, up.dtype, x.device))
     rows = update.reshape(-1, update.shape[-1]).index_select(0, valid)
     out = result.reshape(-1, result.shape[-1]).index_add(0, targets, rows.to(result.dtype))
     return out.view(result.shape)

@@ -9,6 +9,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 from optuna_rapidfire._fused._fused_pass import Gang, clip_gang, fused_forward, layer_plans, segment_losses
+from optuna_rapidfire._fused._stacks import GangStacks
 from optuna_rapidfire._resident._model import ResidentModel
 
 # Mixed ranks, target modules, dropout and batch sizes, as trials of one study would have.
@@ -165,6 +166,124 @@ def test_the_fused_pass_equals_peft_s_own_forward_without_dropout(model: torch.n
         assert_within_rounding(loss, reference.item(), terms=losses, what=name)
         for key, grad in grads.items():
             assert_within_rounding(grad, expected[key], terms=gradients, what=key)
+
+
+def _stackable(tiny_model: str, alphas: list[int]) -> tuple[torch.nn.Module, list[str]]:
+    """Three adapters of rank 4 on q and v (scalings alpha / 4), the last one on o too: q and v are stacked, o
+    (one member) is not."""
+    names = ["a", "b", "c"]
+    configs = {
+        name: LoraConfig(
+            r=4,
+            lora_alpha=alpha,
+            target_modules=["q_proj", "v_proj", "o_proj"] if name == "c" else ["q_proj", "v_proj"],
+            init_lora_weights=False,
+        )
+        for name, alpha in zip(names, alphas, strict=True)
+    }
+    return _with_adapters(tiny_model, configs), names
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("alphas", [[8, 8, 8], [8, 16, 24]], ids=["one scaling", "own scalings"])
+def test_stacked_adapters_give_the_pass_and_gradients_of_stacking_them_in_each_layer(
+    tiny_model: str, alphas: list[int]
+) -> None:
+    """A gang's adapters kept stacked (GangStacks): the same losses and gradients, each member's gradient handed
+    out as a view of its stack's; layers some member does not target stack their adapters themselves."""
+    model, names = _stackable(tiny_model, alphas)
+    gang = Gang(names, [2, 2, 2], [0, 0, 0])
+    plans = layer_plans(model, gang)
+    ids = torch.randint(0, 1024, (6, TOKENS), generator=torch.Generator().manual_seed(2))
+    stacks = GangStacks(plans, names)
+    layers = model.config.num_hidden_layers
+    assert len(stacks) == 2 * layers  # q and v of every layer
+    lora = [(name, layer) for name, layer in model.named_modules() if hasattr(layer, "lora_A")]
+    assert lora and all((stacks.of(layer) is None) == name.endswith("o_proj") for name, layer in lora)
+
+    def run(stacked: GangStacks | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        if stacked is not None:
+            stacked.load(grad=True)
+        with fused_forward(model, gang, plans, stacked):
+            losses = segment_losses(model(input_ids=ids).logits, ids, gang.rows)
+        torch.stack(losses).sum().backward()
+        if stacked is not None:
+            assert stacked.open == {0, 1, 2}
+            stacked.hand_out(range(3))
+            assert not stacked.open
+        return [loss.item() for loss in losses], _grads(model)
+
+    expected_losses, expected = run(None)
+    got_losses, got = run(stacks)
+    losses, gradients = (f(model.config, rows=len(ids), length=TOKENS) for f in (loss_terms, gradient_terms))
+    assert_within_rounding(torch.tensor(got_losses), torch.tensor(expected_losses), terms=losses)
+    assert got.keys() == expected.keys() and len(got) == 14 * layers  # a and b: q, v; c: q, v, o (A and B each)
+    for key, grad in got.items():
+        assert_within_rounding(grad, expected[key], terms=gradients, what=key)
+    # The members' gradients of one stack are slices of one buffer (no copy per parameter).
+    q = dict(model.named_parameters())
+    first = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.{}.weight"
+    storages = {q[first.format(name)].grad.untyped_storage().data_ptr() for name in names}
+    assert len(storages) == 1
+
+
+def test_the_gradients_of_partial_backwards_and_of_two_passes_add_up_as_autograd_adds_them(tiny_model: str) -> None:
+    """Members' losses backpropagated apart (a member comes later) get their own gradients only, and a second
+    pass's gradients add to the first's, as autograd's own accumulation does."""
+    model, names = _stackable(tiny_model, [8, 8, 8])
+    gang = Gang(names, [2, 2, 2], [0, 0, 0])
+    plans = layer_plans(model, gang)
+    ids = torch.randint(0, 1024, (6, TOKENS), generator=torch.Generator().manual_seed(4))
+    params = dict(model.named_parameters())
+
+    def run(stacked: GangStacks | None) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        for step in range(2):
+            if stacked is not None:
+                stacked.load(grad=True)
+            with fused_forward(model, gang, plans, stacked):
+                losses = segment_losses(model(input_ids=ids).logits, ids, gang.rows)
+            losses[0].backward(retain_graph=True)
+            if stacked is not None:
+                stacked.hand_out([0])
+                assert stacked.open == {1, 2}
+            if step == 0:  # only the first member has gradients yet
+                assert {k.split(".")[-2] for k, p in params.items() if p.grad is not None and p.grad.any()} == {"a"}
+            (losses[1] + losses[2]).backward()
+            if stacked is not None:
+                stacked.hand_out([1, 2])
+        return _grads(model)
+
+    expected = run(None)
+    got = run(GangStacks(plans, names))
+    gradients = 2 * gradient_terms(model.config, rows=len(ids), length=TOKENS)
+    assert got.keys() == expected.keys()
+    for key, grad in got.items():
+        assert_within_rounding(grad, expected[key], terms=gradients, what=key)
+
+
+def test_stacks_a_pass_still_needs_are_not_loaded_again(tiny_model: str) -> None:
+    """Loading stacks whose pass waits for its backward is refused; loaded anyway (after ``forget``), the
+    waiting backward fails instead of reading other weights."""
+    model, names = _stackable(tiny_model, [8, 8, 8])
+    gang = Gang(names, [2, 2, 2], [0, 0, 0])
+    plans = layer_plans(model, gang)
+    stacks = GangStacks(plans, names)
+    ids = torch.randint(0, 1024, (6, TOKENS), generator=torch.Generator().manual_seed(5))
+    stacks.load(grad=True)
+    with fused_forward(model, gang, plans, stacks):
+        loss = model(input_ids=ids).logits.square().mean()
+    with pytest.raises(RuntimeError, match="while a pass that read them is open"):
+        stacks.load(grad=False)
+    stacks.forget(range(3))
+    stacks.load(grad=False)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_a_gang_refuses_bad_shapes(model: torch.nn.Module) -> None:

@@ -125,6 +125,22 @@ def test_a_member_out_of_phase_with_a_kl_member_trains_as_alone(make_executor, p
     assert_within_rounding(_numbers(gang_metrics[1]), _numbers(alone_metrics[0]), terms=terms)
 
 
+@pytest.mark.numerics
+def test_a_gang_of_one_adapter_shape_reads_its_adapters_stacked_and_trains_as_time_sliced(
+    make_executor, prompts, tiny_model
+) -> None:
+    """Members of one rank and targets on equal rows: the shared passes read their adapters from stacks kept for
+    the gang (_fused/_stacks.py), and every trial's completions and values are the time-sliced engine's."""
+    configs = [(lora(r=4), grpo_args(seed=seed, beta=0.1 if seed == 2 else 0.0)) for seed in (1, 2, 3)]
+    fused, fused_metrics, stats = _run(make_executor, prompts, configs, "fused")
+    sliced, sliced_metrics, _ = _run(make_executor, prompts, configs, "time_sliced")
+    assert stats.stacked_passes >= stats.fused_steps > 0
+    terms = gradient_terms(AutoConfig.from_pretrained(tiny_model), rows=8, length=64)
+    for position in range(len(configs)):
+        assert fused[position] == sliced[position]
+        assert_within_rounding(_numbers(fused_metrics[position]), _numbers(sliced_metrics[position]), terms=terms)
+
+
 def test_no_member_of_a_running_gang_is_offloaded(make_executor, prompts) -> None:
     """With a state budget that fits no trial, members still paused at a meeting keep their states on the
     device while the others run (the decode and the shared passes read them)."""

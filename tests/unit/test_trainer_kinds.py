@@ -221,6 +221,7 @@ def test_a_kind_s_per_device_state_is_made_once_per_device_and_only_for_its_tria
         "fused_steps": 0,
         "scoring_passes": 0,
         "prefix_passes": 0,
+        "stacked_passes": 0,
         "gang_seconds": zero,
     }
 

@@ -117,13 +117,14 @@ class Generation:
     def counters(self) -> dict[str, Any]:
         """Decode batches, the requests they served, the gangs' shared policy passes (fused steps), their
         shared passes without gradients (references, evaluations), those of either that shared their rows'
-        prompts, and where the gangs' host time went."""
+        prompts, those whose layers read the gang's adapters stacked, and where the gangs' host time went."""
         return {
             "decodes": self.decodes,
             "decoded_requests": self.requests,
             "fused_steps": self.policy.passes,
             "scoring_passes": self.policy.scoring_passes,
             "prefix_passes": self.policy.prefix_passes,
+            "stacked_passes": self.policy.stacked_passes,
             "gang_seconds": dict(self.seconds),
         }
 
@@ -177,7 +178,7 @@ class Generation:
             self._turns, self._gang, self._share_policy = None, [], False
             self.trials.keep_on_device([])
             self._shared_forward.clear()
-            self.policy.close()
+            self.policy.release()
             # Members resumed with the gang's adapters left trainable (Placement.resume): none stays so.
             self.trials.resident.set_trainable([runtime.state.adapter_name for runtime in runtimes], False)
 

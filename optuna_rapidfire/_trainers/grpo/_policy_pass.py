@@ -41,6 +41,7 @@ from optuna_rapidfire._fused._fused_pass import (
     pad_right,
     pad_token_id,
 )
+from optuna_rapidfire._fused._stacks import GangStacks
 from optuna_rapidfire._fused._token_stats import token_stats
 from optuna_rapidfire._trainers.grpo._prefix import pair_work, prefix_layout
 from optuna_rapidfire._trainers.grpo._prefix import refusal as prefix_refusal
@@ -87,11 +88,16 @@ class PolicyPasses:
         self.passes = 0
         self.scoring_passes = 0  # shared passes without gradients (references, evaluations)
         self.prefix_passes = 0  # passes (of either kind) whose rows shared their prompts
+        self.stacked_passes = 0  # passes (of either kind) whose layers read the gang's adapters stacked
         self._open: set[Member] = set()  # members of passes whose backward has not run yet
         self._trainable: set[str] = set()
         # Each layer's plan for a gang's adapters and rows (see layer_plans): the same for every pass of one
         # layout while no adapter is added or removed.
         self._plans: dict[tuple[int, tuple[str, ...], tuple[int, ...]], list[Any]] = {}
+        # The gang's adapters stacked for its passes (see _fused/_stacks.py), kept from pass to pass; and for each
+        # member of an open pass, the stacks that pass read and the member's position in them.
+        self._stacks: GangStacks | None = None
+        self._stacked: dict[Member, tuple[GangStacks, int]] = {}
 
     def forward(self, requests: Sequence[LogpsRequest]) -> list[tuple[torch.Tensor, torch.Tensor | None, None]]:
         """Each member's ``(log-probabilities, entropies or None, None)`` of its scored positions, as TRL's
@@ -146,7 +152,9 @@ class PolicyPasses:
             if len(self._plans) >= 64:
                 self._plans.clear()
             plans = self._plans[key] = layer_plans(model, gang, resident.lora_layers())
-        adapters = base_only(plans) if requests[0].reference else fused_forward(model, gang, plans)
+        stacks = None if requests[0].reference else self._loaded_stacks(gang, plans, grad)
+        self.stacked_passes += stacks is not None
+        adapters = base_only(plans) if requests[0].reference else fused_forward(model, gang, plans, stacks)
         if layout is None:
             length = max(request.input_ids.shape[1] for request in requests)
             inputs = {
@@ -210,9 +218,28 @@ class PolicyPasses:
                 request.runtime.state.dropout_rng = stream.state()
             self.passes += 1
             self._open.update(request.runtime for request in requests)
+            if stacks is not None:
+                self._stacked.update((request.runtime, (stacks, i)) for i, request in enumerate(requests))
         else:
             self.scoring_passes += 1
         return answers
+
+    def _loaded_stacks(self, gang: Gang, plans: list[Any], grad: bool) -> GangStacks | None:
+        """The gang's adapters stacked and loaded for a pass (``None``: no layer of the pass reads stacks): the
+        kept stacks when they were made for this gang and no open pass still needs what they hold, else new ones
+        (kept in their place unless the kept ones wait for a backward)."""
+        key = (self.trials.resident.adapters_version, tuple(gang.names), len(set(gang.rows)) == 1)
+        kept = self._stacks
+        if kept is not None and kept.key == key and not kept.open:
+            stacks = kept
+        else:
+            stacks = GangStacks(plans, gang.names, key)
+            if kept is None or not kept.open:
+                self._stacks = stacks
+        if not len(stacks):
+            return None
+        stacks.load(grad)
+        return stacks
 
     @functools.cached_property
     def _prefix_refused(self) -> str | None:
@@ -236,6 +263,14 @@ class PolicyPasses:
         retain = not self._open <= members
         self.trials.resident.set_trainable(sorted(runtime.state.adapter_name for runtime in self._open), True)
         torch.autograd.backward([request.loss for request in requests], retain_graph=retain)
+        # Members of passes that read stacked adapters get their gradients from the stacks' (one hand-out per pass).
+        handed: dict[GangStacks, list[int]] = {}
+        for request in requests:
+            stacks, position = self._stacked.pop(request.runtime, (None, -1))
+            if stacks is not None:
+                handed.setdefault(stacks, []).append(position)
+        for stacks, positions in handed.items():
+            stacks.hand_out(positions)
         self._open -= members
         if not self._open:
             self.close()
@@ -245,12 +280,23 @@ class PolicyPasses:
         """The trial's work in the gang ended (a failure between its forward and backward passes included):
         later backwards need not keep the graph for it."""
         self._open.discard(runtime)
+        stacks, position = self._stacked.pop(runtime, (None, -1))
+        if stacks is not None:
+            stacks.forget([position])
         if not self._open:
             self.close()
+
+    def release(self) -> None:
+        """The gang's run ended: :meth:`close`, and free the stacks kept for its passes."""
+        self.close()
+        self._stacks = None
 
     def close(self) -> None:
         """Forget open passes (a member failed before its backward) and freeze their adapters again."""
         self._open.clear()
+        for stacks, position in self._stacked.values():
+            stacks.forget([position])
+        self._stacked.clear()
         if self._trainable:
             self.trials.resident.set_trainable(sorted(self._trainable), False)
             self._trainable.clear()

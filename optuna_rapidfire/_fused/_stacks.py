@@ -1,0 +1,126 @@
+"""A gang's adapters kept stacked, so that a shared pass neither stacks them per layer nor splits their gradients.
+
+In a shared pass (:func:`~optuna_rapidfire._fused._fused_pass.fused_forward`) a LoRA layer whose gang is
+*uniform* (every member targets it with one rank, on equal rows) multiplies each member's rows by its own
+adapter with two batched matmuls over the members' projections stacked as ``[K, r, in]`` and ``[K, out, r]``.
+Stacked in the layer, that is two copies per layer and pass, and in the backward the stacked gradient is split
+back into every member's parameters: an accumulation node and a copy per parameter (16 per layer in a gang of
+8, over a thousand a pass on a 16-layer model with attention adapters), each launched on its own.
+
+:class:`GangStacks` keeps those stacks as tensors of their own, leaves of the pass's graph: :meth:`GangStacks.load`
+copies every member's current weights into them with one ``foreach`` copy before a pass, the layers read them
+(:meth:`GangStacks.of`), and after a backward :meth:`GangStacks.hand_out` gives the members' parameters their
+gradients as views of the stacks' gradients (added to a gradient a parameter has already). The values are the
+ones the layer would have stacked itself, so the pass's results do not change.
+
+A loaded stack is saved by its pass's graph: loading it again before that pass's backward would change what the
+backward reads (autograd then refuses the backward), so the owner keeps a stack whose pass is open apart
+(:attr:`GangStacks.open`) and loads another one meanwhile.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Collection, Hashable, Sequence
+
+
+class _Plan(Protocol):
+    """What a stack needs of a layer's plan (``_fused_pass._LayerPlan``)."""
+
+    uniform: bool
+
+
+class GangStacks:
+    """The uniform layers' adapters of the gang ``names`` (in gang order), stacked (see the module's docstring).
+
+    Args:
+        plans: :func:`~optuna_rapidfire._fused._fused_pass.layer_plans` of the gang: the layers whose plan is
+            uniform and whose members' projections share a dtype and a device are stacked; the others are left
+            to the layer (:meth:`of` gives ``None``).
+        names: The gang's adapters, in the order of its row segments.
+        key: What the stacks were made for (the owner's cache key).
+
+    Attributes:
+        open: Members (gang positions) whose pass read the stacks and has not had its backward yet: while any
+            is, the stacks must not be loaded again.
+    """
+
+    def __init__(self, plans: Sequence[tuple[Any, _Plan]], names: Sequence[str], key: Hashable = None) -> None:
+        self.names = list(names)
+        self.key = key
+        self.open: set[int] = set()
+        self._of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Each stack with the members' parameters it holds (an adapter keeps its parameter objects; a new adapter
+        # makes a new owner's key), and the slices of the stacks they are copied into, in the parameters' order.
+        self._stacks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self._sources: list[torch.Tensor] = []
+        self._targets: list[torch.Tensor] = []
+        for layer, plan in plans:
+            if not plan.uniform:
+                continue
+            downs = [layer.lora_A[name].weight for name in self.names]
+            ups = [layer.lora_B[name].weight for name in self.names]
+            if len({(w.dtype, w.device) for w in downs + ups}) != 1:
+                continue
+            down, up = (ws[0].new_empty((len(ws), *ws[0].shape)) for ws in (downs, ups))
+            self._of[id(layer)] = (down, up)
+            for stack, params in ((down, downs), (up, ups)):
+                self._stacks.append((stack, params))
+                self._sources += params
+                # Copied into through detached views: they share the stack's version counter, so a pass that saved
+                # the stack and finds it loaded again fails its backward rather than use other weights.
+                self._targets += stack.detach().unbind(0)
+
+    def __len__(self) -> int:
+        """The layers stacked."""
+        return len(self._of)
+
+    def of(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``layer``'s stacked down- and up-projections (``None``: the layer stacks its adapters itself)."""
+        return self._of.get(id(layer))
+
+    def load(self, grad: bool) -> None:
+        """Copy the members' weights in (one operator); with ``grad``, the stacks collect the pass's gradients and
+        every member is :attr:`open` until :meth:`hand_out` (or :meth:`forget`) says otherwise.
+
+        Raises:
+            RuntimeError: If a pass that read the stacks still waits for its backward (see :attr:`open`).
+        """
+        if self.open:
+            raise RuntimeError(f"The stacks of gang {self.names} are loaded while a pass that read them is open.")
+        if not self._stacks:
+            return
+        if grad:
+            self.open = set(range(len(self.names)))
+        with torch.no_grad():
+            torch._foreach_copy_(self._targets, self._sources)
+        for stack, _ in self._stacks:
+            stack.grad = None
+            if stack.requires_grad != grad:
+                stack.requires_grad_(grad)
+
+    def hand_out(self, positions: Collection[int]) -> None:
+        """After a backward of losses of the members at ``positions`` (gang positions): each of their stacked
+        parameters gets its slice of the stacks' gradient (a view), or adds it to the gradient it has; the
+        stacks' gradients are cleared for the next backward, and those members are no longer :attr:`open`."""
+        for stack, params in self._stacks:
+            grad = stack.grad
+            if grad is None:
+                continue
+            stack.grad = None
+            slices = grad.unbind(0)
+            for position in positions:
+                param = params[position]
+                if param.grad is None:
+                    param.grad = slices[position]
+                else:
+                    param.grad.add_(slices[position])
+        self.open.difference_update(positions)
+
+    def forget(self, positions: Collection[int]) -> None:
+        """The members at ``positions`` will not come to a backward (they failed, or left the gang)."""
+        self.open.difference_update(positions)
