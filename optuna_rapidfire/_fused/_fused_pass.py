@@ -254,7 +254,7 @@ def fused_linear(
     if x.shape[0] != sum(gang.rows):
         raise ValueError(f"The batch has {x.shape[0]} rows but the gang expects {sum(gang.rows)} ({gang.rows}).")
     names = [gang.names[i] for i in plan.present]
-    weight_dtype = layer.lora_A[names[0]].weight.dtype
+    weight_dtype = layer.lora_A[names[0]].weight.dtype if stacked is None else stacked[0].dtype
     autocast = torch.is_autocast_enabled(x.device.type)
     if not autocast:
         x = x.to(weight_dtype)

@@ -232,6 +232,45 @@ def test_stacked_adapters_give_the_pass_and_gradients_of_stacking_them_in_each_l
     assert len(storages) == 1
 
 
+@pytest.mark.numerics
+def test_stacks_in_the_autocast_dtype_give_what_autocast_gives_and_gradients_in_the_parameters_dtype(
+    tiny_model: str,
+) -> None:
+    """bf16 base, float32 adapters, bf16 autocast: stacks held in bf16 (the casts autocast makes in each matmul,
+    made once at the load) give the pass and gradients of stacking in each layer, the gradients in float32."""
+    model, names = _stackable(tiny_model, [8, 8, 8])
+    model.to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.float()
+    gang = Gang(names, [2, 2, 2], [0, 0, 0])
+    plans = layer_plans(model, gang)
+    ids = torch.randint(0, 1024, (6, TOKENS), generator=torch.Generator().manual_seed(6))
+    stacks = GangStacks(plans, names, compute=torch.bfloat16)
+    assert all(
+        stack.dtype == torch.bfloat16 for pair in map(stacks.of, [m for _, m in plans]) if pair for stack in pair
+    )
+
+    def run(stacked: GangStacks | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        if stacked is not None:
+            stacked.load(grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), fused_forward(model, gang, plans, stacked):
+            losses = torch.stack(segment_losses(model(input_ids=ids).logits, ids, gang.rows))
+        losses.sum().backward()
+        if stacked is not None:
+            stacked.hand_out(range(3))
+        return losses.detach(), _grads(model)
+
+    expected_losses, expected = run(None)
+    got_losses, got = run(stacks)
+    assert torch.allclose(got_losses, expected_losses, rtol=1e-3, atol=0)
+    assert got.keys() == expected.keys() and got
+    for key, grad in got.items():
+        assert grad.dtype == torch.float32, key
+        assert float((grad - expected[key]).norm() / expected[key].norm()) < 5e-2, key
+
+
 def test_the_gradients_of_partial_backwards_and_of_two_passes_add_up_as_autograd_adds_them(tiny_model: str) -> None:
     """Members' losses backpropagated apart (a member comes later) get their own gradients only, and a second
     pass's gradients add to the first's, as autograd's own accumulation does."""

@@ -152,7 +152,7 @@ class PolicyPasses:
             if len(self._plans) >= 64:
                 self._plans.clear()
             plans = self._plans[key] = layer_plans(model, gang, resident.lora_layers())
-        stacks = None if requests[0].reference else self._loaded_stacks(gang, plans, grad)
+        stacks = None if requests[0].reference else self._loaded_stacks(gang, plans, grad, first)
         self.stacked_passes += stacks is not None
         adapters = base_only(plans) if requests[0].reference else fused_forward(model, gang, plans, stacks)
         if layout is None:
@@ -224,16 +224,20 @@ class PolicyPasses:
             self.scoring_passes += 1
         return answers
 
-    def _loaded_stacks(self, gang: Gang, plans: list[Any], grad: bool) -> GangStacks | None:
-        """The gang's adapters stacked and loaded for a pass (``None``: no layer of the pass reads stacks): the
-        kept stacks when they were made for this gang and no open pass still needs what they hold, else new ones
-        (kept in their place unless the kept ones wait for a backward)."""
-        key = (self.trials.resident.adapters_version, tuple(gang.names), len(set(gang.rows)) == 1)
+    def _loaded_stacks(self, gang: Gang, plans: list[Any], grad: bool, first: Member) -> GangStacks | None:
+        """The gang's adapters stacked and loaded for a pass (``None``: no layer of the pass reads stacks), in the
+        dtype the pass's mixed precision computes them in: the kept stacks when they were made for this gang and
+        no open pass still needs what they hold, else new ones (kept in their place unless the kept ones wait for
+        a backward)."""
+        kind = self.trials.device.type
+        with first.spec.kind.autocast(first.args, self.trials.device):
+            compute = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        key = (self.trials.resident.adapters_version, tuple(gang.names), len(set(gang.rows)) == 1, compute)
         kept = self._stacks
         if kept is not None and kept.key == key and not kept.open:
             stacks = kept
         else:
-            stacks = GangStacks(plans, gang.names, key)
+            stacks = GangStacks(plans, gang.names, key, compute)
             if kept is None or not kept.open:
                 self._stacks = stacks
         if not len(stacks):
