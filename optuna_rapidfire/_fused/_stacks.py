@@ -10,8 +10,9 @@ back into every member's parameters: an accumulation node and a copy per paramet
 :class:`GangStacks` keeps those stacks as tensors of their own, leaves of the pass's graph: :meth:`GangStacks.load`
 copies every member's current weights into them with one ``foreach`` copy before a pass, the layers read them
 (:meth:`GangStacks.of`), and after a backward :meth:`GangStacks.hand_out` gives the members' parameters their
-gradients as views of the stacks' gradients (added to a gradient a parameter has already). The values are the
-ones the layer would have stacked itself, so the pass's results do not change.
+slices of the stacks' gradients, with one ``foreach`` copy per member into a buffer of its own (added to a
+gradient a parameter has already). The values are the ones the layer would have stacked itself, so the pass's
+results do not change.
 
 A loaded stack is saved by its pass's graph: loading it again before that pass's backward would change what the
 backward reads (autograd then refuses the backward), so the owner keeps a stack whose pass is open apart
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from optuna_rapidfire import _compat
+
 if TYPE_CHECKING:
     from collections.abc import Collection, Hashable, Sequence
 
@@ -32,6 +35,7 @@ class _Plan(Protocol):
     """What a stack needs of a layer's plan (``_fused_pass._LayerPlan``)."""
 
     uniform: bool
+    shared_scale: float | None
 
 
 class GangStacks:
@@ -44,9 +48,9 @@ class GangStacks:
         names: The gang's adapters, in the order of its row segments.
         key: What the stacks were made for (the owner's cache key).
         compute: The dtype the passes compute the adapters' matmuls in under mixed precision (autocast's), when it
-            differs from the parameters': the stacks then hold the weights cast to it, as autocast would cast them
-            for each matmul (the same values), and the gradients come back in the parameters' dtype through one
-            copy for all stacks instead of a cast per stack in the backward.
+            differs from the parameters': the stacks of layers whose adapters share a scaling then hold the weights
+            cast to it, as autocast would cast them for each matmul (the same values), and their gradients come
+            back in the parameters' dtype with the hand-out's copy instead of a cast per stack in the backward.
 
     Attributes:
         open: Members (gang positions) whose pass read the stacks and has not had its backward yet: while any
@@ -76,7 +80,10 @@ class GangStacks:
             ups = [layer.lora_B[name].weight for name in self.names]
             if len({(w.dtype, w.device) for w in downs + ups}) != 1:
                 continue
-            down, up = (ws[0].new_empty((len(ws), *ws[0].shape), dtype=compute or ws[0].dtype) for ws in (downs, ups))
+            # Adapters with their own scalings scale the stacked up-projections in the pass: that product is made in
+            # the parameters' dtype (as before autocast casts it), so those layers keep it.
+            dtype = compute if compute is not None and plan.shared_scale is not None else downs[0].dtype
+            down, up = (ws[0].new_empty((len(ws), *ws[0].shape), dtype=dtype) for ws in (downs, ups))
             self._of[id(layer)] = (down, up)
             for stack, params in ((down, downs), (up, ups)):
                 self._stacks.append((stack, params))
@@ -115,25 +122,35 @@ class GangStacks:
 
     def hand_out(self, positions: Collection[int]) -> None:
         """After a backward of losses of the members at ``positions`` (gang positions): each of their stacked
-        parameters gets its slice of the stacks' gradient (a view), or adds it to the gradient it has; the
-        stacks' gradients are cleared for the next backward, and those members are no longer :attr:`open`."""
-        found = [(stack.grad, params) for stack, params in self._stacks if stack.grad is not None]
+        parameters gets its slice of the stacks' gradient, in a buffer of the member's own (one per dtype: its
+        gradients keep no other member's alive), or adds it to the gradient it has; one ``foreach`` copy per
+        member, one ``foreach`` add for all. The stacks' gradients are cleared for the next backward, and those
+        members are no longer :attr:`open`."""
+        found = [(stack.grad.unbind(0), params) for stack, params in self._stacks if stack.grad is not None]
         for stack, _ in self._stacks:
             stack.grad = None
-        if found and found[0][0].dtype != found[0][1][0].dtype:  # stacks in the computing dtype: one copy back
-            grads = [grad for grad, _ in found]
-            flat = grads[0].new_empty(sum(g.numel() for g in grads), dtype=found[0][1][0].dtype)
-            back = [part.view(g.shape) for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
-            torch._foreach_copy_(back, grads)
-            found = [(grad, params) for grad, (_, params) in zip(back, found, strict=True)]
-        for grad, params in found:
-            slices = grad.unbind(0)
-            for position in positions:
+        fresh: dict[tuple[int, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        held: list[torch.Tensor] = []
+        adding: list[torch.Tensor] = []
+        for position in positions:
+            for slices, params in found:
                 param = params[position]
                 if param.grad is None:
-                    param.grad = slices[position]
+                    group = fresh.setdefault((position, param.dtype), ([], []))
+                    group[0].append(param)
+                    group[1].append(slices[position])
                 else:
-                    param.grad.add_(slices[position])
+                    held.append(param.grad)
+                    adding.append(slices[position])
+        for (_, dtype), (params, parts) in fresh.items():
+            grads = _compat.unflatten_dense_tensors(
+                parts[0].new_empty(sum(param.numel() for param in params), dtype=dtype), params
+            )
+            torch._foreach_copy_(grads, parts)  # in the parameters' dtype
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+        if held:
+            torch._foreach_add_(held, adding)
         self.open.difference_update(positions)
 
     def forget(self, positions: Collection[int]) -> None:

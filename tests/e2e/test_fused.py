@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import types
+from typing import Any
+
 import pytest
 import torch
 from _numerics import assert_within_rounding, gradient_terms, loss_terms
@@ -11,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from optuna_rapidfire._fused._fused_pass import Gang, clip_gang, fused_forward, layer_plans, segment_losses
 from optuna_rapidfire._fused._stacks import GangStacks
 from optuna_rapidfire._resident._model import ResidentModel
+from optuna_rapidfire._trainers.grpo._policy_pass import PolicyPasses
 
 # Mixed ranks, target modules, dropout and batch sizes, as trials of one study would have.
 ADAPTERS = {
@@ -225,11 +230,14 @@ def test_stacked_adapters_give_the_pass_and_gradients_of_stacking_them_in_each_l
     assert got.keys() == expected.keys() and len(got) == 14 * layers  # a and b: q, v; c: q, v, o (A and B each)
     for key, grad in got.items():
         assert_within_rounding(grad, expected[key], terms=gradients, what=key)
-    # The members' gradients of one stack are slices of one buffer (no copy per parameter).
-    q = dict(model.named_parameters())
-    first = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.{}.weight"
-    storages = {q[first.format(name)].grad.untyped_storage().data_ptr() for name in names}
-    assert len(storages) == 1
+    # Each member's stacked gradients were handed out in one buffer of its own (one copy, not one per parameter),
+    # which holds nothing else: no member's gradients keep another's alive.
+    params = dict(model.named_parameters())
+    for name in names:
+        own = [p for key, p in params.items() if f".{name}." in key and "o_proj" not in key]
+        storages = {p.grad.untyped_storage().data_ptr() for p in own}
+        assert len(storages) == 1, name
+        assert own[0].grad.untyped_storage().nbytes() == sum(p.grad.nbytes for p in own)
 
 
 @pytest.mark.numerics
@@ -247,9 +255,13 @@ def test_stacks_in_the_autocast_dtype_give_what_autocast_gives_and_gradients_in_
     plans = layer_plans(model, gang)
     ids = torch.randint(0, 1024, (6, TOKENS), generator=torch.Generator().manual_seed(6))
     stacks = GangStacks(plans, names, compute=torch.bfloat16)
-    assert all(
-        stack.dtype == torch.bfloat16 for pair in map(stacks.of, [m for _, m in plans]) if pair for stack in pair
-    )
+    held = [stacks.of(layer) for layer, _ in plans]
+    assert all(stack.dtype == torch.bfloat16 for pair in held if pair is not None for stack in pair)
+    # Adapters with scalings of their own scale the stacked up-projections in the pass: in float32, as before the cast.
+    mixed_plans = layer_plans(_stackable(tiny_model, [8, 16, 24])[0], gang)
+    mixed = GangStacks(mixed_plans, names, compute=torch.bfloat16)
+    pairs = [pair for pair in (mixed.of(layer) for layer, _ in mixed_plans) if pair is not None]
+    assert pairs and all(stack.dtype == torch.float32 for pair in pairs for stack in pair)
 
     def run(stacked: GangStacks | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         model.zero_grad(set_to_none=True)
@@ -323,6 +335,36 @@ def test_stacks_a_pass_still_needs_are_not_loaded_again(tiny_model: str) -> None
     stacks.load(grad=False)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_gang_s_passes_load_the_kept_stacks_unless_an_open_pass_holds_them(tiny_model: str) -> None:
+    """PolicyPasses keeps a gang's stacks from pass to pass: a pass while the gang's step waits for its backward
+    (an evaluation, say) gets stacks of its own, and new adapters or another autocast dtype get new ones."""
+    model, names = _stackable(tiny_model, [8, 8, 8])
+    gang = Gang(names, [2, 2, 2], [0, 0, 0])
+    plans = layer_plans(model, gang)
+    trials = types.SimpleNamespace(device=torch.device("cpu"), resident=types.SimpleNamespace(adapters_version=1))
+
+    def member(autocast: bool) -> Any:
+        def context(args: Any, device: torch.device) -> Any:
+            return torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+        return types.SimpleNamespace(
+            spec=types.SimpleNamespace(kind=types.SimpleNamespace(autocast=context)), args=None
+        )
+
+    passes = PolicyPasses(trials)  # type: ignore[arg-type]
+    plain = member(autocast=False)
+    step = passes._loaded_stacks(gang, plans, True, plain)
+    assert step is not None and step.open == {0, 1, 2}
+    evaluation = passes._loaded_stacks(gang, plans, False, plain)
+    assert evaluation is not None and evaluation is not step and not evaluation.open
+    step.hand_out(range(3))
+    assert passes._loaded_stacks(gang, plans, False, plain) is step  # the kept ones again, once handed out
+    mixed = passes._loaded_stacks(gang, plans, False, member(autocast=True))
+    assert mixed is not None and mixed is not step and mixed.of(plans[0][0])[0].dtype == torch.bfloat16  # type: ignore[index]
+    trials.resident.adapters_version = 2  # an adapter was added or removed: the layers' adapters may differ
+    assert passes._loaded_stacks(gang, plans, False, plain) not in (step, mixed)
 
 
 def test_a_gang_refuses_bad_shapes(model: torch.nn.Module) -> None:

@@ -51,6 +51,10 @@ if TYPE_CHECKING:
 
     from optuna_rapidfire._trainers._host import GangHost, Member
 
+_KEPT_STACKS = 2
+"""Stacks kept from pass to pass (:meth:`PolicyPasses._loaded_stacks`): a gang's own, and another layout's (an
+evaluation of some of its members, rows that differ) without stacking the gang's again after it."""
+
 
 @dataclass(eq=False)
 class LogpsRequest:
@@ -94,9 +98,9 @@ class PolicyPasses:
         # Each layer's plan for a gang's adapters and rows (see layer_plans): the same for every pass of one
         # layout while no adapter is added or removed.
         self._plans: dict[tuple[int, tuple[str, ...], tuple[int, ...]], list[Any]] = {}
-        # The gang's adapters stacked for its passes (see _fused/_stacks.py), kept from pass to pass; and for each
-        # member of an open pass, the stacks that pass read and the member's position in them.
-        self._stacks: GangStacks | None = None
+        # The gang's adapters stacked for its passes (see _fused/_stacks.py), kept from pass to pass (the last few
+        # gangs' and layouts'); and for each member of an open pass, the stacks that pass read and its position.
+        self._stacks: dict[Any, GangStacks] = {}
         self._stacked: dict[Member, tuple[GangStacks, int]] = {}
 
     def forward(self, requests: Sequence[LogpsRequest]) -> list[tuple[torch.Tensor, torch.Tensor | None, None]]:
@@ -154,6 +158,8 @@ class PolicyPasses:
             plans = self._plans[key] = layer_plans(model, gang, resident.lora_layers())
         stacks = None if requests[0].reference else self._loaded_stacks(gang, plans, grad, first)
         self.stacked_passes += stacks is not None
+        if stacks is not None and grad:  # open until each member's backward (or its leaving) hands it out
+            self._stacked.update((request.runtime, (stacks, i)) for i, request in enumerate(requests))
         adapters = base_only(plans) if requests[0].reference else fused_forward(model, gang, plans, stacks)
         if layout is None:
             length = max(request.input_ids.shape[1] for request in requests)
@@ -218,28 +224,26 @@ class PolicyPasses:
                 request.runtime.state.dropout_rng = stream.state()
             self.passes += 1
             self._open.update(request.runtime for request in requests)
-            if stacks is not None:
-                self._stacked.update((request.runtime, (stacks, i)) for i, request in enumerate(requests))
         else:
             self.scoring_passes += 1
         return answers
 
     def _loaded_stacks(self, gang: Gang, plans: list[Any], grad: bool, first: Member) -> GangStacks | None:
         """The gang's adapters stacked and loaded for a pass (``None``: no layer of the pass reads stacks), in the
-        dtype the pass's mixed precision computes them in: the kept stacks when they were made for this gang and
-        no open pass still needs what they hold, else new ones (kept in their place unless the kept ones wait for
-        a backward)."""
+        dtype the pass's mixed precision computes them in: stacks kept for this gang and layout when no open pass
+        still needs what they hold; else new ones, kept unless this gang's kept ones wait for a backward."""
         kind = self.trials.device.type
         with first.spec.kind.autocast(first.args, self.trials.device):
             compute = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
         key = (self.trials.resident.adapters_version, tuple(gang.names), len(set(gang.rows)) == 1, compute)
-        kept = self._stacks
-        if kept is not None and kept.key == key and not kept.open:
-            stacks = kept
-        else:
-            stacks = GangStacks(plans, gang.names, key, compute)
-            if kept is None or not kept.open:
-                self._stacks = stacks
+        stacks = self._stacks.get(key)
+        if stacks is None or stacks.open:
+            fresh = GangStacks(plans, gang.names, key, compute)
+            if stacks is None:  # kept in place of the oldest kept (an open pass keeps its own stacks alive)
+                if len(self._stacks) >= _KEPT_STACKS:
+                    del self._stacks[next(iter(self._stacks))]
+                self._stacks[key] = fresh
+            stacks = fresh
         if not len(stacks):
             return None
         stacks.load(grad)
@@ -273,8 +277,12 @@ class PolicyPasses:
             stacks, position = self._stacked.pop(request.runtime, (None, -1))
             if stacks is not None:
                 handed.setdefault(stacks, []).append(position)
-        for stacks, positions in handed.items():
-            stacks.hand_out(positions)
+        try:
+            for stacks, positions in handed.items():
+                stacks.hand_out(positions)
+        finally:  # after a failure too: no pass waits for these members
+            for stacks, positions in handed.items():
+                stacks.forget(positions)
         self._open -= members
         if not self._open:
             self.close()
@@ -293,7 +301,7 @@ class PolicyPasses:
     def release(self) -> None:
         """The gang's run ended: :meth:`close`, and free the stacks kept for its passes."""
         self.close()
-        self._stacks = None
+        self._stacks.clear()
 
     def close(self) -> None:
         """Forget open passes (a member failed before its backward) and freeze their adapters again."""
