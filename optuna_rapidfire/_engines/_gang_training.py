@@ -17,6 +17,7 @@ from optuna_rapidfire._engines._gang_passes import Layouts, StepTables, chunk_wi
 from optuna_rapidfire._engines._pass_graphs import replayed
 from optuna_rapidfire._engines._types import clips, train_metrics
 from optuna_rapidfire._fused._fused_pass import clip_gang, fused_forward
+from optuna_rapidfire._fused._stacks import KeptStacks, computing_dtype
 from optuna_rapidfire._resident._state import RngState
 
 if TYPE_CHECKING:
@@ -47,14 +48,13 @@ class GangTraining:
         self.launched_steps = 0
         self.layout: Layout | None = None
         self.stepped = False
+        self.stacks = KeptStacks()  # the gang's adapters stacked for passes in the model's own modules
 
     def train(self, runtimes: Sequence[TrialRuntime]) -> list[dict[str, float]]:
         """Train every member's next chunk in shared passes; each member's training metrics. An error of a
         pass propagates; :attr:`stepped` then says whether any member had stepped its optimizer by then."""
-        device = self.device
         self.stepped = False
-        first = runtimes[0]
-        loss = first.spec.kind.fused_loss
+        loss = runtimes[0].spec.kind.fused_loss
         assert loss is not None  # train_refusal() lets only kinds with a fused loss through
         plans = [self.passes.plan(runtime, loss) for runtime in runtimes]
         self.trials.placement.enter_gang(runtimes)
@@ -64,6 +64,17 @@ class GangTraining:
             self.say(f"Training in the model's own modules, not the launched pass: {launched}.")
         layout = self.launched.load(runtimes) if launched is None else None
         self.layout = layout
+        try:
+            return self._train(runtimes, plans, layout)
+        finally:
+            self.stacks.clear()
+
+    def _train(
+        self, runtimes: Sequence[TrialRuntime], plans: list[MemberChunk], layout: Layout | None
+    ) -> list[dict[str, float]]:
+        device, first = self.device, runtimes[0]
+        loss = first.spec.kind.fused_loss
+        assert loss is not None
         losses: list[list[torch.Tensor]] = [[] for _ in runtimes]
         grad_norms: list[torch.Tensor | None] = [None for _ in runtimes]
         longest = max(len(plan.inputs) for plan in plans)
@@ -159,9 +170,21 @@ class GangTraining:
         layout = shared.layout
         if layout is None:
             # The gang's layers stay in place through the backward pass too: activation checkpointing
-            # recomputes forwards there.
-            with fused_forward(self.trials.resident.module, shared.gang, shared.layers):
-                return self.forward_backward(first, shared)
+            # recomputes forwards there (from the stacks as loaded: nothing loads them again meanwhile).
+            compute = computing_dtype(first.spec.kind.autocast(first.args, self.device), self.device)
+            names, rows = shared.gang.names, shared.gang.rows
+            version = self.trials.resident.adapters_version
+            stacks = self.stacks.loaded(shared.layers, names, rows, version, compute, grad=True)
+            members = range(len(names))
+            try:
+                with fused_forward(self.trials.resident.module, shared.gang, shared.layers, stacks):
+                    losses = self.forward_backward(first, shared)
+                if stacks is not None:
+                    stacks.hand_out(members)
+            finally:
+                if stacks is not None:
+                    stacks.forget(members)
+            return losses
         with self.launched.compiling(layout):
             try:
                 return self.forward_backward(first, shared)

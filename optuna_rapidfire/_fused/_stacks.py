@@ -29,6 +29,7 @@ from optuna_rapidfire import _compat
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Hashable, Sequence
+    from contextlib import AbstractContextManager
 
 
 class _Plan(Protocol):
@@ -156,3 +157,51 @@ class GangStacks:
     def forget(self, positions: Collection[int]) -> None:
         """The members at ``positions`` will not come to a backward (they failed, or left the gang)."""
         self.open.difference_update(positions)
+
+
+class KeptStacks:
+    """Stacks kept from pass to pass by their owner (an engine's shared passes): those of the last ``size`` gangs and
+    layouts, so that a gang's passes load its stacks rather than make them, and an evaluation of some of its members
+    (or rows that differ) does not make the gang's made again after it."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = size
+        self._kept: dict[Hashable, GangStacks] = {}
+
+    def loaded(
+        self,
+        plans: Sequence[tuple[Any, _Plan]],
+        names: Sequence[str],
+        rows: Sequence[int],
+        version: Hashable,
+        compute: torch.dtype | None,
+        grad: bool,
+    ) -> GangStacks | None:
+        """The gang's adapters stacked and loaded for a pass (``None``: no layer of it stacks them): the kept stacks
+        of this gang, layout (``rows``), model (``version``: the owner's count of adapters added and removed) and
+        ``compute`` dtype when no open pass still needs what they hold; else new ones, kept unless this gang's
+        kept ones wait for a backward (a pass keeps its own stacks alive until then)."""
+        key = (version, tuple(names), len(set(rows)) == 1, compute)
+        stacks = self._kept.get(key)
+        if stacks is None or stacks.open:
+            fresh = GangStacks(plans, names, key, compute)
+            if stacks is None:
+                if len(self._kept) >= self.size:
+                    del self._kept[next(iter(self._kept))]  # the oldest
+                self._kept[key] = fresh
+            stacks = fresh
+        if not len(stacks):
+            return None
+        stacks.load(grad)
+        return stacks
+
+    def clear(self) -> None:
+        """Free the kept stacks (their owner's gangs ended)."""
+        self._kept.clear()
+
+
+def computing_dtype(autocast: AbstractContextManager[Any], device: torch.device) -> torch.dtype | None:
+    """The dtype matmuls compute in inside ``autocast`` (a trial kind's mixed precision context) on ``device``, or
+    ``None`` without mixed precision."""
+    with autocast:
+        return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None

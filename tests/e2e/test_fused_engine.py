@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import optuna
 import pytest
@@ -252,6 +253,33 @@ def test_equal_adapters_on_packed_rows_report_the_time_sliced_values(make_execut
     study.enqueue_trial(params[0])
     lone.optimize(study, _configure_equal, n_trials=1)
     assert gang_steps == lone.stats().fused_steps > 0
+
+
+def test_equal_adapters_in_the_models_own_modules_read_them_stacked_and_report_the_time_sliced_values(
+    make_executor, tiny_model, monkeypatch
+) -> None:
+    """Activation checkpointing keeps a gang out of the launched pass: in the model's own modules, adapters of one
+    shape are read from the gang's stacks (_fused/_stacks.py; the checkpoints' recomputed forwards too), and the
+    values are the time-sliced engine's."""
+    from optuna_rapidfire._fused._stacks import GangStacks
+
+    handed: list[int] = []
+    hand_out = GangStacks.hand_out
+
+    def counted(self: GangStacks, positions: Any) -> None:
+        handed.append(len(positions))
+        hand_out(self, positions)
+
+    monkeypatch.setattr(GangStacks, "hand_out", counted)
+
+    def checkpointed(trial: optuna.Trial):
+        peft_config, args = _configure_equal(trial)
+        return peft_config, dataclasses.replace(args, activation_checkpointing=True)
+
+    params = [{"lr": lr} for lr in (1e-4, 1e-3, 3e-3)]
+    terms = _terms(tiny_model, rows=2, length=64)
+    _engines_agree(make_executor, checkpointed, params, terms, schedule="lockstep")
+    assert handed and max(handed) == len(params)  # whole gangs' passes read the stacks
 
 
 def test_a_fused_dpo_study_reports_the_time_sliced_values(make_executor, tiny_model, caplog) -> None:

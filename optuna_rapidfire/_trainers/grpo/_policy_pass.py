@@ -41,7 +41,7 @@ from optuna_rapidfire._fused._fused_pass import (
     pad_right,
     pad_token_id,
 )
-from optuna_rapidfire._fused._stacks import GangStacks
+from optuna_rapidfire._fused._stacks import GangStacks, KeptStacks, computing_dtype
 from optuna_rapidfire._fused._token_stats import token_stats
 from optuna_rapidfire._trainers.grpo._prefix import pair_work, prefix_layout
 from optuna_rapidfire._trainers.grpo._prefix import refusal as prefix_refusal
@@ -50,10 +50,6 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from optuna_rapidfire._trainers._host import GangHost, Member
-
-_KEPT_STACKS = 2
-"""Stacks kept from pass to pass (:meth:`PolicyPasses._loaded_stacks`): a gang's own, and another layout's (an
-evaluation of some of its members, rows that differ) without stacking the gang's again after it."""
 
 
 @dataclass(eq=False)
@@ -98,9 +94,9 @@ class PolicyPasses:
         # Each layer's plan for a gang's adapters and rows (see layer_plans): the same for every pass of one
         # layout while no adapter is added or removed.
         self._plans: dict[tuple[int, tuple[str, ...], tuple[int, ...]], list[Any]] = {}
-        # The gang's adapters stacked for its passes (see _fused/_stacks.py), kept from pass to pass (the last few
-        # gangs' and layouts'); and for each member of an open pass, the stacks that pass read and its position.
-        self._stacks: dict[Any, GangStacks] = {}
+        # The gangs' adapters stacked for their passes (see _fused/_stacks.py), kept from pass to pass; and for each
+        # member of an open pass, the stacks that pass read and its position in them.
+        self._stacks = KeptStacks()
         self._stacked: dict[Member, tuple[GangStacks, int]] = {}
 
     def forward(self, requests: Sequence[LogpsRequest]) -> list[tuple[torch.Tensor, torch.Tensor | None, None]]:
@@ -229,25 +225,11 @@ class PolicyPasses:
         return answers
 
     def _loaded_stacks(self, gang: Gang, plans: list[Any], grad: bool, first: Member) -> GangStacks | None:
-        """The gang's adapters stacked and loaded for a pass (``None``: no layer of the pass reads stacks), in the
-        dtype the pass's mixed precision computes them in: stacks kept for this gang and layout when no open pass
-        still needs what they hold; else new ones, kept unless this gang's kept ones wait for a backward."""
-        kind = self.trials.device.type
-        with first.spec.kind.autocast(first.args, self.trials.device):
-            compute = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-        key = (self.trials.resident.adapters_version, tuple(gang.names), len(set(gang.rows)) == 1, compute)
-        stacks = self._stacks.get(key)
-        if stacks is None or stacks.open:
-            fresh = GangStacks(plans, gang.names, key, compute)
-            if stacks is None:  # kept in place of the oldest kept (an open pass keeps its own stacks alive)
-                if len(self._stacks) >= _KEPT_STACKS:
-                    del self._stacks[next(iter(self._stacks))]
-                self._stacks[key] = fresh
-            stacks = fresh
-        if not len(stacks):
-            return None
-        stacks.load(grad)
-        return stacks
+        """The gang's adapters stacked and loaded for a pass, in the dtype ``first``'s mixed precision computes them
+        in (``None``: no layer of the pass reads stacks; see :meth:`KeptStacks.loaded`)."""
+        compute = computing_dtype(first.spec.kind.autocast(first.args, self.trials.device), self.trials.device)
+        version = self.trials.resident.adapters_version
+        return self._stacks.loaded(plans, gang.names, gang.rows, version, compute, grad)
 
     @functools.cached_property
     def _prefix_refused(self) -> str | None:
