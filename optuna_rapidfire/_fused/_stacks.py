@@ -16,7 +16,9 @@ results do not change.
 
 A loaded stack is saved by its pass's graph: loading it again before that pass's backward would change what the
 backward reads (autograd then refuses the backward), so the owner keeps a stack whose pass is open apart
-(:attr:`GangStacks.open`) and loads another one meanwhile.
+(:attr:`GangStacks.open`) and loads another one meanwhile. :class:`KeptStacks` keeps a few gangs' stacks from pass to
+pass that way; GRPO gangs' shared policy passes use it, and so do SFT and DPO gangs that train in the model's own
+modules rather than the launched pass (activation checkpointing, for one).
 """
 
 from __future__ import annotations
