@@ -130,11 +130,15 @@ def test_a_gang_of_one_adapter_shape_reads_its_adapters_stacked_and_trains_as_ti
     make_executor, prompts, tiny_model
 ) -> None:
     """Members of one rank and targets on equal rows: the shared passes read their adapters from stacks kept for
-    the gang (_fused/_stacks.py), and every trial's completions and values are the time-sliced engine's."""
-    configs = [(lora(r=4), grpo_args(seed=seed, beta=0.1 if seed == 2 else 0.0)) for seed in (1, 2, 3)]
+    the gang (_fused/_stacks.py), and every trial's completions and values are the time-sliced engine's, a KL
+    member's and one that accumulates two micro-batches' gradients (its second adds to its first) too."""
+    configs = [
+        (lora(r=4), grpo_args(seed=seed, beta=0.1 if seed == 2 else 0.0, gradient_accumulation_steps=1 + (seed == 3)))
+        for seed in (1, 2, 3)
+    ]
     fused, fused_metrics, stats = _run(make_executor, prompts, configs, "fused")
     sliced, sliced_metrics, _ = _run(make_executor, prompts, configs, "time_sliced")
-    assert stats.stacked_passes >= stats.fused_steps > 0
+    assert stats.stacked_passes > 0 and stats.fused_steps > 0
     terms = gradient_terms(AutoConfig.from_pretrained(tiny_model), rows=8, length=64)
     for position in range(len(configs)):
         assert fused[position] == sliced[position]
