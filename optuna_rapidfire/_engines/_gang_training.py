@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from optuna_rapidfire._engines._gang_passes import GangPasses, MemberChunk, Pass
     from optuna_rapidfire._engines._launched import Layout
     from optuna_rapidfire._engines._types import TrialRuntime
+    from optuna_rapidfire._trainers._fused_loss import FusedLoss
 
 
 class GangTraining:
@@ -65,16 +66,14 @@ class GangTraining:
         layout = self.launched.load(runtimes) if launched is None else None
         self.layout = layout
         try:
-            return self._train(runtimes, plans, layout)
+            return self._train(runtimes, plans, layout, loss)
         finally:
             self.stacks.clear()
 
     def _train(
-        self, runtimes: Sequence[TrialRuntime], plans: list[MemberChunk], layout: Layout | None
+        self, runtimes: Sequence[TrialRuntime], plans: list[MemberChunk], layout: Layout | None, loss: FusedLoss
     ) -> list[dict[str, float]]:
         device, first = self.device, runtimes[0]
-        loss = first.spec.kind.fused_loss
-        assert loss is not None
         losses: list[list[torch.Tensor]] = [[] for _ in runtimes]
         grad_norms: list[torch.Tensor | None] = [None for _ in runtimes]
         longest = max(len(plan.inputs) for plan in plans)

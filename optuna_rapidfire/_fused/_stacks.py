@@ -129,6 +129,12 @@ class GangStacks:
         gradients keep no other member's alive), or adds it to the gradient it has; one ``foreach`` copy per
         member, one ``foreach`` add for all. The stacks' gradients are cleared for the next backward, and those
         members are no longer :attr:`open`."""
+        try:
+            self._hand_out(positions)
+        finally:  # after a failure too: no pass waits for these members any more
+            self.open.difference_update(positions)
+
+    def _hand_out(self, positions: Collection[int]) -> None:
         found = [(stack.grad.unbind(0), params) for stack, params in self._stacks if stack.grad is not None]
         for stack, _ in self._stacks:
             stack.grad = None
@@ -154,7 +160,6 @@ class GangStacks:
                 param.grad = grad
         if held:
             torch._foreach_add_(held, adding)
-        self.open.difference_update(positions)
 
     def forget(self, positions: Collection[int]) -> None:
         """The members at ``positions`` will not come to a backward (they failed, or left the gang)."""
