@@ -11,6 +11,7 @@ accelerate 1.15.0, torch 2.13.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import TYPE_CHECKING, Any
 
 # The mixin of storages with heartbeats: a proxy of such a storage subclasses it, so that Optuna runs
@@ -301,10 +302,17 @@ def unwrap_without_walks(trainer: Any) -> None:
 def reset_accelerate_state() -> None:
     """Clear accelerate's process-wide state (``AcceleratorState._reset_state``), as every new
     ``TrainingArguments`` does, so that the next ``Accelerator`` (a trainer being built) sets it up whole
-    whatever was left in it."""
-    from accelerate.state import AcceleratorState
+    whatever was left in it.
 
-    AcceleratorState._reset_state(reset_partial_state=True)
+    Setting it up on a GPU asks ``nvidia-smi`` whether the GPUs are consumer cards without peer-to-peer support
+    (``accelerate.state.check_cuda_p2p_ib_support``, a subprocess every time: about 20 ms a trial's build on an
+    H200 host, the first thing a study's builds wait for). The answer depends on the machine's GPUs and driver
+    alone, so it is asked once per process here (``functools.cache``). Public alternative: none."""
+    from accelerate import state
+
+    if not hasattr(state.check_cuda_p2p_ib_support, "cache_info"):
+        state.check_cuda_p2p_ib_support = functools.cache(state.check_cuda_p2p_ib_support)
+    state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
 # -- PEFT and torch ------------------------------------------------------------------------------------

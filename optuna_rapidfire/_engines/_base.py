@@ -98,7 +98,12 @@ class Engine(ABC):
     def snapshot(self, runtime: TrialRuntime, keep: bool = False) -> TrialSnapshot:
         """The trial's state at its latest chunk boundary, as CPU copies (a per-chunk checkpoint, kept for the
         trial's snapshot file when ``keep``: see :meth:`DeviceTrials.snapshot`)."""
-        return self.trials.snapshot(runtime, keep)
+        return self.trials.snapshots([(runtime, keep)])[0]
+
+    def snapshots(self, trials: Sequence[tuple[TrialRuntime, bool]]) -> list[TrialSnapshot]:
+        """:meth:`snapshot` of each ``(runtime, keep)``, read from the device with one wait for it (a gang's members
+        at the end of their chunk: :meth:`DeviceTrials.snapshots`)."""
+        return self.trials.snapshots(trials)
 
     def save_snapshot(self, runtime: TrialRuntime) -> None:
         """Write the trial's state to its snapshot folder (what clones of it start from)."""

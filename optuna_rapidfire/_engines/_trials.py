@@ -242,7 +242,7 @@ class DeviceTrials:
         # states are chunk boundaries, so it is used only for a clone of the latest state kept nowhere.
         live = self._live(number)
         if live is not None and step is None:
-            return self.snapshot(live)
+            return self.snapshots([(live, False)])[0]
         directory = os.path.join(spec.state_dir, f"trial-{number}")
         self._writes.wait(directory)
         if TrialSnapshot.exists(directory):
@@ -251,18 +251,17 @@ class DeviceTrials:
                 return saved
         return reason
 
-    def snapshot(self, runtime: TrialRuntime, keep: bool = False) -> TrialSnapshot:
-        """The trial's state at its latest chunk boundary, copied to the CPU; ``keep``: its last chunk's checkpoint
-        (only read from now on), kept for :meth:`save_snapshot` at its end (no second copy or serialisation)."""
-        if not runtime.state.resident and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # its offload copies to host memory may still be in flight
-        weights = self.resident.adapter_weights(runtime.state.adapter_name)
-        snapshot = TrialSnapshot.capture(
-            runtime.spec.number, runtime.spec.kind.name, runtime.state, weights, runtime.history
-        )
-        if keep:
-            runtime.kept_snapshot = (_boundary(runtime), snapshot)
-        return snapshot
+    def snapshots(self, trials: Sequence[tuple[TrialRuntime, bool]]) -> list[TrialSnapshot]:
+        """Each ``(runtime, keep)``'s state at its latest chunk boundary, copied to the CPU, read from the device
+        together (:meth:`TrialSnapshot.capture_together`); ``keep``: its last chunk's checkpoint (only read from now
+        on), kept for :meth:`save_snapshot` at its end (no second copy or serialisation)."""
+        if self.device.type == "cuda" and not all(runtime.state.resident for runtime, _ in trials):
+            torch.cuda.synchronize(self.device)  # offload copies to host memory may still be in flight
+        snapshots = TrialSnapshot.capture_together([_parts(self, runtime) for runtime, _ in trials])
+        for (runtime, keep), snapshot in zip(trials, snapshots, strict=True):
+            if keep:
+                runtime.kept_snapshot = (_boundary(runtime), snapshot)
+        return snapshots
 
     def save_snapshot(self, runtime: TrialRuntime) -> None:
         """Write the trial's state to its snapshot folder (what clones of it start from), once it trained.
@@ -271,7 +270,7 @@ class DeviceTrials:
         background thread (a reader of the folder waits for it: :meth:`flush`) while the device trains on.
         """
         if runtime.state.position.chunks_done > 0:
-            snapshot, study = _kept(runtime) or self.snapshot(runtime), runtime.spec.study_name
+            snapshot, study = _kept(runtime) or self.snapshots([(runtime, False)])[0], runtime.spec.study_name
             directory = os.path.join(runtime.spec.state_dir, f"trial-{runtime.spec.number}")
             self._writes.submit(directory, lambda: snapshot.save(directory, study))
 
@@ -506,6 +505,14 @@ def _summed(counters: list[dict[str, Any]]) -> dict[str, Any]:
             else:
                 total[name] = total.get(name, 0) + count
     return total
+
+
+def _parts(
+    trials: DeviceTrials, runtime: TrialRuntime
+) -> tuple[int, str, SwapState, dict[str, torch.Tensor], list[dict[str, float]]]:
+    """What :meth:`TrialSnapshot.capture_together` copies of a trial."""
+    weights = trials.resident.adapter_weights(runtime.state.adapter_name)
+    return runtime.spec.number, runtime.spec.kind.name, runtime.state, weights, runtime.history
 
 
 def _kept(runtime: TrialRuntime) -> TrialSnapshot | None:

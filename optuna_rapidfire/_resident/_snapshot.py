@@ -9,6 +9,7 @@ to a local folder (clones on the same machine) or to an artifact store (per-chun
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -25,7 +26,7 @@ from optuna_rapidfire import _compat
 from optuna_rapidfire._resident._state import Position, RngState
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator, Sequence
 
     from optuna_rapidfire._resident._state import SwapState
 
@@ -75,25 +76,38 @@ class TrialSnapshot:
         history: list[dict[str, float]],
     ) -> TrialSnapshot:
         """Copy ``state`` (and the adapter ``weights``) to the CPU."""
-        on_cpu, optimizer = _to_cpu([weights, state.optimizer.state_dict()])  # in one bulk copy per dtype
-        return cls(
-            trial_number=trial_number,
-            kind=kind,
-            weights=on_cpu,
-            optimizer=optimizer,
-            scheduler_steps=state.position.optimizer_steps,
-            scaler=None if state.scaler is None else dict(state.scaler.state_dict()),
-            rng=RngState(
-                cpu=state.rng.cpu.clone(),
-                device=None if state.rng.device is None else state.rng.device.clone(),
-                python=state.rng.python,
-                numpy=state.rng.numpy,
-            ),
-            position=Position(state.position.chunks_done, state.position.optimizer_steps),
-            history=[dict(h) for h in history],
-            dropout_rng=None if state.dropout_rng is None else state.dropout_rng.clone(),
-            sample_rng=None if state.sample_rng is None else state.sample_rng.clone(),
-        )
+        return cls.capture_together([(trial_number, kind, state, weights, history)])[0]
+
+    @classmethod
+    def capture_together(
+        cls, trials: Sequence[tuple[int, str, SwapState, dict[str, torch.Tensor], list[dict[str, float]]]]
+    ) -> list[TrialSnapshot]:
+        """:meth:`capture` of each of ``trials`` (trial number, kind, state, adapter weights, history), their copies
+        apart from each other's but read from the device with one wait for it (:func:`copied_to_cpu_apart`): a gang's
+        members at the end of their chunk, before any of their drivers runs (their checkpoints take Python's global
+        lock, which every one of these copies' operators would wait for)."""
+        copied = _to_cpu_apart([[weights, state.optimizer.state_dict()] for _, _, state, weights, _ in trials])
+        return [
+            cls(
+                trial_number=trial_number,
+                kind=kind,
+                weights=on_cpu,
+                optimizer=optimizer,
+                scheduler_steps=state.position.optimizer_steps,
+                scaler=None if state.scaler is None else dict(state.scaler.state_dict()),
+                rng=RngState(
+                    cpu=state.rng.cpu.clone(),
+                    device=None if state.rng.device is None else state.rng.device.clone(),
+                    python=state.rng.python,
+                    numpy=state.rng.numpy,
+                ),
+                position=Position(state.position.chunks_done, state.position.optimizer_steps),
+                history=[dict(h) for h in history],
+                dropout_rng=None if state.dropout_rng is None else state.dropout_rng.clone(),
+                sample_rng=None if state.sample_rng is None else state.sample_rng.clone(),
+            )
+            for (trial_number, kind, state, _, history), (on_cpu, optimizer) in zip(trials, copied, strict=True)
+        ]
 
     def compatible_with(self, kind: str, shapes: dict[str, torch.Size]) -> str | None:
         """Why a trial of ``kind`` with adapter weight ``shapes`` cannot continue from here (or None)."""
@@ -240,10 +254,22 @@ def _to_cpu(value: Any) -> Any:
     device's tensors travel in a few bulk copies (one per dtype, up to :data:`_BULK_BYTES` each) instead of one
     synchronous copy per tensor (a trial's LoRA weights and optimizer moments are hundreds of small tensors:
     about 90 ms a snapshot one by one on an H200 host)."""
-    found: list[torch.Tensor] = []
-    _mapped(value, found.append)
-    copies = iter(copied_to_cpu(found))
-    return _mapped(value, lambda _: next(copies))
+    return _to_cpu_apart([value])[0]
+
+
+def _to_cpu_apart(values: list[Any]) -> list[Any]:
+    """:func:`_to_cpu` of each of ``values``, their copies apart from each other's (:func:`copied_to_cpu_apart`)."""
+    found: list[list[torch.Tensor]] = [[] for _ in values]
+    for value, tensors in zip(values, found, strict=True):
+        _mapped(value, tensors.append)
+    return [
+        _mapped(value, functools.partial(_next_of, iter(copies)))
+        for value, copies in zip(values, copied_to_cpu_apart(found), strict=True)
+    ]
+
+
+def _next_of(copies: Iterator[torch.Tensor], _: torch.Tensor) -> torch.Tensor:
+    return next(copies)
 
 
 def _mapped(value: Any, change: Callable[[torch.Tensor], Any]) -> Any:
@@ -259,6 +285,9 @@ def _mapped(value: Any, change: Callable[[torch.Tensor], Any]) -> Any:
 
 _BULK_BYTES = 256 * 2**20
 """The most bytes one bulk copy to the CPU gathers on the device (its transient copy there)."""
+_STAGED_BYTES = 4 * _BULK_BYTES
+"""The most bytes of bulk copies :func:`copied_to_cpu_apart` has in flight (on the device and page-locked on the
+host) before it waits for them."""
 
 
 def copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -268,12 +297,42 @@ def copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     whatever the number of tensors: a device's thread that copied each tensor out by an operator of its own waited
     for Python's global lock at each of them while another thread ran Python code (a 1B trial's state, 513 tensors,
     beside such a thread: 4.9 s against 0.10 s on a 2-core CPU, ``python -m benchmarks.snapshot_gil``)."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
+    return copied_to_cpu_apart([tensors])[0]
+
+
+def copied_to_cpu_apart(groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """:func:`copied_to_cpu` of each group of tensors, no copy of one group sharing memory with another group's, but
+    the bulk copies of every group read from the devices before one wait for them (up to :data:`_STAGED_BYTES` in
+    flight): a gang's members' states, 8 x 41 MB for 1B trials, each copied with a wait of its own paid that wait
+    8 times and let the members' drivers take Python's global lock in between."""
+    out: list[list[torch.Tensor | None]] = [[None] * len(tensors) for tensors in groups]
+    staged: list[_Staged] = []
+    in_flight = 0
+    for tensors, copies in zip(groups, out, strict=True):
+        for run in _bulk_runs(tensors, copies):
+            chosen = [tensors[i] for i in run]
+            if len(run) == 1:  # flattening one tensor gives a view of it, not a copy
+                copies[run[0]] = _one_to_cpu(chosen[0])
+                continue
+            if in_flight and in_flight + sum(t.nbytes for t in chosen) > _STAGED_BYTES:
+                _cut(staged)
+                in_flight = 0
+            with torch.no_grad():
+                host, device = _stage(_compat.flatten_dense_tensors(chosen))
+            staged.append((copies, run, chosen, host, device))
+            in_flight += host.nbytes
+    _cut(staged)
+    return [cast("list[torch.Tensor]", copies) for copies in out]
+
+
+def _bulk_runs(tensors: list[torch.Tensor], copies: list[torch.Tensor | None]) -> list[list[int]]:
+    """The indices of ``tensors`` gathered per (device, dtype), up to :data:`_BULK_BYTES` a run; a tensor with
+    nothing to gather (or too large to gather on the device) is copied into ``copies`` here."""
     batches: dict[tuple[torch.device, torch.dtype], list[list[int]]] = {}
     filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in each key's last run
     for i, tensor in enumerate(tensors):
         if tensor.layout != torch.strided or tensor.numel() == 0 or tensor.nbytes > _BULK_BYTES:
-            out[i] = _one_to_cpu(tensor)  # nothing to gather (or a copy on the device too large)
+            copies[i] = _one_to_cpu(tensor)
             continue
         key = (tensor.device, tensor.dtype)
         runs = batches.setdefault(key, [[]])
@@ -282,35 +341,41 @@ def copied_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             filled[key] = 0
         runs[-1].append(i)
         filled[key] = filled.get(key, 0) + tensor.nbytes
-    for runs in batches.values():
-        for run in runs:
-            chosen = [tensors[i] for i in run]
-            if len(run) == 1:  # flattening one tensor gives a view of it, not a copy
-                out[run[0]] = _one_to_cpu(chosen[0])
-                continue
-            with torch.no_grad():
-                flat = _bulk_to_cpu(_compat.flatten_dense_tensors(chosen))
-            # Cut with grad mode as the caller has it: views made under no_grad refuse in-place changes under grad.
-            for i, copy in zip(run, _compat.unflatten_dense_tensors(flat, chosen), strict=True):
-                out[i] = copy
-    return cast("list[torch.Tensor]", out)
+    return [run for runs in batches.values() for run in runs]
 
 
-def _bulk_to_cpu(flat: torch.Tensor) -> torch.Tensor:
-    """``flat`` (a tensor made for this copy) on the CPU, in memory of its own; from a GPU, read through a
-    page-locked buffer: a copy into pageable memory goes through the driver's staging buffers at a fraction of the
-    bus's pace (35 ms against 2 ms for a 1B trial's 41 MB of LoRA weights and moments on an H200 host). The buffer
-    comes from torch's cache of page-locked memory and is only read here (copied out in one operator), so the next
-    snapshot reuses it."""
+_Staged = tuple[list[torch.Tensor | None], list[int], list[torch.Tensor], torch.Tensor, torch.device | None]
+"""A bulk run on its way to the CPU: its copies' slots, their indices, their sources, the host buffer and the device
+whose stream is still copying into it (``None``: the buffer is the run's copy already)."""
+
+
+def _stage(flat: torch.Tensor) -> tuple[torch.Tensor, torch.device | None]:
+    """Start copying ``flat`` (a tensor made for this copy) to the CPU: from a GPU, into a page-locked buffer, read
+    once the device's stream got there (:func:`_cut`); a copy into pageable memory goes through the driver's staging
+    buffers at a fraction of the bus's pace (35 ms against 2 ms for a 1B trial's 41 MB of LoRA weights and moments on
+    an H200 host). The buffer comes from torch's cache of page-locked memory and is only read (copied out by one
+    operator), so later copies reuse it. On the CPU, ``flat`` itself, in memory of its own."""
     if flat.device.type != "cuda":
-        return flat.cpu()  # on the CPU already: ``flat`` itself, made for this copy
+        return flat, None
     try:
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
     except RuntimeError:  # no page-locked memory to be had (a locked-memory limit): the driver's staging
-        return flat.cpu()
+        return flat.cpu(), None
     host.copy_(flat, non_blocking=True)
-    torch.cuda.current_stream(flat.device).synchronize()
-    return host.clone()
+    return host, flat.device
+
+
+def _cut(staged: list[_Staged]) -> None:
+    """Wait for the staged copies' devices once, then give each run's copies memory of their own (out of the
+    page-locked buffers) and cut them into their tensors; ``staged`` is emptied."""
+    for waited in {device for *_, device in staged if device is not None}:
+        torch.cuda.current_stream(waited).synchronize()
+    for copies, run, chosen, host, device in staged:
+        flat = host if device is None else host.clone()
+        # Cut with grad mode as the caller has it: views made under no_grad refuse in-place changes under grad.
+        for i, copy in zip(run, _compat.unflatten_dense_tensors(flat, chosen), strict=True):
+            copies[i] = copy
+    staged.clear()
 
 
 def _one_to_cpu(tensor: torch.Tensor) -> torch.Tensor:

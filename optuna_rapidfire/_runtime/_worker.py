@@ -140,8 +140,7 @@ class DeviceWorker(threading.Thread):
             if events.listening(events.PassTrained):
                 numbers, seconds = tuple(e.number for e in entries), time.perf_counter() - start
                 events.emit(events.PassTrained(numbers, steps, seconds, self.engine.name))
-            for member, result in zip(entries, results, strict=True):
-                self.deliver(member, result)  # an error fails this member alone
+            self.deliver_all([(member, result, None) for member, result in zip(entries, results, strict=True)])
             return
         [entry] = entries
         if task is Task.BUILD:
@@ -201,23 +200,39 @@ class DeviceWorker(threading.Thread):
                 for victim in entries:
                     self._fail(victim, error)
 
-    def deliver(self, entry: Entry, result: ChunkResult | BaseException, mates: frozenset[int] | None = None) -> None:
-        """Hand a member's chunk (or its error) to its driver."""
-        if not isinstance(result, BaseException):
-            result = diverged(result) or result
-        if isinstance(result, BaseException):
-            self._fail(entry, result)
-        else:
-            self._deliver(entry, result, mates)
-
-    def _deliver(self, entry: Entry, result: ChunkResult, mates: frozenset[int] | None = None) -> None:
-        """Hand a trained chunk to the trial's driver (with its state as a checkpoint, when it has them)."""
-        if entry.spec.checkpoint:
+    def deliver_all(
+        self, delivered: Sequence[tuple[Entry, ChunkResult | BaseException, frozenset[int] | None]]
+    ) -> None:
+        """Hand each member's chunk (or its error: it fails that member alone) to its driver, with the mates that
+        ended the same step beside it. The states of those that keep checkpoints are copied to the host first, all
+        together and before any driver runs (:meth:`Engine.snapshots`): a driver checkpoints, holding Python's
+        global lock, while this thread would copy the next member's state."""
+        checked = [(entry, _checked(result), mates) for entry, result, mates in delivered]
+        saving = [(e, r) for e, r, _ in checked if not isinstance(r, BaseException) and e.spec.checkpoint]
+        if len(saving) > 1:
             start = time.perf_counter()
-            result.snapshot = self.engine.snapshot(entry.built, keep=result.last)  # kept for FINISH
-            result.snapshot_seconds = time.perf_counter() - start
-        self.scheduler.chunk_done(entry, mates)
-        entry.events.put(result)
+            try:
+                snapshots = self.engine.snapshots([(e.built, r.last) for e, r in saving])
+            except Exception:  # copied one by one below: a failure fails its member alone
+                _logger.debug("Copying %d members' states together raised.", len(saving), exc_info=True)
+            else:
+                seconds = (time.perf_counter() - start) / len(saving)
+                for (_, chunk), snapshot in zip(saving, snapshots, strict=True):
+                    chunk.snapshot, chunk.snapshot_seconds = snapshot, seconds
+        for entry, result, mates in checked:
+            if isinstance(result, BaseException):
+                self._fail(entry, result)
+                continue
+            if entry.spec.checkpoint and result.snapshot is None:
+                start = time.perf_counter()
+                try:
+                    result.snapshot = self.engine.snapshot(entry.built, keep=result.last)  # kept for FINISH
+                except Exception as error:  # this member's failure only
+                    self._fail(entry, error)
+                    continue
+                result.snapshot_seconds = time.perf_counter() - start
+            self.scheduler.chunk_done(entry, mates)
+            entry.events.put(result)
 
     def _fail(self, entry: Entry, error: BaseException) -> None:
         text = "".join(traceback.format_exception(error))
@@ -256,11 +271,18 @@ class _Refill:
         # Each member's step before any delivery moves one on: a member delivered first would otherwise count as
         # the mate of a member one chunk ahead, whose decision then waits for a report that never comes.
         steps = [entry.chunks_done for entry, _ in entries]
-        for (entry, result), step in zip(entries, steps, strict=True):
-            mates = frozenset(
-                o.number for (o, _), at in zip(entries, steps, strict=True) if o is not entry and at == step
-            )
-            self.worker.deliver(entry, result, mates)
+        self.worker.deliver_all(
+            [
+                (
+                    entry,
+                    result,
+                    frozenset(
+                        o.number for (o, _), at in zip(entries, steps, strict=True) if o is not entry and at == step
+                    ),
+                )
+                for (entry, result), step in zip(entries, steps, strict=True)
+            ]
+        )
 
     def timed(self, members: int, seconds: float) -> None:
         self.worker.scheduler.pass_costs.add(members, seconds)
@@ -268,3 +290,8 @@ class _Refill:
     def seated(self) -> list[Entry]:
         """The members in the stream now (joined, not delivered)."""
         return list(self._active.values())
+
+
+def _checked(result: ChunkResult | BaseException) -> ChunkResult | BaseException:
+    """``result``, or the error of a chunk whose values diverged."""
+    return result if isinstance(result, BaseException) else diverged(result) or result

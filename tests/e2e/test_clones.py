@@ -6,6 +6,7 @@ import hashlib
 import math
 import subprocess
 import sys
+from typing import Any
 
 import optuna
 import pytest
@@ -259,21 +260,24 @@ def test_a_finished_trials_snapshot_file_is_its_last_checkpoint_taken_from_the_d
     make_executor, monkeypatch, tmp_path, engine: str
 ) -> None:
     """The state a finished trial leaves for clones is the one its last chunk's checkpoint copied to the host:
-    copied from the device once a chunk, not again at the trial's end, and written with the study's name."""
-    captured: list[int] = []
-    capture = TrialSnapshot.capture
+    copied from the device once a chunk, not again at the trial's end, and written with the study's name. A gang's
+    members that end a chunk together are copied together (one wait for the device), before either driver runs."""
+    captured: list[list[int]] = []
+    capture = TrialSnapshot.capture_together.__func__  # type: ignore[attr-defined]
 
-    def counted(number: int, *args, **kwargs) -> TrialSnapshot:
-        captured.append(number)
-        return capture(number, *args, **kwargs)
+    def counted(cls: type[TrialSnapshot], trials: list[tuple[Any, ...]]) -> list[TrialSnapshot]:
+        captured.append([number for number, *_ in trials])
+        return capture(cls, trials)
 
-    monkeypatch.setattr(TrialSnapshot, "capture", counted)
-    executor = make_executor(num_chunks=2, max_concurrent_trials=2, engine=engine)
+    monkeypatch.setattr(TrialSnapshot, "capture_together", classmethod(counted))
+    executor = make_executor(num_chunks=2, max_concurrent_trials=2, engine=engine, schedule="lockstep")
     study = optuna.create_study(study_name="kept", pruner=optuna.pruners.NopPruner())
     configs = [(lora(r=4), sft_args(learning_rate=1e-2 * (i + 1), seed=i)) for i in range(2)]
     executor.optimize(study, by_number(configs), n_trials=2)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
-    assert sorted(captured) == [0, 0, 1, 1]  # one per chunk
+    assert sorted(n for numbers in captured for n in numbers) == [0, 0, 1, 1]  # one per chunk
+    if engine == "fused":  # the gang's two members, together at each of the two chunks' ends
+        assert [sorted(numbers) for numbers in captured] == [[0, 1], [0, 1]]
     kept = study._storage.get_study_system_attrs(study._study_id)
     for number in (0, 1):
         blob = (tmp_path / "out" / "kept" / "state" / f"trial-{number}" / "snapshot.safetensors").read_bytes()
@@ -281,3 +285,23 @@ def test_a_finished_trials_snapshot_file_is_its_last_checkpoint_taken_from_the_d
         assert study_name == "kept" and snapshot.trial_number == number and snapshot.position.chunks_done == 2
         last_checkpoint = kept[f"{_attrs.CHUNK_STATES_PREFIX}{number}"]["2"]
         assert hashlib.sha256(blob).hexdigest() == last_checkpoint["sha256"]  # the very bytes of the checkpoint
+
+
+def test_a_member_whose_state_cannot_be_copied_fails_alone(make_executor, monkeypatch) -> None:
+    """When copying a gang's states together raises, each member's is copied alone: the one that cannot be copied
+    fails its trial, the other member's chunk is reported and its trial completes."""
+    capture = TrialSnapshot.capture_together.__func__  # type: ignore[attr-defined]
+
+    def failing(cls: type[TrialSnapshot], trials: list[tuple[Any, ...]]) -> list[TrialSnapshot]:
+        if len(trials) > 1 or trials[0][0] == 1:
+            raise RuntimeError(f"no host memory for trial {[number for number, *_ in trials]}")
+        return capture(cls, trials)
+
+    monkeypatch.setattr(TrialSnapshot, "capture_together", classmethod(failing))
+    executor = make_executor(num_chunks=2, max_concurrent_trials=2, engine="fused", schedule="lockstep")
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    configs = [(lora(r=4), sft_args(learning_rate=1e-2 * (i + 1), seed=i)) for i in range(2)]
+    executor.optimize(study, by_number(configs), n_trials=2)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL]
+    assert sorted(study.trials[0].intermediate_values) == [0, 1] and not study.trials[1].intermediate_values
+    assert "no host memory for trial [1]" in study.trials[1].user_attrs[_attrs.FAIL_REASON]

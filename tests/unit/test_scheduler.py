@@ -692,9 +692,10 @@ def test_members_ending_at_one_pass_boundary_are_mates_only_of_those_that_ended_
         def __init__(self) -> None:
             self.scheduler = scheduler
 
-        def deliver(self, entry: Entry, result: object, mates: frozenset[int]) -> None:
-            delivered[entry.number] = mates
-            scheduler.chunk_done(entry, mates)
+        def deliver_all(self, ended: list[tuple[Entry, object, frozenset[int]]]) -> None:
+            for entry, _, mates in ended:
+                delivered[entry.number] = mates
+                scheduler.chunk_done(entry, mates)
 
     for entry in entries:
         entry.status = Status.TRAINING

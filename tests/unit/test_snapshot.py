@@ -256,6 +256,27 @@ def test_state_is_copied_in_bulk_apart_from_its_sources(monkeypatch: pytest.Monk
     assert torch.equal(_snapshot._to_cpu({"s": sparse})["s"].to_dense(), torch.eye(3))
 
 
+def test_groups_copied_together_stay_apart_from_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups of tensors copied together (a gang's members' states): each group's copies equal its sources, and no
+    copy of one group shares memory with another group's (each member's checkpoint keeps its own memory); with
+    little room for copies in flight, they are cut in several waits and still equal."""
+    from optuna_rapidfire._resident import _snapshot
+
+    groups = [[torch.randn(4, 3), torch.arange(5), torch.randn(2, 2).t(), torch.randn(6)] for _ in range(3)]
+    for room in (_snapshot._STAGED_BYTES, 100):
+        monkeypatch.setattr(_snapshot, "_STAGED_BYTES", room)
+        copied = _snapshot.copied_to_cpu_apart(groups)
+        for sources, copies in zip(groups, copied, strict=True):
+            assert all(
+                torch.equal(copy, source) and copy.is_contiguous() for copy, source in zip(copies, sources, strict=True)
+            )
+        memory = [{copy.untyped_storage().data_ptr() for copy in copies} for copies in copied]
+        assert all(not memory[i] & memory[j] for i in range(3) for j in range(i + 1, 3))
+        assert all(len(m) < 4 for m in memory)  # gathered in bulk within a group
+        sources = {source.untyped_storage().data_ptr() for group in groups for source in group}
+        assert not sources & set().union(*memory)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="copies from a GPU via page-locked memory (run on the H200)")
 def test_bulk_copies_from_a_gpu_equal_their_sources_and_outlive_the_staging_buffer() -> None:
     """A GPU's tensors come to the CPU through a page-locked buffer that the next copy reuses: each copy equals its

@@ -450,6 +450,28 @@ def test_a_trainer_unwraps_the_resident_model_without_walking_it(
         assert walked == [other]
 
 
+def test_accelerates_gpu_probe_runs_once_however_many_trainers_reset_its_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each trainer build resets accelerate's state, whose set-up on a GPU runs ``nvidia-smi`` (a subprocess): its
+    answer, which depends on the machine alone, is asked once per process and the state is still reset."""
+    from accelerate import state
+
+    asked: list[int] = []
+
+    def probe() -> bool:
+        asked.append(1)
+        return True
+
+    monkeypatch.setattr(state, "check_cuda_p2p_ib_support", probe)
+    state.PartialState()
+    for _ in range(3):
+        _compat.reset_accelerate_state()
+        assert not state.PartialState._shared_state  # cleared for the next trainer's accelerator
+        assert state.check_cuda_p2p_ib_support() and state.check_cuda_p2p_ib_support()
+    assert asked == [1]
+
+
 def _token_nll(resident: ResidentModel, batch: dict[str, Any], labels: torch.Tensor, base: bool) -> torch.Tensor:
     """Each loss token's negative log-probability from the plain model's logits (``base``: adapters off)."""
     row, column = (labels != -100).nonzero(as_tuple=True)
