@@ -64,3 +64,29 @@ def test_a_pass_s_rows_and_tokens_are_marked_dynamic_on_copies() -> None:
     assert dims(marked[5].units) == set() and dims(marked[5].keys) == dims(marked[5].drop) == {0}
     assert marked[5].tokens is None and marked[3:5] == args[3:5]
     assert dims(h) == dims(cos) == set()
+
+
+def test_the_background_compiler_gets_copies_of_the_tensors_the_passes_train() -> None:
+    """What the background compiler's thread compiles on holds none of the tensors the device's thread trains (a
+    thread reading their autograd state while the other ran the pass on them deadlocked in torch): each tensor that
+    requires grad is a zeroed leaf of its own layout, those that shared a storage share one copy, and the frozen
+    ones are the same tensors (read, never written)."""
+    from optuna_rapidfire._engines._background import _apart
+
+    projections = [Projection(0, "q_proj", 16, 16), Projection(0, "v_proj", 16, 8)]
+    slots = GangSlots(projections, rank=8, slots=3, dtype=torch.float32, device=torch.device("cpu"))
+    loras = tuple(Lora(slots.a[p], slots.b[p], slots.scale[p]) for p in projections)
+    weights = (torch.randn(16, 16), None)
+    args = (torch.zeros(8, 5, 16).requires_grad_(True), weights, loras, Rows(torch.zeros(4, dtype=torch.int64)), 3)
+    apart = _apart(args, {})
+    trained = [t for lora in loras for t in lora if t.requires_grad]
+    copies = [t for lora in apart[2] for t in lora if t.requires_grad]
+    assert len(trained) == len(copies) >= 4 and all(type(lora) is Lora for lora in apart[2])
+    originals = {t.untyped_storage().data_ptr() for t in [*trained, args[0]]}
+    assert not originals & {t.untyped_storage().data_ptr() for t in [*copies, apart[0]]}
+    for original, copy in zip(trained, copies, strict=True):
+        assert _props(copy) == _props(original) and copy.is_leaf and not copy.any()
+    assert len({t.untyped_storage().data_ptr() for t in copies}) == len(
+        {t.untyped_storage().data_ptr() for t in trained}
+    )
+    assert apart[1][0] is weights[0] and apart[3].units is args[3].units and apart[4] == 3
