@@ -405,10 +405,10 @@ def safetensors_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str])
     length, the JSON header padded to 8 bytes, then the tensors' bytes, by dtype (larger items first) and name (the
     same tensors as ``safetensors.torch.save`` writes, not always in its order).
 
-    The bytes are gathered by a few operators (one flattening per dtype, one concatenation into the blob's
-    buffer) whatever the number of tensors: each runs outside Python's global lock, which another thread (the
-    device's, training meanwhile) takes back at every operator it runs. Tensors of other dtypes or layouts, or a
-    big-endian machine, take safetensors' own writer.
+    The bytes are gathered by two operators per dtype (the buffer's region cut into views shaped like the tensors,
+    one copy into them all) whatever the number of tensors, each byte copied once: each runs outside Python's
+    global lock, which another thread (the device's, training meanwhile) takes back at every operator it runs.
+    Tensors of other dtypes or layouts, or a big-endian machine, take safetensors' own writer.
     """
     if sys.byteorder != "little" or any(
         t.dtype not in _DTYPES or t.layout != torch.strided or t.device.type != "cpu" or t.is_neg()
@@ -437,10 +437,13 @@ def safetensors_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str])
     buffer = torch.empty(start + offset, dtype=torch.uint8)
     buffer[:start] = torch.frombuffer(bytearray(len(text).to_bytes(8, "little") + text), dtype=torch.uint8)
     with torch.no_grad():
-        flats = [_compat.flatten_dense_tensors([tensors[name] for name in groups[dtype]]) for dtype in dtypes]
-        parts = [flat.view(torch.uint8) for flat in flats if flat.numel()]
-        if parts:
-            torch.cat(parts, out=buffer[start:])
+        for dtype in dtypes:  # larger items first: each dtype's region starts aligned to its item size
+            chosen = [tensors[name] for name in groups[dtype]]
+            size = sum(t.nbytes for t in chosen)
+            if size:
+                region = buffer[start : start + size].view(dtype)
+                torch._foreach_copy_(_compat.unflatten_dense_tensors(region, chosen), chosen)
+            start += size
     return buffer.numpy().data.toreadonly()
 
 
