@@ -22,6 +22,7 @@ import argparse
 import bisect
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import threading
@@ -40,7 +41,7 @@ MEET = "(a member waiting)"
 TURN = "members' turns"
 PHASES = {
     "optuna_rapidfire._runtime._scheduler:Scheduler.next_task": "waiting for a task",
-    "optuna_rapidfire._runtime._worker:DeviceWorker._deliver": "delivering a chunk",
+    "optuna_rapidfire._runtime._worker:DeviceWorker.deliver_all": "delivering chunks",
     "optuna_rapidfire._engines._base:Engine.build": "build",
     "optuna_rapidfire._resident._model:ResidentModel.add_adapter": "build: adapter",
     "trl:GRPOTrainer.__init__": "build: TRL trainer",
@@ -86,7 +87,7 @@ class Recorder:
     def __init__(self) -> None:
         self.spans: list[tuple[int, int, str, int]] = []
         self._lock = threading.Lock()
-        self._undo: list[tuple[Any, str, Any]] = []
+        self._undo: list[tuple[Any, str, Any, bool]] = []
 
     def install(self) -> None:
         import importlib
@@ -97,13 +98,18 @@ class Recorder:
             *path, name = qualified.split(".")
             for part in path:
                 owner = getattr(owner, part)
-            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-            self._undo.append((owner, name, original))
+            # A class's own attribute, or the one it inherits (``AdamW.step`` is ``Adam.step`` in some torch versions).
+            original = inspect.getattr_static(owner, name) if isinstance(owner, type) else getattr(owner, name)
+            own = not isinstance(owner, type) or name in owner.__dict__
+            self._undo.append((owner, name, original, own))
             setattr(owner, name, self._wrapped(original, phase))
 
     def uninstall(self) -> None:
-        for owner, name, original in reversed(self._undo):
-            setattr(owner, name, original)
+        for owner, name, original, own in reversed(self._undo):
+            if own:
+                setattr(owner, name, original)
+            else:  # inherited: the class's own wrapper goes, the parent's method shows through again
+                delattr(owner, name)
         self._undo.clear()
 
     def _wrapped(self, original: Any, phase: str) -> Any:

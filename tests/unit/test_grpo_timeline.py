@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from benchmarks.grpo_timeline import BACKGROUND, MEET, TURN, Busy, attribute, background, clock_offset
 
 
@@ -49,3 +51,18 @@ def test_checkpoints_of_other_threads_are_summed_apart_and_leave_the_attribution
     assert checkpoints["calls"] == 2 and round(checkpoints["seconds"] * 1e9) == 110
     assert round(checkpoints["wall_seconds"] * 1e9) == 80  # from 10 to 90
     assert found["snapshot file (the writer's thread)"] == {"calls": 0, "seconds": 0.0, "wall_seconds": 0.0}
+
+
+def test_every_phase_names_a_function_that_exists_and_is_put_back() -> None:
+    """The timeline wraps each phase's function by name: a renamed one fails here, not on the GPU."""
+    from benchmarks.grpo_timeline import PHASES, Recorder
+
+    recorder = Recorder()
+    recorder.install()
+    try:
+        assert len(recorder._undo) == len(PHASES)
+        assert all(getattr(owner, name) is not original for owner, name, original, _ in recorder._undo)
+        undo = list(recorder._undo)
+    finally:
+        recorder.uninstall()
+    assert all(inspect.getattr_static(owner, name) is original for owner, name, original, _ in undo)
