@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 from typing import TYPE_CHECKING, Any
 
 # The mixin of storages with heartbeats: a proxy of such a storage subclasses it, so that Optuna runs
@@ -312,7 +313,48 @@ def reset_accelerate_state() -> None:
 
     if not hasattr(state.check_cuda_p2p_ib_support, "cache_info"):
         state.check_cuda_p2p_ib_support = functools.cache(state.check_cuda_p2p_ib_support)
+    keep_accelerate_environment()
     state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def keep_accelerate_environment() -> None:
+    """Make accelerate's ``KwargsHandler.to_kwargs`` (which an ``Accelerator`` runs for its handlers: every trainer
+    build) compute each handler class's defaults once per process instead of at every call. To compute them it
+    empties ``os.environ`` for the whole process (``clear_environment``) and fills it again: a thread reading the
+    environment meanwhile (the MLflow tracker's HTTP client, iterating it for proxies) found variables gone and
+    failed (``KeyError``), dropping a trial's logged params. The defaults are computed without the environment by
+    construction, so the cached ones are the same; the handler classes that take no arguments are computed here at
+    once (called from the executor's construction, before its threads start). Public alternative: none."""
+    from accelerate.utils import dataclasses as handlers
+    from accelerate.utils.environment import clear_environment
+
+    if getattr(handlers.KwargsHandler.to_kwargs, "_rapidfire", False):
+        return
+    defaults: dict[type, dict[str, Any]] = {}
+    lock = threading.Lock()
+
+    def default_of(cls: type) -> dict[str, Any]:
+        with lock:
+            found = defaults.get(cls)
+            if found is None:
+                with clear_environment():
+                    found = defaults[cls] = cls().to_dict()
+            return found
+
+    def to_kwargs(self: Any) -> dict[str, Any]:
+        default = default_of(type(self))
+        return {k: v for k, v in self.to_dict().items() if default[k] != v}
+
+    to_kwargs._rapidfire = True  # type: ignore[attr-defined]
+    handlers.KwargsHandler.to_kwargs = to_kwargs
+    pending = list(handlers.KwargsHandler.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        try:
+            default_of(cls)
+        except Exception:  # a handler that needs arguments: computed at its first call
+            continue
 
 
 # -- PEFT and torch ------------------------------------------------------------------------------------

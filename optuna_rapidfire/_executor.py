@@ -177,6 +177,7 @@ class RapidFireExecutor:
     @takes_options_of(ExecutorConfig)
     def __init__(self, **options: Any) -> None:
         quiet_library_noise()
+        _compat.keep_accelerate_environment()  # before this executor's threads start
         self.config = ExecutorConfig.from_options(type(self).__name__, options)
         devices = self.config.devices
         self._devices = resolve_devices(devices)

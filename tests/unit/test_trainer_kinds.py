@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import threading
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -470,6 +472,36 @@ def test_accelerates_gpu_probe_runs_once_however_many_trainers_reset_its_state(
         assert not state.PartialState._shared_state  # cleared for the next trainer's accelerator
         assert state.check_cuda_p2p_ib_support() and state.check_cuda_p2p_ib_support()
     assert asked == [1]
+
+
+def test_accelerates_handlers_leave_the_environment_to_other_threads() -> None:
+    """An Accelerator's handlers compute their defaults with the process's environment emptied: a thread reading it
+    meanwhile (an HTTP client looking for proxies) found variables gone. Computed once per class now, the
+    environment stays whole under another thread's reads, and each handler's kwargs are what accelerate gives."""
+    from accelerate.utils import AutocastKwargs, GradScalerKwargs
+
+    _compat.keep_accelerate_environment()
+    missing: list[KeyError] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                dict(os.environ.items())
+            except KeyError as error:
+                missing.append(error)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(500):
+            assert AutocastKwargs(enabled=False).to_kwargs() == {"enabled": False}
+            assert GradScalerKwargs(init_scale=2.0).to_kwargs() == {"init_scale": 2.0}
+            assert GradScalerKwargs().to_kwargs() == {}
+    finally:
+        done.set()
+        reader.join()
+    assert not missing
 
 
 def _token_nll(resident: ResidentModel, batch: dict[str, Any], labels: torch.Tensor, base: bool) -> torch.Tensor:
