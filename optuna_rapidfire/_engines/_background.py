@@ -91,7 +91,7 @@ class BackgroundCompiler:
             return
         self._asked.add(signature)
         dummy = torch.zeros_like(h).requires_grad_(h.requires_grad)
-        args = _apart((dummy, *rest), {})
+        args = _apart((dummy, *rest), {}, {})
         calls = self._history.setdefault("layer", [])
         call = {"function": "layer", "args": _described(args), "grad": grad, "autocast": autocast, "dynamic": True}
         calls.append(call)
@@ -203,9 +203,10 @@ class BackgroundCompiler:
             self._jobs.put(None)
 
 
-def _apart(value: Any, bases: dict[int, torch.Tensor]) -> Any:
-    """``value`` (tensors in tuples) with each tensor that requires grad replaced by a zeroed leaf of its own
-    layout, the ones that shared a storage sharing a copy of it (the compiler sees the same aliasing).
+def _apart(value: Any, storages: dict[int, tuple[int, int, str]], bases: dict[int, torch.Tensor]) -> Any:
+    """``value`` (tensors in tuples) with each tensor that requires grad replaced by its look-alike
+    (:func:`_warm.build`: a zeroed leaf of its layout, the ones that shared a storage sharing one copy of it, so the
+    compiler sees the same aliasing).
 
     The compiling thread reads every input's autograd state (``is_leaf``) holding Python's global lock, and a
     tensor's autograd lock is taken by the device's thread while it runs the pass eagerly on the same tensor
@@ -213,14 +214,9 @@ def _apart(value: Any, bases: dict[int, torch.Tensor]) -> Any:
     to the tensor's Python object: the two threads waited for each other for ever (seen on a 2-core CPU, torch 2.11).
     So the thread never gets a tensor the passes train."""
     if isinstance(value, torch.Tensor) and value.requires_grad:
-        storage = value.untyped_storage()
-        base = bases.get(storage.data_ptr())
-        if base is None:
-            base = bases[storage.data_ptr()] = torch.zeros(storage.nbytes(), dtype=torch.uint8, device=value.device)
-        copy = base.view(value.dtype).as_strided(value.shape, value.stride(), value.storage_offset())
-        return copy.requires_grad_(True)
+        return _warm.build(_warm.describe(value, storages), value.device, bases)
     if isinstance(value, tuple):
-        items = [_apart(item, bases) for item in value]
+        items = [_apart(item, storages, bases) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
 

@@ -88,7 +88,10 @@ def dynamic_pass(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (marked(h, 0, 1), marked(cos, 1), marked(sin, 1), weights, loras, rows, salts, shape)
 
 
-def _build(spec: Any, device: torch.device, bases: dict[int, torch.Tensor]) -> Any:
+def build(spec: Any, device: torch.device, bases: dict[int, torch.Tensor]) -> Any:
+    """A look-alike of the argument :func:`describe` described: zeroed tensors of its layout (those that shared a
+    storage sharing one of ``bases``, by the description's storage index), the decoder's named tuples, the rest as
+    is."""
     import torch
 
     from optuna_rapidfire._fused import _decoder
@@ -103,9 +106,9 @@ def _build(spec: Any, device: torch.device, bases: dict[int, torch.Tensor]) -> A
         tensor = base.view(dtype).as_strided(shape, stride, offset)
         return tensor.requires_grad_(True) if requires_grad else tensor
     if kind == "named":
-        return getattr(_decoder, spec[1])(*[_build(v, device, bases) for v in spec[2]])
+        return getattr(_decoder, spec[1])(*[build(v, device, bases) for v in spec[2]])
     if kind == "tuple":
-        return tuple(_build(v, device, bases) for v in spec[1])
+        return tuple(build(v, device, bases) for v in spec[1])
     return spec[1]
 
 
@@ -147,7 +150,7 @@ def _main() -> None:
     }
     for call in job["calls"]:
         bases: dict[int, torch.Tensor] = {}
-        args = tuple(_build(spec, device, bases) for spec in call["args"])
+        args = tuple(build(spec, device, bases) for spec in call["args"])
         if call["function"] == "layer" and call.get("dynamic"):
             args = dynamic_pass(args)
         enabled, dtype = call["autocast"]

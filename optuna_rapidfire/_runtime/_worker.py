@@ -271,18 +271,12 @@ class _Refill:
         # Each member's step before any delivery moves one on: a member delivered first would otherwise count as
         # the mate of a member one chunk ahead, whose decision then waits for a report that never comes.
         steps = [entry.chunks_done for entry, _ in entries]
-        self.worker.deliver_all(
-            [
-                (
-                    entry,
-                    result,
-                    frozenset(
-                        o.number for (o, _), at in zip(entries, steps, strict=True) if o is not entry and at == step
-                    ),
-                )
-                for (entry, result), step in zip(entries, steps, strict=True)
-            ]
-        )
+        numbers = [entry.number for entry, _ in entries]
+        mates = [
+            frozenset(n for n, at in zip(numbers, steps, strict=True) if n != me and at == step)
+            for me, step in zip(numbers, steps, strict=True)
+        ]
+        self.worker.deliver_all([(entry, result, m) for (entry, result), m in zip(entries, mates, strict=True)])
 
     def timed(self, members: int, seconds: float) -> None:
         self.worker.scheduler.pass_costs.add(members, seconds)

@@ -27,7 +27,7 @@ def test_look_alike_arguments_keep_shapes_strides_offsets_and_aliasing() -> None
     storages: dict = {}
     described = pickle.loads(pickle.dumps([_warm.describe(a, storages) for a in args]))
     bases: dict = {}  # one call's tensors over shared bases, as the training process holds them
-    built = [_warm._build(spec, torch.device("cpu"), bases) for spec in described]
+    built = [_warm.build(spec, torch.device("cpu"), bases) for spec in described]
     assert _props(built[0]) == _props(h)
     for original, copy in zip(loras, built[1], strict=True):
         assert type(copy) is Lora
@@ -78,7 +78,7 @@ def test_the_background_compiler_gets_copies_of_the_tensors_the_passes_train() -
     loras = tuple(Lora(slots.a[p], slots.b[p], slots.scale[p]) for p in projections)
     weights = (torch.randn(16, 16), None)
     args = (torch.zeros(8, 5, 16).requires_grad_(True), weights, loras, Rows(torch.zeros(4, dtype=torch.int64)), 3)
-    apart = _apart(args, {})
+    apart = _apart(args, {}, {})
     trained = [t for lora in loras for t in lora if t.requires_grad]
     copies = [t for lora in apart[2] for t in lora if t.requires_grad]
     assert len(trained) == len(copies) >= 4 and all(type(lora) is Lora for lora in apart[2])
