@@ -43,12 +43,13 @@ import dataclasses
 import math
 import sys
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from optuna_rapidfire._fused._fused_pass import attention_kernels
+from optuna_rapidfire._fused._norms import rms_norm
 from optuna_rapidfire._fused._sampling import DecodeRequest, Sampling, penalize, warp
 from optuna_rapidfire._fused._workspace import PROJECTIONS, Shape, Workspace, kept_workspace, projection
 
@@ -289,7 +290,7 @@ class LaunchedDecode:
         cos, sin = lm.model.rotary_emb(hidden, positions)
         for index, layer in enumerate(lm.model.layers):
             attention = layer.self_attn
-            normed = _rms_norm(layer.input_layernorm, hidden)
+            normed = rms_norm(layer.input_layernorm, hidden)
             shape = (*normed.shape[:-1], -1, attention.head_dim)
             slots = None if prefill is None else prefill.slots
             q = _adapted(space, layer, index, "q_proj", normed, self.autocast, slots).view(shape).transpose(1, 2)
@@ -316,12 +317,12 @@ class LaunchedDecode:
             )
             attended = attended.transpose(1, 2).reshape(*normed.shape[:-1], -1)
             hidden = hidden + _adapted(space, layer, index, "o_proj", attended, self.autocast, slots)
-            normed = _rms_norm(layer.post_attention_layernorm, hidden)
+            normed = rms_norm(layer.post_attention_layernorm, hidden)
             mlp = layer.mlp
             gated = mlp.act_fn(_adapted(space, layer, index, "gate_proj", normed, self.autocast, slots))
             inner = gated * _adapted(space, layer, index, "up_proj", normed, self.autocast, slots)
             hidden = hidden + _adapted(space, layer, index, "down_proj", inner, self.autocast, slots)
-        return _rms_norm(lm.model.norm, hidden)
+        return rms_norm(lm.model.norm, hidden)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm.get_output_embeddings()(hidden).float()
@@ -369,20 +370,6 @@ def _prefill(decode: LaunchedDecode, space: Workspace, requests: list[DecodeRequ
             hidden = decode._layers(space, ids, positions, columns, see[:, None], prefill=fill)
         logits.index_copy_(0, torch.tensor(bucket, device=device), decode._head(hidden[:, -1]))
     space.logits.copy_(logits.index_select(0, rows_of))
-
-
-_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
-"""Norms computed as ``weight * (x / rms(x) in float32, cast back)``: :func:`_rms_norm` computes them with
-PyTorch's ``rms_norm`` (one fused kernel on CUDA, instead of eight for the module's own steps)."""
-
-
-def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)``, in fewer kernels for the RMS norms of :data:`_RMS_NORMS` (others run as they are)."""
-    if type(norm).__name__ not in _RMS_NORMS:
-        return cast("torch.Tensor", norm(x))
-    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return norm.weight * normed.to(x.dtype)
 
 
 def _adapted(

@@ -4,9 +4,11 @@ gang, on either engine; the gang's generation requests share decode batches."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import optuna
 import pytest
+import torch
 from _numerics import assert_within_rounding, gradient_terms
 from helpers import by_number, lora, vowel_reward
 from optuna.trial import TrialState
@@ -127,16 +129,26 @@ def test_a_member_out_of_phase_with_a_kl_member_trains_as_alone(make_executor, p
 
 @pytest.mark.numerics
 def test_a_gang_of_one_adapter_shape_reads_its_adapters_stacked_and_trains_as_time_sliced(
-    make_executor, prompts, tiny_model
+    make_executor, prompts, tiny_model, monkeypatch
 ) -> None:
     """Members of one rank and targets on equal rows: the shared passes read their adapters from stacks kept for
-    the gang (_fused/_stacks.py), and every trial's completions and values are the time-sliced engine's, a KL
-    member's and one that accumulates two micro-batches' gradients (its second adds to its first) too."""
+    the gang (_fused/_stacks.py) and compute the base's RMS norms as fused kernels (_fused/_norms.py), and every
+    trial's completions and values are the time-sliced engine's, a KL member's and one that accumulates two
+    micro-batches' gradients (its second adds to its first) too."""
     configs = [
         (lora(r=4), grpo_args(seed=seed, beta=0.1 if seed == 2 else 0.0, gradient_accumulation_steps=1 + (seed == 3)))
         for seed in (1, 2, 3)
     ]
+    fused_norm, with_grad = torch.nn.functional.rms_norm, []
+
+    def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
+        with_grad.append(torch.is_grad_enabled())  # the decode's run without; the policy steps' passes with
+        return fused_norm(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "rms_norm", recorded)
     fused, fused_metrics, stats = _run(make_executor, prompts, configs, "fused")
+    assert any(with_grad)
+    monkeypatch.undo()
     sliced, sliced_metrics, _ = _run(make_executor, prompts, configs, "time_sliced")
     assert stats.stacked_passes > 0 and stats.fused_steps > 0
     terms = gradient_terms(AutoConfig.from_pretrained(tiny_model), rows=8, length=64)

@@ -426,34 +426,6 @@ def test_length_buckets_cut_where_a_pass_saves_more_padding_than_it_costs() -> N
     assert _launched_decode.length_buckets([], 10) == []
 
 
-def test_the_decode_computes_llama_rms_norms_as_the_module_does_and_runs_other_norms_as_they_are() -> None:
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    from optuna_rapidfire._fused._launched_decode import _rms_norm
-
-    torch.manual_seed(0)
-    norm = LlamaRMSNorm(64, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
-    # The same float32 normalization, summing 64 squares in another order: float32 results differ by at most
-    # 64 float32 epsilons (relative); a bfloat16 result rounds that once more, then its product with the weight,
-    # so it may differ by two bfloat16 epsilons (relative).
-    fp32 = 64 * torch.finfo(torch.float32).eps
-    for dtype, tolerance in ((torch.float32, fp32), (torch.bfloat16, 2 * torch.finfo(torch.bfloat16).eps)):
-        x = torch.randn(3, 5, 64).to(dtype)
-        module = norm.to(dtype)
-        torch.testing.assert_close(_rms_norm(module, x), module(x), rtol=tolerance, atol=fp32)
-
-    class Doubling(torch.nn.Module):  # a norm of another formula is called as it is
-        weight = torch.nn.Parameter(torch.ones(4))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return 2 * x
-
-    x = torch.randn(2, 4)
-    assert torch.equal(_rms_norm(Doubling(), x), 2 * x)
-
-
 def _decode_of_width(model: PeftModel, width: int) -> list[list[list[int]]]:
     """A greedy decode whose prompts are ``width`` wide: ``width`` > 250 needs a workspace of 512 columns."""
     prompts = _prompts(13, [width, 3])

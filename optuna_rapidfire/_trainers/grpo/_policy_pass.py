@@ -16,7 +16,8 @@ The rows of one prompt (a GRPO step repeats each prompt once per generation) sha
 row holds the prompt once and then each completion, which sees the prompt and itself only
 (:mod:`~optuna_rapidfire._trainers.grpo._prefix`; where the model and dropout allow it). Other rows are padded
 on the right to the pass's longest (causal attention: a row's tokens never see its padding), adapter dropout
-masks come from each trial's own stream (as in the fused engine's SFT passes). The log-probabilities TRL
+masks come from each trial's own stream (as in the fused engine's SFT passes), and the base's RMS norms run as
+fused kernels (:mod:`~optuna_rapidfire._fused._norms`). The log-probabilities TRL
 computes without gradients are shared too where that changes nothing: the references (adapters off: one pass
 of the frozen base over every member's rows) and the policies of evaluations (eval mode); an old policy's
 scored in train mode (with its dropout) stays the trial's own.
@@ -41,6 +42,7 @@ from optuna_rapidfire._fused._fused_pass import (
     pad_right,
     pad_token_id,
 )
+from optuna_rapidfire._fused._norms import fused_norms, rms_norms
 from optuna_rapidfire._fused._stacks import GangStacks, KeptStacks, computing_dtype
 from optuna_rapidfire._fused._token_stats import token_stats
 from optuna_rapidfire._trainers.grpo._prefix import pair_work, prefix_layout
@@ -172,6 +174,7 @@ class PolicyPasses:
             self.prefix_passes += 1
         with (
             adapters,
+            fused_norms(self._norms),
             attention_kernels(),
             first.spec.kind.autocast(first.args, trials.device),
             contextlib.nullcontext() if grad else torch.no_grad(),
@@ -230,6 +233,11 @@ class PolicyPasses:
         compute = computing_dtype(first.spec.kind.autocast(first.args, self.trials.device), self.trials.device)
         version = self.trials.resident.adapters_version
         return self._stacks.loaded(plans, gang.names, gang.rows, version, compute, grad)
+
+    @functools.cached_property
+    def _norms(self) -> list[torch.nn.Module]:
+        """The base's RMS norms, which the shared passes run as fused kernels (``_fused/_norms.py``)."""
+        return rms_norms(self.trials.resident.base)
 
     @functools.cached_property
     def _prefix_refused(self) -> str | None:
