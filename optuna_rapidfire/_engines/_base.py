@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     import torch
 
@@ -117,9 +117,10 @@ class Engine(ABC):
         """Evaluate the trial's adapter now (on the first ``max_batches`` eval batches only, if given)."""
         return self.trials.evaluate(runtime, max_batches)
 
-    def save_adapter(self, runtime: TrialRuntime, directory: str) -> None:
-        """Write the trial's adapter in PEFT's format."""
-        self.trials.save_adapter(runtime, directory)
+    def save_adapter(self, runtime: TrialRuntime, directory: str) -> Callable[[], None]:
+        """Start saving the trial's adapter in PEFT's format into ``directory``: the function returned writes its
+        files and needs nothing of the device (the trial's driver calls it: the device trains on meanwhile)."""
+        return self.trials.save_adapter(runtime, directory)
 
     def release(self, runtime: TrialRuntime) -> None:
         """Free the trial's state; safe to call on a half-built or already released trial."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import threading
@@ -209,11 +210,12 @@ class DeviceTrials:
             with contextlib.suppress(OSError):  # not empty: another trial's, or something of the user's
                 os.rmdir(folder)
 
-    def save_adapter(self, runtime: TrialRuntime, directory: str) -> None:
-        """Write the trial's adapter in PEFT's format."""
-        self.resident.save_adapter(runtime.state.adapter_name, directory)
-        if events.listening(events.AdapterSaved):
-            events.emit(events.AdapterSaved(runtime.spec.number, directory))
+    def save_adapter(self, runtime: TrialRuntime, directory: str) -> Callable[[], None]:
+        """Start saving the trial's adapter in PEFT's format: what needs the device is done here, and the function
+        returned writes the files (from any thread: :meth:`~optuna_rapidfire._resident._model.ResidentModel.
+        adapter_saver`), then emits :class:`~optuna_rapidfire.events.AdapterSaved`."""
+        finish = self.resident.adapter_saver(runtime.state.adapter_name, directory)
+        return functools.partial(_adapter_written, finish, runtime.spec.number, directory)
 
     # -- parents and snapshots -------------------------------------------------------------------
 
@@ -439,6 +441,12 @@ def _cpu(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_cpu(v) for v in value)
     return value
+
+
+def _adapter_written(finish: Callable[[], None], number: int, directory: str) -> None:
+    finish()
+    if events.listening(events.AdapterSaved):
+        events.emit(events.AdapterSaved(number, directory))
 
 
 class _Writes:

@@ -13,7 +13,10 @@ tokens, targeted embeddings, other PEFT methods) is always saved by PEFT.
 from __future__ import annotations
 
 import copy
+import functools
 import os
+import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
@@ -21,6 +24,8 @@ from safetensors import safe_open
 from optuna_rapidfire._resident._snapshot import copied_to_cpu, safetensors_blob
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from peft import PeftModel
 
@@ -78,18 +83,42 @@ class AdapterWriter:
     def __init__(self) -> None:
         self.direct: bool | None = None  # whether plain adapters are written directly (None: not known yet)
 
-    def write(
+    def saver(
         self, peft: PeftModel, name: str, params: dict[str, torch.Tensor], layers: list[Any], directory: str
-    ) -> None:
-        """Write adapter ``name`` (its parameters ``params``, keyed with the adapter's name removed, as
+    ) -> Callable[[], None]:
+        """Start saving adapter ``name`` into ``directory`` (:meth:`prepare`'s arguments): this call does what needs
+        the model (copies the adapter's weights to the host, or has PEFT save it), and the function returned (call
+        it once, from any thread: it needs nothing of the model, which may go on training or drop the adapter
+        meanwhile) writes the rest and puts the folder at ``directory``, replacing any there. The files are written
+        into a staging folder beside ``directory`` first, so that a reader never sees half an adapter."""
+        parent = os.path.dirname(os.path.abspath(directory))
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
+        # Written into a folder made with the process's umask (mkdtemp's own is private to the user).
+        written = os.path.join(staging, "adapter")
+        try:
+            write = self.prepare(peft, name, params, layers, written)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return functools.partial(_put_in_place, write, written, directory, staging)
+
+    def prepare(
+        self, peft: PeftModel, name: str, params: dict[str, torch.Tensor], layers: list[Any], directory: str
+    ) -> Callable[[], None]:
+        """Start writing adapter ``name`` (its parameters ``params``, keyed with the adapter's name removed, as
         :meth:`~optuna_rapidfire._resident._model.ResidentModel.adapter_weights` gives them; ``layers``: the model's
-        adapter layers) into ``directory``, a folder made here (it must not exist; its parent must)."""
+        adapter layers) into ``directory``, a folder made here or by the function returned (it must not exist; its
+        parent must). A plain LoRA adapter written directly has its weights copied to the host here, and the
+        function returned writes its files: it needs nothing of the model, so any thread may call it, while the
+        device trains on. Any other adapter is saved by PEFT here (the function returned does nothing)."""
         config = peft.peft_config[name]
         plain = plain_lora(config) and not _own_extras(layers, name)
         if self.direct and plain:
-            os.makedirs(directory)
-            self._direct(peft, config, params, directory)
-            return
+            names = list(params)
+            tensors = dict(zip(names, copied_to_cpu([params[key] for key in names]), strict=True))
+            saved, mapping = _saved_config(peft, config)
+            return functools.partial(_write_direct, tensors, saved, mapping, directory)
         peft.__dict__["create_or_update_model_card"] = _no_card  # a README per adapter: not ours to write
         try:
             peft.save_pretrained(directory, selected_adapters=[name], safe_serialization=True)
@@ -101,25 +130,48 @@ class AdapterWriter:
                 os.replace(os.path.join(written, entry), os.path.join(directory, entry))
             os.rmdir(written)
         if self.direct is None and plain:
-            with safe_open(os.path.join(directory, WEIGHTS_FILE), framework="pt") as saved:
-                self.direct = set(saved.keys()) == set(params)
+            with safe_open(os.path.join(directory, WEIGHTS_FILE), framework="pt") as saved_file:
+                self.direct = set(saved_file.keys()) == set(params)
+        return _nothing
 
-    @staticmethod
-    def _direct(peft: PeftModel, config: Any, params: dict[str, torch.Tensor], directory: str) -> None:
-        """PEFT's ``save_pretrained`` of a plain LoRA adapter, without its walks."""
-        names = list(params)
-        tensors = dict(zip(names, copied_to_cpu([params[key] for key in names]), strict=True))
-        with open(os.path.join(directory, WEIGHTS_FILE), "wb") as out:  # the writer snapshots use (see its text)
-            out.write(safetensors_blob(tensors, {"format": "pt"}))
-        config = copy.copy(config)  # as PEFT saves it: in inference mode, naming its base model
-        if config.base_model_name_or_path is None:
-            config.base_model_name_or_path = peft.base_model.model.__dict__.get("name_or_path", None) or None
-        config.inference_mode = True
-        mapping = None
-        if config.task_type is None:
-            base = type(peft.base_model.model)
-            mapping = {"base_model_class": base.__name__, "parent_library": base.__module__}
-        config.save_pretrained(directory, auto_mapping_dict=mapping)
+
+def _saved_config(peft: PeftModel, config: Any) -> tuple[Any, dict[str, str] | None]:
+    """``config`` as PEFT saves it (in inference mode, naming its base model) and the auto-mapping it writes."""
+    config = copy.copy(config)
+    if config.base_model_name_or_path is None:
+        config.base_model_name_or_path = peft.base_model.model.__dict__.get("name_or_path", None) or None
+    config.inference_mode = True
+    mapping = None
+    if config.task_type is None:
+        base = type(peft.base_model.model)
+        mapping = {"base_model_class": base.__name__, "parent_library": base.__module__}
+    return config, mapping
+
+
+def _write_direct(
+    tensors: dict[str, torch.Tensor], config: Any, mapping: dict[str, str] | None, directory: str
+) -> None:
+    """PEFT's ``save_pretrained`` of a plain LoRA adapter (host copies of its weights, its config as saved), without
+    its walks of the model."""
+    os.makedirs(directory)
+    with open(os.path.join(directory, WEIGHTS_FILE), "wb") as out:  # the writer snapshots use (see its text)
+        out.write(safetensors_blob(tensors, {"format": "pt"}))
+    config.save_pretrained(directory, auto_mapping_dict=mapping)
+
+
+def _put_in_place(write: Callable[[], None], written: str, directory: str, staging: str) -> None:
+    """Write the adapter's files into ``written`` (in ``staging``), then move that folder to ``directory``."""
+    try:
+        write()
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        os.replace(written, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _no_card(*args: Any, **kwargs: Any) -> None:

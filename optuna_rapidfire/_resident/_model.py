@@ -383,23 +383,13 @@ class ResidentModel:
 
     def save_adapter(self, name: str, directory: str) -> None:
         """Write adapter ``name`` in PEFT's format (``adapter_config.json`` + safetensors) to ``directory``."""
-        import os
-        import shutil
-        import tempfile
+        self.adapter_saver(name, directory)()
 
+    def adapter_saver(self, name: str, directory: str) -> Callable[[], None]:
+        """:meth:`save_adapter` in two parts: this call does what needs the model, and the function returned writes
+        the files from any thread (:meth:`~optuna_rapidfire._resident._adapter_files.AdapterWriter.saver`)."""
         assert self.peft is not None
-        parent = os.path.dirname(os.path.abspath(directory))
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
-        try:
-            # Written into a folder made with the process's umask (mkdtemp's own is private to the user).
-            written = os.path.join(staging, "adapter")
-            self._writer.write(self.peft, name, self.adapter_weights(name), self.adapter_layers(), written)
-            if os.path.isdir(directory):
-                shutil.rmtree(directory)
-            os.replace(written, directory)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        return self._writer.saver(self.peft, name, self.adapter_weights(name), self.adapter_layers(), directory)
 
 
 class _Alone:

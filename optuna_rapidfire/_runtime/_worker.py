@@ -44,9 +44,11 @@ class Paused:
 
 @dataclass(frozen=True)
 class Saved:
-    """The trial's final adapter is in ``path`` and its state is released."""
+    """The trial's state is released and its final adapter copied off the device: ``write`` puts its files in
+    ``path`` (the trial's driver calls it, once, before it records the path; by default they are there already)."""
 
     path: str
+    write: Callable[[], None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -167,11 +169,11 @@ class DeviceWorker(threading.Thread):
             entry.events.put(Paused())
         elif task is Task.FINISH:
             path = self._adapter_dir(entry)
-            self.engine.save_adapter(entry.built, path)
+            write = self.engine.save_adapter(entry.built, path)  # the files: in the driver's thread
             self.engine.save_snapshot(entry.built)
             self.engine.release(entry.built)
             self.scheduler.remove(entry)
-            entry.events.put(Saved(path))
+            entry.events.put(Saved(path, write))
         elif task is Task.RELEASE:
             if entry.runtime is not None:
                 # What a clone of this trial would start from, now that its state goes away.

@@ -12,6 +12,7 @@ import math
 import os
 import queue
 import socket
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
@@ -251,6 +252,10 @@ class TrialDriver:
         if isinstance(done, Failed):
             return self._failed(done)
         assert isinstance(done, Saved)
+        try:
+            done.write()  # the adapter's files, written here while the device trains the others
+        except Exception as error:  # this trial's failure only
+            return self._failed(Failed(error, traceback.format_exc()))
         self._adapter_path = os.path.abspath(done.path)
         try:
             self.trial.set_user_attr(_attrs.ADAPTER_PATH, self._adapter_path)
