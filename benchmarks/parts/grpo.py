@@ -74,11 +74,12 @@ SMOKE = Sizes(trials=3, prompts=8, num_chunks=2, eval_prompts=4, generations=4, 
 
 
 def warm_up_sizes(sizes: Sizes) -> Sizes:
-    """The sizes of the warm-up study each engine runs before the timed ones: two trials of one step per chunk
-    and a one-decode evaluation, with the timed studies' rows per decode and completion length (so their
-    decodes take the same workspace shape as a trial alone)."""
+    """The sizes of the warm-up study each engine runs before the timed ones: the timed studies' trials, one step
+    per chunk and a one-decode evaluation, with their rows per decode and completion length, so that each engine's
+    warm-up meets the shapes its timed study meets (a trial's alone, time-sliced; the whole gang's, fused: its
+    decode steps' attention plans, its members' page-locked snapshot buffers)."""
     prompts = sizes.batch // sizes.generations
-    return Sizes(2, prompts, 1, prompts, sizes.generations, sizes.batch, sizes.completion)
+    return Sizes(sizes.trials, prompts, 1, prompts, sizes.generations, sizes.batch, sizes.completion)
 
 
 CEILING_REPEATS = 3
