@@ -208,7 +208,8 @@ class Evaluated:
 
 @dataclass(frozen=True)
 class AdapterSaved:
-    """A trial's final adapter was written to ``path`` (PEFT's format), before its driver records it."""
+    """A trial's final adapter was written to ``path`` (PEFT's format), before its driver records it; emitted by the
+    trial's own thread, which writes the files while the device trains the others."""
 
     trial: int
     path: str

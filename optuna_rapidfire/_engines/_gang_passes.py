@@ -28,6 +28,7 @@ from optuna_rapidfire._fused._fused_pass import (
     layer_plans,
     pad_right,
     pad_token_id,
+    to_device_async,
 )
 from optuna_rapidfire._fused._slots import gcd_units
 from optuna_rapidfire._fused._token_stats import token_stats
@@ -431,10 +432,3 @@ def split_passes(members: list[int], tokens: list[int], limit: int = PASS_TOKENS
             passes.append([member])
             size = count
     return passes
-
-
-def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor to the device without making the host wait (pinned first on CUDA)."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)

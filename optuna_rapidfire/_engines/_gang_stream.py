@@ -29,10 +29,11 @@ import torch
 
 from optuna_rapidfire import _compat, events
 from optuna_rapidfire._engines._fusion import train_refusal
-from optuna_rapidfire._engines._gang_passes import chunk_width, row_bucket, split_passes, to_device_async
+from optuna_rapidfire._engines._gang_passes import chunk_width, row_bucket, split_passes
 from optuna_rapidfire._engines._pass_graphs import replayed
 from optuna_rapidfire._engines._trials import chunks_starting
 from optuna_rapidfire._engines._types import clips, train_metrics
+from optuna_rapidfire._fused._fused_pass import to_device_async
 from optuna_rapidfire._fused._slots import rank_bucket
 from optuna_rapidfire._resident._state import RngState
 

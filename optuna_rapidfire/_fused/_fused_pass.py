@@ -311,11 +311,16 @@ def _cached_indices(key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
     return found
 
 
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without making the host wait (page-locked first on CUDA: a copy from pageable
+    memory waits for the device's queue)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    tensor = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+    return to_device_async(torch.tensor(values, dtype=torch.long), device)
 
 
 def _row_indices(

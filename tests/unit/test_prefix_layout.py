@@ -74,13 +74,17 @@ def _scores(model: LlamaForCausalLM, requests: list[_Rows], layout: Any) -> list
 
 
 @pytest.mark.numerics
-def test_packed_rows_give_trls_log_probabilities_and_gradients(model: LlamaForCausalLM) -> None:
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (0, 2, 1)])
+def test_packed_rows_give_trls_log_probabilities_and_gradients(model: LlamaForCausalLM, order: tuple[int, ...]) -> None:
     """Requests of different prompt widths, completion lengths and generations; one keeps TRL's rows (its
-    adapter would draw dropout). Values and the gradients of their sum match TRL's rows within rounding."""
-    requests = [_request(1, [9, 12, 10], 4, 3), _request(2, [11, 8], 2, 5), _request(3, [6, 6], 3, 4)]
-    layout = prefix_layout(requests, [True, True, False], PAD, torch.device("cpu"))
+    adapter would draw dropout), wherever it stands. Values and the gradients of their sum match TRL's rows
+    within rounding."""
+    made = [_request(1, [9, 12, 10], 4, 3), _request(2, [11, 8], 2, 5), _request(3, [6, 6], 3, 4)]
+    requests = [made[i] for i in order]
+    layout = prefix_layout(requests, [i != 2 for i in order], PAD, torch.device("cpu"))
     assert layout is not None
-    assert layout.rows == [3, 2, 6]  # a packed row per prompt; the third request's rows stay their own
+    # A packed row per prompt; the third request's rows stay their own.
+    assert layout.rows == [[3, 2, 6][i] for i in order]
     assert layout.input_ids.shape == (11, 12 + 4 * 3)  # the longest: a prompt 12 wide, then 4 completions of 3
     assert layout.input_ids.numel() < 0.8 * 16 * (12 + 4 + 6)  # TRL's rows: 22 rows of 16 tokens
 

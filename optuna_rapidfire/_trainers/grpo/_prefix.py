@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from optuna_rapidfire._fused._fused_pass import to_device_async
 from optuna_rapidfire._fused._workspace import supports
 
 if TYPE_CHECKING:
@@ -108,18 +109,18 @@ def prefix_layout(
     ``layers``, would take more than :data:`MASK_BYTES` beyond those of TRL's rows. A
     request whose ``share`` is false keeps a packed row per row (its prompt and one completion: TRL's row, the
     same columns, so the same dropout masks)."""
+    if any(r.input_ids.shape[1] <= r.logits_to_keep for r in requests):
+        return None
+    prompts = _prompt_rows(requests, share)
     plans: list[tuple[int, int, int, list[list[int]]]] = []  # per request: width, prompt width, keep, groups
     packed_lengths: list[int] = []
-    for request, shared in zip(requests, share, strict=True):
+    for request, rows_of in zip(requests, prompts, strict=True):
         width, keep = request.input_ids.shape[1], request.logits_to_keep
         prompt = width - keep
-        if prompt < 1:
-            return None
         same: dict[tuple[int, ...], list[int]] = {}
-        if shared:
-            ids = request.input_ids[:, :prompt].masked_fill(~request.attention_mask[:, :prompt].bool(), -1)
-            for row, tokens in enumerate(ids.tolist()):  # one copy to the host per request
-                same.setdefault(tuple(tokens), []).append(row)
+        if rows_of is not None:
+            for row, tokens in enumerate(rows_of):
+                same.setdefault(tokens, []).append(row)
         else:
             same = {(row,): [row] for row in range(len(request.input_ids))}
         plans.append((width, prompt, keep, list(same.values())))
@@ -167,11 +168,14 @@ def prefix_layout(
         [r.attention_mask.reshape(-1).bool() for r in requests] + [torch.zeros(1, dtype=torch.bool, device=device)]
     )
     source[source < 0] = offset
-    index = torch.from_numpy(source.reshape(-1)).to(device)
-    input_ids = flat_ids.index_select(0, index).view(packed, length)
-    keys = flat_mask.index_select(0, index).view(packed, length)
-    position_ids = torch.from_numpy(positions).to(device)
-    segment = torch.from_numpy(segments).to(device)
+    # One copy to the device for every index the pass needs, which the host does not wait for.
+    arrays = [source, positions, segments, *states]
+    on_device = to_device_async(torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays])), device)
+    index, position_ids, segment, *state_rows = (
+        part.view(array.shape) for part, array in zip(on_device.split([a.size for a in arrays]), arrays, strict=True)
+    )
+    input_ids = flat_ids.index_select(0, index.reshape(-1)).view(packed, length)
+    keys = flat_mask.index_select(0, index.reshape(-1)).view(packed, length)
     sees = (
         keys[:, None, :]
         & (position_ids[:, None, :] <= position_ids[:, :, None])
@@ -184,5 +188,28 @@ def prefix_layout(
         position_ids,
         sees[:, None],
         [len(plan[3]) for plan in plans],
-        [torch.from_numpy(rows).to(device) for rows in states],
+        state_rows,
     )
+
+
+def _prompt_rows(requests: Sequence[Rows], share: Sequence[bool]) -> list[list[tuple[int, ...]] | None]:
+    """Each request's rows' prompt tokens (padding as -1), where its ``share`` is true (else ``None``): the
+    requests' prompt columns are copied to the host together, in one wait for the device."""
+    chosen = [r for r, shared in zip(requests, share, strict=True) if shared]
+    columns = [
+        r.input_ids[:, : r.input_ids.shape[1] - r.logits_to_keep].masked_fill(
+            ~r.attention_mask[:, : r.input_ids.shape[1] - r.logits_to_keep].bool(), -1
+        )
+        for r in chosen
+    ]
+    flat = torch.cat([c.reshape(-1) for c in columns]).tolist() if columns else []
+    found: list[list[tuple[int, ...]] | None] = []
+    start = 0
+    for request, shared in zip(requests, share, strict=True):
+        if not shared:
+            found.append(None)
+            continue
+        rows, width = request.input_ids.shape[0], request.input_ids.shape[1] - request.logits_to_keep
+        found.append([tuple(flat[start + row * width : start + (row + 1) * width]) for row in range(rows)])
+        start += rows * width
+    return found
