@@ -288,7 +288,12 @@ class ResidentModel:
     def set_adapters_off(self, off: bool) -> None:
         """Turn every adapter layer off or on."""
         for layer in self.adapter_layers():
-            layer._disable_adapters = off
+            # A plain attribute of PEFT's layers: written in place, without nn.Module's checks of what is set (a
+            # tenth of the time; TRL turns adapters off and on again at every step of a trial with a KL term).
+            if "_disable_adapters" in layer.__dict__:
+                layer.__dict__["_disable_adapters"] = off
+            else:
+                layer._disable_adapters = off
 
     def _point_at(self, name: str) -> None:
         """Make ``name`` the adapter PEFT's layers and models name as active (``requires_grad`` untouched)."""

@@ -243,3 +243,31 @@ def test_adapters_written_directly_are_what_peft_saves(tiny_model: str, tmp_path
     for name, param in loaded.named_parameters():
         if "lora_" in name:
             assert torch.equal(param, own[name.replace(".default.", ".")]), name
+
+
+def test_adapters_off_computes_the_base_alone_as_peft_disable_adapter_does(tiny_model: str) -> None:
+    """TRL's reference pass enters ``disable_adapter()``: ours turns every adapter layer off (PEFT's walks aside),
+    computes what PEFT's own context computes, and turns them on again, after an error too."""
+    ours = _resident(tiny_model)
+    for index, config in enumerate(CONFIGS[:2]):
+        ours.add_adapter(f"trial_{index}", config, seed=100 + index)
+    assert ours.peft is not None
+    with torch.no_grad():  # B starts at zero: give the adapter an effect to turn off
+        for param in ours.adapter_params("trial_1"):
+            param.add_(0.05)
+    ours.activate("trial_1")
+    ids = torch.arange(3, 19).view(2, 8)
+    peft = ours.peft.eval()
+    adapted = peft(input_ids=ids).logits
+    assert ours.peft.disable_adapter == ours.adapters_off  # what TRL's reference pass enters
+    with ours.adapters_off():
+        assert ours.adapters_are_off()
+        alone = peft(input_ids=ids).logits
+    assert not ours.adapters_are_off()
+    with type(peft).disable_adapter(peft):  # PEFT's own context, for the reference
+        theirs = peft(input_ids=ids).logits
+    assert torch.equal(alone, theirs) and torch.equal(peft(input_ids=ids).logits, adapted)
+    assert not torch.allclose(alone, adapted)
+    with pytest.raises(RuntimeError, match="inside"), ours.adapters_off():
+        raise RuntimeError("inside")
+    assert not ours.adapters_are_off() and torch.equal(peft(input_ids=ids).logits, adapted)
