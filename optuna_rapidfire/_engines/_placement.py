@@ -68,12 +68,13 @@ class Placement:
         if self.state_budget is None:
             return
         resident = [r for r in self._live if r.state.resident]
+        idle = [r for r in resident if not any(r is k for k in keep) and not any(r is k for k in self.gang)]
+        if not idle:  # nothing may go (a gang's members resuming, every live trial in the gang): nothing to count
+            return
         used = sum(r.state.nbytes() for r in resident)
-        for victim in sorted(resident, key=lambda r: r.last_used):
+        for victim in sorted(idle, key=lambda r: r.last_used):
             if used <= self.state_budget:
                 break
-            if any(victim is k for k in keep) or any(victim is k for k in self.gang):
-                continue
             used -= victim.state.nbytes()
             self._offload(victim)
 
