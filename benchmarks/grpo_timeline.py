@@ -11,7 +11,8 @@ and backward passes, TRL's steps and evaluation batches) and, on a GPU, every ke
 of the study belongs to the innermost phase open then (the one that started last); for each phase the table
 gives its host seconds and the seconds the device was busy meanwhile (the union of its kernels and copies).
 Where a phase's busy time is well under its host time, the GPU waits for the host there. The trials' checkpoints
-and the snapshot files, written by other threads meanwhile, are summed apart (``background``).
+the snapshot files and the finished trials' adapter files, written by other threads meanwhile, are summed apart
+(``background``).
 
 Writes ``grpo_timeline_<engine>.json`` and prints the table.
 """
@@ -72,11 +73,16 @@ PHASES = {
     "optuna_rapidfire._engines._trials:DeviceTrials.after_optimizer_step": "member: after step",
     "optuna_rapidfire._study._checkpoints:Checkpoints.save": "checkpoint (a trial's thread)",
     "optuna_rapidfire._resident._snapshot:TrialSnapshot.save": "snapshot file (the writer's thread)",
+    "optuna_rapidfire._resident._adapter_files:_put_in_place": "adapter files (a trial's thread)",
 }
 """``module:Class.method`` or ``module:function`` -> the phase it opens (where the name is looked up at call
 time: a module's function is replaced in that module only)."""
 
-BACKGROUND = ("checkpoint (a trial's thread)", "snapshot file (the writer's thread)")
+BACKGROUND = (
+    "checkpoint (a trial's thread)",
+    "snapshot file (the writer's thread)",
+    "adapter files (a trial's thread)",
+)
 """Phases of threads beside the device's and the members': summed on their own (:func:`background`), never the
 phase a moment of the study belongs to."""
 
