@@ -10,7 +10,7 @@ and backward passes, TRL's steps and evaluation batches) and, on a GPU, every ke
 (``torch.profiler`` with CUDA activity only, so the host is not slowed by per-operator records). Each moment
 of the study belongs to the innermost phase open then (the one that started last); for each phase the table
 gives its host seconds and the seconds the device was busy meanwhile (the union of its kernels and copies).
-Where a phase's busy time is well under its host time, the GPU waits for the host there. The trials' checkpoints
+Where a phase's busy time is well under its host time, the GPU waits for the host there. The trials' checkpoints,
 the snapshot files and the finished trials' adapter files, written by other threads meanwhile, are summed apart
 (``background``).
 
