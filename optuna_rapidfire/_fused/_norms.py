@@ -56,8 +56,10 @@ def is_rms_norm(kind: type) -> bool:
 
 def rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)``, in fewer kernels where ``norm`` is Llama's RMSNorm (:func:`is_rms_norm`; others run as they are)."""
-    if not is_rms_norm(type(norm)):
-        return cast("torch.Tensor", norm(x))
+    return _fused(norm, x) if is_rms_norm(type(norm)) else cast("torch.Tensor", norm(x))
+
+
+def _fused(norm: Any, x: torch.Tensor) -> torch.Tensor:
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
     return norm.weight * normed.to(x.dtype)
 
@@ -73,7 +75,7 @@ def fused_norms(norms: Sequence[torch.nn.Module]) -> Iterator[None]:
     :func:`rms_norm`; afterwards (an error included) they run their own ``forward`` again."""
     try:
         for norm in norms:
-            norm.forward = types.MethodType(rms_norm, norm)
+            norm.forward = types.MethodType(_fused, norm)
         yield
     finally:
         for norm in norms:

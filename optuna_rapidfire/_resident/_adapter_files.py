@@ -86,32 +86,32 @@ class AdapterWriter:
     def saver(
         self, peft: PeftModel, name: str, params: dict[str, torch.Tensor], layers: list[Any], directory: str
     ) -> Callable[[], None]:
-        """Start saving adapter ``name`` into ``directory`` (:meth:`prepare`'s arguments): this call does what needs
-        the model (copies the adapter's weights to the host, or has PEFT save it), and the function returned (call
-        it once, from any thread: it needs nothing of the model, which may go on training or drop the adapter
-        meanwhile) writes the rest and puts the folder at ``directory``, replacing any there. The files are written
-        into a staging folder beside ``directory`` first, so that a reader never sees half an adapter."""
+        """Start saving adapter ``name`` (``params``: its parameters, keyed with the adapter's name removed, as
+        :meth:`~optuna_rapidfire._resident._model.ResidentModel.adapter_weights` gives them; ``layers``: the model's
+        adapter layers) into ``directory``: this call does what needs the model (copies the adapter's weights to the
+        host, or has PEFT save it), and the function returned (call it once, from any thread: it needs nothing of the
+        model, which may go on training or drop the adapter meanwhile) writes the rest and puts the folder at
+        ``directory``, replacing any there. The files are written into a staging folder beside ``directory`` first,
+        so that a reader never sees half an adapter."""
         parent = os.path.dirname(os.path.abspath(directory))
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
         # Written into a folder made with the process's umask (mkdtemp's own is private to the user).
         written = os.path.join(staging, "adapter")
         try:
-            write = self.prepare(peft, name, params, layers, written)
+            write = self._prepare(peft, name, params, layers, written)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         return functools.partial(_put_in_place, write, written, directory, staging)
 
-    def prepare(
+    def _prepare(
         self, peft: PeftModel, name: str, params: dict[str, torch.Tensor], layers: list[Any], directory: str
     ) -> Callable[[], None]:
-        """Start writing adapter ``name`` (its parameters ``params``, keyed with the adapter's name removed, as
-        :meth:`~optuna_rapidfire._resident._model.ResidentModel.adapter_weights` gives them; ``layers``: the model's
-        adapter layers) into ``directory``, a folder made here or by the function returned (it must not exist; its
-        parent must). A plain LoRA adapter written directly has its weights copied to the host here, and the
-        function returned writes its files: it needs nothing of the model, so any thread may call it, while the
-        device trains on. Any other adapter is saved by PEFT here (the function returned does nothing)."""
+        """Start writing adapter ``name`` into ``directory``, a folder made here or by the function returned (it
+        must not exist; its parent must). A plain LoRA adapter written directly has its weights copied to the host
+        here, and the function returned writes its files: it needs nothing of the model, so any thread may call it,
+        while the device trains on. Any other adapter is saved by PEFT here (the function returned does nothing)."""
         config = peft.peft_config[name]
         plain = plain_lora(config) and not _own_extras(layers, name)
         if self.direct and plain:

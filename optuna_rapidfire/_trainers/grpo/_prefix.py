@@ -171,11 +171,10 @@ def prefix_layout(
     # One copy to the device for every index the pass needs, which the host does not wait for.
     arrays = [source, positions, segments, *states]
     on_device = to_device_async(torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays])), device)
-    index, position_ids, segment, *state_rows = (
-        part.view(array.shape) for part, array in zip(on_device.split([a.size for a in arrays]), arrays, strict=True)
-    )
-    input_ids = flat_ids.index_select(0, index.reshape(-1)).view(packed, length)
-    keys = flat_mask.index_select(0, index.reshape(-1)).view(packed, length)
+    index, *parts = on_device.split([a.size for a in arrays])
+    position_ids, segment, *state_rows = (part.view(a.shape) for part, a in zip(parts, arrays[1:], strict=True))
+    input_ids = flat_ids.index_select(0, index).view(packed, length)
+    keys = flat_mask.index_select(0, index).view(packed, length)
     sees = (
         keys[:, None, :]
         & (position_ids[:, None, :] <= position_ids[:, :, None])
@@ -195,21 +194,21 @@ def prefix_layout(
 def _prompt_rows(requests: Sequence[Rows], share: Sequence[bool]) -> list[list[tuple[int, ...]] | None]:
     """Each request's rows' prompt tokens (padding as -1), where its ``share`` is true (else ``None``): the
     requests' prompt columns are copied to the host together, in one wait for the device."""
-    chosen = [r for r, shared in zip(requests, share, strict=True) if shared]
+    widths = [r.input_ids.shape[1] - r.logits_to_keep for r in requests]
     columns = [
-        r.input_ids[:, : r.input_ids.shape[1] - r.logits_to_keep].masked_fill(
-            ~r.attention_mask[:, : r.input_ids.shape[1] - r.logits_to_keep].bool(), -1
-        )
-        for r in chosen
+        r.input_ids[:, :width].masked_fill(~r.attention_mask[:, :width].bool(), -1).reshape(-1)
+        for r, width, shared in zip(requests, widths, share, strict=True)
+        if shared
     ]
-    flat = torch.cat([c.reshape(-1) for c in columns]).tolist() if columns else []
+    flat = torch.cat(columns).tolist() if columns else []
     found: list[list[tuple[int, ...]] | None] = []
     start = 0
-    for request, shared in zip(requests, share, strict=True):
+    for request, width, shared in zip(requests, widths, share, strict=True):
         if not shared:
             found.append(None)
             continue
-        rows, width = request.input_ids.shape[0], request.input_ids.shape[1] - request.logits_to_keep
-        found.append([tuple(flat[start + row * width : start + (row + 1) * width]) for row in range(rows)])
-        start += rows * width
+        found.append(
+            [tuple(flat[start + row * width : start + (row + 1) * width]) for row in range(len(request.input_ids))]
+        )
+        start += len(request.input_ids) * width
     return found
