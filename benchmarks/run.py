@@ -44,6 +44,17 @@ RUNS: dict[str, Part] = {
 """Each part's ``run(bench, shapes, save)``; ``throughput`` measures every shape, the others the first."""
 
 
+def _positive(text: str) -> int:
+    """An argument that must be a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -91,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--grpo-runs", default="", help="grpo part: only these runs (comma-separated), merged into --out/grpo.json"
+    )
+    parser.add_argument(
+        "--grpo-repeats",
+        type=_positive,
+        default=None,
+        help="grpo part: runs of each engine's study, in turns; the ratios take the median walls (default 3, "
+        "--smoke 1)",
     )
     return parser
 

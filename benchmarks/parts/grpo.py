@@ -23,9 +23,14 @@ The model has random weights, so it almost never samples EOS: completions run to
 work does not depend on the rewards. The ceiling's prompts are the first train prompts; the gang's are
 each trial's own shuffled ones: both record the widest prompt of their decodes (``prompt_width``).
 
-Ratios: ``grpo_fused_over_time_sliced_k8`` = time-sliced wall / fused wall; ``grpo_generation_over_ceiling``
-= generated tokens / seconds inside the fused study's decodes that served the whole gang, over the
-ceiling's generated tokens / second.
+The two studies then run again, in turns (fused, time-sliced), until each has run ``--grpo-repeats`` times
+(default :data:`REPEATS`; 1 with ``--smoke``): the lent hosts and their moments differ by about a second in a
+study's wall, so one pair's ratio moves by about 0.3 between calls. ``runs`` keeps each study's first run whole,
+``repeats`` every run's wall, decode and gang seconds.
+
+Ratios: ``grpo_fused_over_time_sliced_k8`` = time-sliced wall / fused wall, each the median of its repeats;
+``grpo_generation_over_ceiling`` = generated tokens / seconds inside the fused study's decodes that served the
+whole gang (its first run), over the ceiling's generated tokens / second.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ def warm_up_sizes(sizes: Sizes) -> Sizes:
 
 
 CEILING_REPEATS = 3
+REPEATS = 3
+"""Runs of each engine's timed study (the first, then in turns); the ratios take each one's median wall."""
 ANCHORS = {
     "decode_ceiling": "one request, one adapter, this project's decode",
     "generate_eager": "stock generate(), no adapter, dynamic cache",
@@ -353,24 +360,53 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
         else:
             found = run_study(bench, shape, "fused" if "fused" in label else "time_sliced", sizes)
             data["runs"][label] = found
-            said = f"{found['wall_seconds']:.1f} s" + (f", {found['failed']} trials failed" if found["failed"] else "")
+            data.setdefault("repeats", {})[label] = [_repeat(found)]
+            said = _said(found)
         print(f"grpo part, {label}: {said}", flush=True)
         ratios(data)
         save(data)
+    repeats = bench.options.grpo_repeats or (1 if bench.smoke else REPEATS)
+    for run_number in range(2, repeats + 1):  # the studies again, in turns, after every other run
+        for label in (label for label in labels if label in studies):
+            found = run_study(bench, shape, "fused" if "fused" in label else "time_sliced", sizes)
+            data["repeats"][label].append(_repeat(found))
+            print(f"grpo part, {label} (run {run_number} of {repeats}): {_said(found)}", flush=True)
+            ratios(data)
+            save(data)
     return data
+
+
+def _repeat(found: dict[str, Any]) -> dict[str, Any]:
+    """What ``repeats`` keeps of one run of a study."""
+    keys = ("wall_seconds", "decode_seconds", "gang_seconds", "failed")
+    return {key: found[key] for key in keys}
+
+
+def _said(found: dict[str, Any]) -> str:
+    return f"{found['wall_seconds']:.1f} s" + (f", {found['failed']} trials failed" if found["failed"] else "")
+
+
+def median_wall(data: dict[str, Any], label: str) -> float | None:
+    """The median wall of study ``label``'s runs (its one run in files from before ``repeats``)."""
+    runs = data.get("repeats", {}).get(label)
+    if runs:
+        return float(statistics.median(run["wall_seconds"] for run in runs))
+    run = data["runs"].get(label)
+    return None if run is None else float(run["wall_seconds"])
 
 
 def ratios(data: dict[str, Any]) -> None:
     """The part's summary keys, from whichever runs ``data`` holds."""
     k = data["sizes"]["trials"]
     runs = data["runs"]
-    sliced, fused, single = runs.get(f"grpo_time_sliced_k{k}"), runs.get(f"grpo_fused_k{k}"), runs.get("decode_ceiling")
+    fused, single = runs.get(f"grpo_fused_k{k}"), runs.get("decode_ceiling")
     stock, processes = runs.get("generate_static"), runs.get(f"grpo_processes_k{k}")
+    fused_wall, sliced_wall = median_wall(data, f"grpo_fused_k{k}"), median_wall(data, f"grpo_time_sliced_k{k}")
     gang_rate = fused["whole_gang_decodes"]["tokens_per_second"] if fused else None
-    if sliced and fused:
-        data["grpo_fused_over_time_sliced_k8"] = sliced["wall_seconds"] / fused["wall_seconds"]
-    if processes and fused:
-        data["grpo_fused_over_parallel_processes"] = processes["wall_seconds"] / fused["wall_seconds"]
+    if sliced_wall and fused_wall:
+        data["grpo_fused_over_time_sliced_k8"] = sliced_wall / fused_wall
+    if processes and fused_wall:
+        data["grpo_fused_over_parallel_processes"] = processes["wall_seconds"] / fused_wall
     if gang_rate and single:
         data["grpo_generation_over_ceiling"] = gang_rate / single["tokens_per_second"]
     if stock:
@@ -423,6 +459,14 @@ def markdown(data: dict[str, Any]) -> list[str]:
         "fused gang's decodes / one request's decode": "grpo_generation_over_ceiling",
     }
     shown = [f"{text}: {data[key]:.3f}" for text, key in said.items() if key in data]
+    repeated = [
+        f"{label} {', '.join(format(run['wall_seconds'], '.1f') for run in runs)} "
+        f"(median {median_wall(data, label):.1f})"
+        for label, runs in data.get("repeats", {}).items()
+        if len(runs) > 1
+    ]
+    if repeated:
+        shown.append("the studies' walls, in the order they ran (s): " + "; ".join(repeated))
     return lines + (["", "; ".join(shown) + "."] if shown else [])
 
 
