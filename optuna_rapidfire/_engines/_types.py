@@ -142,7 +142,8 @@ class EngineStats:
         decoded_requests: The trials' generation requests those batches served (more than ``decodes``
             when the members of a gang decoded together).
         scoring_passes: Shared passes without gradients of GRPO gangs: the members' references (adapters
-            off) or their evaluations' policies, each one pass for every member waiting.
+            off), their old policies (a rollout reused, ``num_iterations`` > 1) or their evaluations' policies,
+            each one pass for every member waiting.
         prefix_passes: Of the GRPO gangs' shared passes (``fused_steps`` and ``scoring_passes``), those whose
             rows of one prompt shared its tokens (:mod:`optuna_rapidfire._trainers.grpo._prefix`).
         stacked_passes: Of the GRPO gangs' shared passes with adapters, those whose layers read the members'

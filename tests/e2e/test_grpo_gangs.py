@@ -128,6 +128,47 @@ def test_a_member_out_of_phase_with_a_kl_member_trains_as_alone(make_executor, p
 
 
 @pytest.mark.numerics
+def test_old_policies_of_reused_rollouts_share_a_pass_where_nothing_drops(
+    make_executor, prompts, tiny_model, monkeypatch
+) -> None:
+    """With ``num_iterations`` = 2, TRL scores each rollout's old policy without gradients in train mode: the
+    members for which nothing drops score theirs in one shared pass (before their references and rewards), a
+    member with adapter dropout scores its own as TRL does; each trains as on the time-sliced engine or (the
+    one with dropout) as alone."""
+    from optuna_rapidfire._trainers.grpo._policy_pass import PolicyPasses
+
+    plain = (lora(r=4), grpo_args(seed=1, num_iterations=2))
+    kl = (lora(r=2), grpo_args(seed=3, num_iterations=2, beta=0.1))
+    dropping = (lora(r=4, lora_dropout=0.1), grpo_args(seed=2, num_iterations=2))
+    passes: list[tuple[tuple[str, ...], bool, bool, bool]] = []  # (adapters, grad, reference, rollout)
+    shared_pass = PolicyPasses._pass
+
+    def recording(self: PolicyPasses, requests: Any) -> Any:
+        names = tuple(request.runtime.state.adapter_name for request in requests)
+        if requests[0].training:
+            passes.append((names, requests[0].grad, requests[0].reference, requests[0].rollout))
+        return shared_pass(self, requests)
+
+    monkeypatch.setattr(PolicyPasses, "_pass", recording)
+    alone, alone_metrics, _ = _run(make_executor, prompts, [dropping], "fused")
+    passes.clear()
+    gang, gang_metrics, _ = _run(make_executor, prompts, [plain, kl, dropping], "fused")
+    trained = list(passes)
+    sliced, sliced_metrics, _ = _run(make_executor, prompts, [plain, kl, dropping], "time_sliced")
+
+    olds = [names for names, grad, reference, rollout in trained if not grad and not reference]
+    assert olds and all(names == ("trial_0", "trial_1") for names in olds)  # trial 2 (dropout) scores alone
+    assert all(rollout for _, grad, reference, rollout in trained if not grad and not reference)
+    assert any(grad and "trial_2" in names for names, grad, _, _ in trained)  # its steps' passes stay shared
+    terms = gradient_terms(AutoConfig.from_pretrained(tiny_model), rows=8, length=64)
+    for position in (0, 1):
+        assert gang[position] == sliced[position]
+        assert_within_rounding(_numbers(gang_metrics[position]), _numbers(sliced_metrics[position]), terms=terms)
+    assert gang[2] == alone[0]
+    assert_within_rounding(_numbers(gang_metrics[2]), _numbers(alone_metrics[0]), terms=terms)
+
+
+@pytest.mark.numerics
 def test_a_gang_of_one_adapter_shape_reads_its_adapters_stacked_and_trains_as_time_sliced(
     make_executor, prompts, tiny_model, monkeypatch
 ) -> None:

@@ -72,15 +72,17 @@ _LATER: Any = object()
 
 
 def _phase(request: Any) -> int:
-    """Where a request comes in a GRPO step: decode, reference, rewards, evaluation's score, policy's score,
-    backward."""
+    """Where a request comes in a GRPO step: decode, old policy's score, reference, rewards, evaluation's score,
+    policy's score, backward."""
     if isinstance(request, DecodeRequest):
         return 0
     if isinstance(request, RewardRequest):
-        return 2
+        return 3
     if isinstance(request, LogpsRequest):
-        return 1 if request.reference else 4 if request.grad else 3
-    return 5
+        if request.reference:
+            return 2
+        return 5 if request.grad else 1 if request.rollout else 4
+    return 6
 
 
 def refusal(trainer: Any) -> str | None:
@@ -107,6 +109,7 @@ class Generation:
         self._gang: list[Member] = []
         self._share_policy = False
         self._shared_forward: set[Member] = set()  # members whose next backward is shared
+        self._scoring_rollout: set[Member] = set()  # members between their decode and their rewards
         self._said: set[str] = set()
         self._numbers: dict[str, int] = {}  # adapter -> trial number (for the Decoded events)
         self.decodes = 0  # decode batches run
@@ -178,6 +181,7 @@ class Generation:
             self._turns, self._gang, self._share_policy = None, [], False
             self.trials.keep_on_device([])
             self._shared_forward.clear()
+            self._scoring_rollout.clear()
             self.policy.release()
             # Members resumed with the gang's adapters left trainable (Placement.resume): none stays so.
             self.trials.resident.set_trainable([runtime.state.adapter_name for runtime in runtimes], False)
@@ -188,6 +192,7 @@ class Generation:
             return work(runtime)
         finally:
             self._shared_forward.discard(runtime)
+            self._scoring_rollout.discard(runtime)
             self.policy.leave(runtime)
 
     # -- a gang's policy steps -------------------------------------------------------------------
@@ -216,17 +221,19 @@ class Generation:
             resident = self.trials.resident
             reference = not grad and resident.adapters_are_off()  # TRL's reference: the adapters off
             training = self.trials.resident.module.training
+            rollout = runtime in self._scoring_rollout  # before its rewards: an old policy (or its reference)
             shared = (
                 self._share_policy
                 and self._inside()
-                and (grad or reference or not training)  # an old policy in train mode keeps its own dropout
+                # an old policy scored in train mode keeps its own dropout masks, where any drops
+                and (grad or reference or not training or not self.policy.drops(runtime))
                 and not compute_aux_loss
                 and all(value is None for value in others.values())  # no images
             )
             if not shared:
                 return alone(**others)
             request = LogpsRequest(
-                runtime, input_ids, attention_mask, logits_to_keep, compute_entropy, grad, reference, training
+                runtime, input_ids, attention_mask, logits_to_keep, compute_entropy, grad, reference, training, rollout
             )
             try:
                 # While this member waits, the others run with the adapters on (as they found them).
@@ -268,6 +275,7 @@ class Generation:
             self._say(f"Trial {runtime.spec.number} scores its rewards alone: it {reason}.")
 
         def shared_rewards(inputs: Any, prompts: Any, completions: Any, completion_ids: Any) -> Any:
+            self._scoring_rollout.discard(runtime)
             if reason is not None or not self._inside():
                 return original(inputs, prompts, completions, completion_ids)
             request = RewardRequest(runtime, list(inputs), list(prompts), list(completions), list(completion_ids))
@@ -305,6 +313,8 @@ class Generation:
         request = _request(runtime, prompt_ids, generator)
         completions = self._meet(runtime, request) if self._inside() else self.decode([request], runtime)[0]
         runtime.state.sample_rng = generator.get_state()
+        if self._inside():
+            self._scoring_rollout.add(runtime)
         return completions
 
     # -- decoding --------------------------------------------------------------------------------
@@ -324,10 +334,11 @@ class Generation:
         return completions
 
     def _shared(self, requests: list[Any]) -> list[Any]:
-        """What the members waiting asked for, served for the earliest phase of a step among them (decode,
-        references, rewards, evaluations' scores, policy steps' scores, backwards); the others are answered
-        :data:`_LATER` and ask again, so members whose steps differ (a KL member scores its reference, the
-        others do not) meet again at the next phase and the whole gang decodes together at the next step."""
+        """What the members waiting asked for, served for the earliest phase of a step among them (decode, old
+        policies' scores, references, rewards, evaluations' scores, policy steps' scores, backwards); the others
+        are answered :data:`_LATER` and ask again, so members whose steps differ (a KL member scores its
+        reference, the others do not) meet again at the next phase and the whole gang decodes together at the
+        next step."""
         phases = [_phase(request) for request in requests]
         earliest = min(phases)
         served = [i for i, phase in enumerate(phases) if phase == earliest]

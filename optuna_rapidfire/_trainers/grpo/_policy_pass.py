@@ -19,8 +19,9 @@ on the right to the pass's longest (causal attention: a row's tokens never see i
 masks come from each trial's own stream (as in the fused engine's SFT passes), and the base's RMS norms run as
 fused kernels (:mod:`~optuna_rapidfire._fused._norms`). The log-probabilities TRL
 computes without gradients are shared too where that changes nothing: the references (adapters off: one pass
-of the frozen base over every member's rows) and the policies of evaluations (eval mode); an old policy's
-scored in train mode (with its dropout) stays the trial's own.
+of the frozen base over every member's rows), the policies of evaluations (eval mode), and the old policies
+TRL scores in train mode when it reuses a rollout (``num_iterations`` > 1) of members for which nothing drops
+(:meth:`PolicyPasses.drops`); an old policy that would draw dropout masks stays the trial's own.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ class LogpsRequest:
     """A member's rows to score: token ids and attention (prompt then completion), and the completion's
     last ``logits_to_keep`` positions to score; ``entropy``: whether it needs each position's entropy.
 
-    ``grad``: scored for the member's backward (its policy step); else without gradients, either its
-    ``reference`` (TRL's pass with the adapters off, for the KL term) or its policy in eval mode (an
-    evaluation's loss). ``training``: the model's mode when the member asked.
+    ``grad``: scored for the member's backward (its policy step); else without gradients: its ``reference``
+    (TRL's pass with the adapters off, for the KL term), its old policy (a ``rollout`` scored before its rewards,
+    when TRL reuses it for several steps), or its policy in eval mode (an evaluation's loss). ``training``: the
+    model's mode when the member asked.
     """
 
     runtime: Member
@@ -72,6 +74,7 @@ class LogpsRequest:
     grad: bool = True
     reference: bool = False
     training: bool = True
+    rollout: bool = False
 
 
 @dataclass(eq=False)
@@ -88,7 +91,7 @@ class PolicyPasses:
     def __init__(self, trials: GangHost) -> None:
         self.trials = trials
         self.passes = 0
-        self.scoring_passes = 0  # shared passes without gradients (references, evaluations)
+        self.scoring_passes = 0  # shared passes without gradients (references, old policies, evaluations)
         self.prefix_passes = 0  # passes (of either kind) whose rows shared their prompts
         self.stacked_passes = 0  # passes (of either kind) whose layers read the gang's adapters stacked
         self._open: set[Member] = set()  # members of passes whose backward has not run yet
@@ -118,7 +121,8 @@ class PolicyPasses:
         """One forward pass over the rows of ``requests``, which agree on ``grad``, ``reference`` and the mode.
 
         Without gradients nothing is kept for a backward, and no dropout stream moves: a reference has its
-        adapters off, and an evaluation runs in eval mode (other no-grad calls are not shared).
+        adapters off, an evaluation runs in eval mode, and an old policy in train mode is shared only where
+        nothing drops (other no-grad calls are not shared).
         """
         trials, first, grad = self.trials, requests[0].runtime, requests[0].grad
         resident = trials.resident
@@ -243,6 +247,16 @@ class PolicyPasses:
     def _prefix_refused(self) -> str | None:
         """Why the model's passes cannot share their rows' prompts (``None``: they can)."""
         return prefix_refusal(self.trials.resident.base)
+
+    def drops(self, member: Member) -> bool:
+        """Whether a pass in train mode draws dropout masks for ``member``: its adapter's, the attention's (a
+        config's ``attention_dropout``), or the base's own dropout layers where its arguments keep them."""
+        resident = self.trials.resident
+        if self._adapter_dropout(member.state.adapter_name):
+            return True
+        if float(getattr(resident.base.config, "attention_dropout", 0.0) or 0.0) > 0:
+            return True
+        return resident.has_base_dropout() and not member.spec.kind.base_dropout_off(member.args)
 
     def _adapter_dropout(self, name: str) -> bool:
         """Whether adapter ``name`` draws dropout (in train mode)."""
