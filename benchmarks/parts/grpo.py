@@ -358,7 +358,7 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
             data["runs"][label] = found
             said = f"{found['wall_seconds']:.1f} s"
         else:
-            found = run_study(bench, shape, "fused" if "fused" in label else "time_sliced", sizes)
+            found = run_study(bench, shape, _engine(label), sizes)
             data["runs"][label] = found
             data.setdefault("repeats", {})[label] = [_repeat(found)]
             said = _said(found)
@@ -368,7 +368,7 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
     repeats = bench.options.grpo_repeats or (1 if bench.smoke else REPEATS)
     for run_number in range(2, repeats + 1):  # the studies again, in turns, after every other run
         for label in (label for label in labels if label in studies):
-            found = run_study(bench, shape, "fused" if "fused" in label else "time_sliced", sizes)
+            found = run_study(bench, shape, _engine(label), sizes)
             data["repeats"][label].append(_repeat(found))
             print(f"grpo part, {label} (run {run_number} of {repeats}): {_said(found)}", flush=True)
             ratios(data)
@@ -380,6 +380,11 @@ def _repeat(found: dict[str, Any]) -> dict[str, Any]:
     """What ``repeats`` keeps of one run of a study."""
     keys = ("wall_seconds", "decode_seconds", "gang_seconds", "failed")
     return {key: found[key] for key in keys}
+
+
+def _engine(label: str) -> Literal["fused", "time_sliced"]:
+    """The engine of study ``label`` (``grpo_fused_k8``, ``grpo_time_sliced_k8``)."""
+    return "fused" if "fused" in label else "time_sliced"
 
 
 def _said(found: dict[str, Any]) -> str:
