@@ -328,12 +328,8 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
     if unknown:
         raise SystemExit(f"--grpo-runs: unknown runs {unknown}; choose among {', '.join(labels)}")
     data: dict[str, Any] = {"model": shape, "sizes": asdict(sizes), "runs": {}}
-    earlier = Path(bench.options.out) / "grpo.json"
-    if bench.options.grpo_runs and earlier.exists():
-        kept = json.loads(earlier.read_text())
-        if kept.get("sizes") != data["sizes"]:
-            raise SystemExit(f"{earlier} holds GRPO runs of other sizes ({kept.get('sizes')}): use another --out")
-        data["runs"] = kept.get("runs", {})
+    if bench.options.grpo_runs:
+        keep_earlier(data, Path(bench.options.out) / "grpo.json")
     studies = [label for label in chosen if label.startswith(("grpo_fused", "grpo_time_sliced"))]
     if studies:
         # What a process pays once (kernels' just-in-time compilation, cuDNN and cuBLAS start-up), paid
@@ -374,6 +370,20 @@ def run(bench: Bench, shapes: list[str], save: Callable[[dict[str, Any]], None])
             ratios(data)
             save(data)
     return data
+
+
+def keep_earlier(data: dict[str, Any], earlier: Path) -> None:
+    """Put into ``data`` the runs of ``earlier`` (a grpo.json of the same sizes) with their repeated walls: a run
+    that runs again replaces its own (and its repeats), the others stay, so that the ratios of a partial run still
+    take the medians of the studies it does not repeat. Nothing when the file does not exist."""
+    if not earlier.exists():
+        return
+    kept = json.loads(earlier.read_text())
+    if kept.get("sizes") != data["sizes"]:
+        raise SystemExit(f"{earlier} holds GRPO runs of other sizes ({kept.get('sizes')}): use another --out")
+    data["runs"] = kept.get("runs", {})
+    if kept.get("repeats"):
+        data["repeats"] = kept["repeats"]
 
 
 def _repeat(found: dict[str, Any]) -> dict[str, Any]:

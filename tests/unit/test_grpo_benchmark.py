@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from benchmarks.parts.grpo import markdown, ratios
+from benchmarks.parts.grpo import keep_earlier, markdown, ratios
 from benchmarks.run import build_parser
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 SIZES = {"trials": 8, "prompts": 64, "num_chunks": 2, "eval_prompts": 16, "generations": 4, "batch": 16}
 SIZES["completion"] = 32
@@ -61,6 +65,31 @@ def test_files_from_before_the_repeats_give_the_ratio_of_their_one_run_each() ->
     ratios(data)
     assert data["grpo_fused_over_time_sliced_k8"] == pytest.approx(45.9 / 12.4)
     assert "median" not in "\n".join(markdown(data))
+
+
+def test_a_partial_run_keeps_the_earlier_studies_repeats_until_it_runs_them_again(tmp_path: Path) -> None:
+    """``--grpo-runs`` merges into an earlier grpo.json: a study it does not run keeps its median (its repeats),
+    one it runs again replaces its own; an earlier file of other sizes is refused by name, none changes nothing."""
+    earlier = {
+        "model": "llama-3.2-1b",
+        "sizes": SIZES,
+        "runs": {"grpo_fused_k8": _study("fused", 14.0), "grpo_time_sliced_k8": _study("time_sliced", 58.0)},
+        "repeats": {"grpo_fused_k8": _repeats(14.0, 13.0, 15.0), "grpo_time_sliced_k8": _repeats(58.0, 52.0, 50.0)},
+    }
+    (tmp_path / "grpo.json").write_text(json.dumps(earlier))
+    data: dict[str, Any] = {"model": "llama-3.2-1b", "sizes": SIZES, "runs": {}}
+    keep_earlier(data, tmp_path / "grpo.json")
+    data["runs"]["grpo_fused_k8"] = _study("fused", 11.0)  # the part running the fused study again
+    data["repeats"]["grpo_fused_k8"] = _repeats(11.0, 10.0, 12.0)
+    ratios(data)
+    assert data["grpo_fused_over_time_sliced_k8"] == pytest.approx(52.0 / 11.0)  # not 58 / 11 (the first run)
+
+    alone: dict[str, Any] = {"model": "llama-3.2-1b", "sizes": SIZES, "runs": {}}
+    keep_earlier(alone, tmp_path / "absent.json")
+    assert alone == {"model": "llama-3.2-1b", "sizes": SIZES, "runs": {}}
+    other = {**alone, "sizes": {**SIZES, "trials": 4}}
+    with pytest.raises(SystemExit, match=r"grpo\.json holds GRPO runs of other sizes"):
+        keep_earlier(other, tmp_path / "grpo.json")
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
