@@ -381,9 +381,7 @@ def keep_earlier(data: dict[str, Any], earlier: Path) -> None:
     kept = json.loads(earlier.read_text())
     if kept.get("sizes") != data["sizes"]:
         raise SystemExit(f"{earlier} holds GRPO runs of other sizes ({kept.get('sizes')}): use another --out")
-    data["runs"] = kept.get("runs", {})
-    if kept.get("repeats"):
-        data["repeats"] = kept["repeats"]
+    data["runs"], data["repeats"] = kept.get("runs", {}), kept.get("repeats", {})
 
 
 def _repeat(found: dict[str, Any]) -> dict[str, Any]:
