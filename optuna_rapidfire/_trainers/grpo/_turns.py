@@ -33,6 +33,26 @@ Answer = TypeVar("Answer")
 _NOTHING: Any = object()
 
 
+class _Baton:
+    """A turn handed from one thread to another: :meth:`give` wakes the one thread blocked in :meth:`take` (or lets
+    its next :meth:`take` through). A lock held from the start, released by the giver: a wake-up costs one C call on
+    each side, where ``threading.Semaphore`` takes a condition variable and a lock of its own per wait (about 40% more
+    per round trip, some 800 round trips a GRPO gang study). Turns alternate strictly, so no baton is given twice
+    without a take in between."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def give(self) -> None:
+        self._lock.release()
+
+    def take(self) -> None:
+        self._lock.acquire()
+
+
 @dataclass(eq=False)
 class _Member:
     work: Callable[[], Any]
@@ -41,7 +61,7 @@ class _Member:
     request: Any = _NOTHING
     answer: Any = _NOTHING
     thread: threading.Thread | None = field(default=None, repr=False)
-    go: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0), repr=False)  # its turn
+    go: _Baton = field(default_factory=_Baton, repr=False)  # its turn
 
 
 class Turns(Generic[Request, Answer]):
@@ -64,9 +84,9 @@ class Turns(Generic[Request, Answer]):
         self._shared = shared
         self._name = name
         self._setup = setup
-        # A turn is handed over by releasing the semaphore of whoever runs next (a member's ``go``, or
-        # ``_back`` for the coordinator): only that thread wakes, whatever the number of members.
-        self._back = threading.Semaphore(0)
+        # A turn is handed over by giving the baton of whoever runs next (a member's ``go``, or ``_back`` for the
+        # coordinator): only that thread wakes, whatever the number of members.
+        self._back = _Baton()
         self._local = threading.local()
         self.member_seconds = 0.0  # host time the members ran their own code (all runs of this object)
 
@@ -125,8 +145,8 @@ class Turns(Generic[Request, Answer]):
         if member is None:
             raise RuntimeError("Turns.meet() is called from inside a member's work only.")
         member.request = request
-        self._back.release()
-        member.go.acquire()
+        self._back.give()
+        member.go.take()
         answer, member.answer = member.answer, _NOTHING
         if isinstance(answer, BaseException):
             raise answer
@@ -134,12 +154,12 @@ class Turns(Generic[Request, Answer]):
 
     def _give_turn(self, member: _Member) -> None:
         """Let ``member`` run until it finishes or meets."""
-        member.go.release()
-        self._back.acquire()
+        member.go.give()
+        self._back.take()
 
     def _body(self, member: _Member) -> None:
         self._local.member = member
-        member.go.acquire()
+        member.go.take()
         try:
             if self._setup is not None:
                 self._setup()
@@ -148,7 +168,7 @@ class Turns(Generic[Request, Answer]):
             member.outcome = error
         finally:
             member.done = True
-            self._back.release()
+            self._back.give()
 
 
 def each_alone_after_failure(
