@@ -39,7 +39,12 @@ _COMPACT_SHARE = 0.25
 
 
 def decode(
-    model: torch.nn.Module, requests: Sequence[DecodeRequest], pad_token_id: int, *, launched: bool | None = None
+    model: torch.nn.Module,
+    requests: Sequence[DecodeRequest],
+    pad_token_id: int,
+    *,
+    launched: bool | None = None,
+    layers: Sequence[tuple[str, Any]] | None = None,
 ) -> list[list[list[int]]]:
     """Each request's completions, sampled in one decode batch, each row through its request's adapter.
 
@@ -56,6 +61,9 @@ def decode(
         pad_token_id: Left-pads the prompts and fills the rows that have ended.
         launched: Whether to use the launched decode (``None``: where the model supports it; ``True``
             raises where it does not).
+        layers: The model's LoRA layers (:func:`~optuna_rapidfire._fused._fused_pass.named_lora_layers`), when
+            the caller keeps them; else listed here, by a walk of every module (a GRPO study decodes hundreds
+            of times).
 
     Returns:
         For each request, its completions: one list of token ids per prompt, cut after the row's first
@@ -73,7 +81,8 @@ def decode(
     names = [r.adapter for r in requests]
     if len(set(names)) != len(names):
         raise ValueError(f"Each request needs its own adapter, but got adapters {names}.")
-    held = {name for layer in lora_layers(model) for name in layer.lora_A}
+    listed = lora_layers(model) if layers is None else [layer for _, layer in layers]
+    held = {name for layer in listed for name in layer.lora_A}
     missing = [name for name in names if name not in held]
     if missing:
         raise ValueError(f"The model has no adapter {missing[0]!r} (its adapters: {sorted(held)}).")

@@ -26,6 +26,7 @@ from transformers import (
 
 from optuna_rapidfire._fused import _fused_decode, _launched_decode, _workspace
 from optuna_rapidfire._fused._fused_decode import DecodeRequest, Sampling, decode, penalize, warp
+from optuna_rapidfire._fused._fused_pass import named_lora_layers
 
 PAD = 0
 VOCAB = 64  # small, so that a random model's rows reach their EOS within a few tokens
@@ -483,3 +484,19 @@ def test_a_workspace_that_does_not_fit_drops_the_kept_ones_and_is_made_again(
     failures[0] = 1  # nothing kept to drop: raised at once
     with pytest.raises(torch.cuda.OutOfMemoryError):
         _decode_of_width(model, 5)
+
+
+def test_the_callers_layers_spare_the_walk_and_still_name_a_missing_adapter(
+    model: PeftModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layers = named_lora_layers(model)
+    expected = decode(model, [DecodeRequest("t0", _prompts(3, [4, 6]), 5, generator=_generator(2))], PAD)
+
+    def walked(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("decode walked the model for its LoRA layers")
+
+    monkeypatch.setattr(_fused_decode, "lora_layers", walked)
+    request = DecodeRequest("t0", _prompts(3, [4, 6]), 5, generator=_generator(2))
+    assert decode(model, [request], PAD, layers=layers) == expected
+    with pytest.raises(ValueError, match=re.escape("no adapter 'nope'")):
+        decode(model, [DecodeRequest("nope", [[1]], 4)], PAD, layers=layers)

@@ -328,7 +328,8 @@ class Generation:
             torch.cuda.synchronize(self.trials.device)  # time the decode alone (its end waits for its tokens)
         start = time.perf_counter()
         with torch.no_grad(), first.spec.kind.autocast(first.args, self.trials.device):
-            completions = decode(self.trials.resident.module, requests, pad_token_id(first.trainer))
+            resident = self.trials.resident
+            completions = decode(resident.module, requests, pad_token_id(first.trainer), layers=resident.lora_layers())
         if listening:
             events.emit(_decoded(self.trials, self._numbers, requests, completions, time.perf_counter() - start))
         return completions
