@@ -26,6 +26,7 @@ import functools
 import inspect
 import itertools
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -247,6 +248,7 @@ def clock_offset(profiler_events: list[tuple[int, int]], marker_host_ns: int) ->
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv  # the command recorded in the result names every option
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny shape and sizes (the CPU)")
