@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from optuna_rapidfire._fused._capture import capture_graph
 from optuna_rapidfire._logging import get_logger
 
 if TYPE_CHECKING:
@@ -168,15 +169,9 @@ class CudaGraphs:
     def record(
         self, fn: Callable[[Sequence[torch.Tensor | None]], torch.Tensor | None], inputs: Sequence[torch.Tensor | None]
     ) -> Recording:
-        graph = torch.cuda.CUDAGraph()
         # The capture stream is the current one (PassGraphs runs captures on its stream): the eager first call
-        # ran there too, so the lazily made workspaces belong to it.
-        # Thread-local capture: another thread's synchronising call (a trial's state saved meanwhile) is not an
-        # error of this capture.
-        with torch.cuda.graph(
-            graph, pool=self.pool, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"
-        ):
-            out = fn(inputs)
+        # ran there too, so the lazily made workspaces belong to it. The caches stay (see _fused/_capture.py).
+        graph, out = capture_graph(lambda: fn(inputs), pool=self.pool, stream=torch.cuda.current_stream())
         return _CudaGraph(graph, out)
 
 

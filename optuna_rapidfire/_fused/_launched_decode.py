@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from optuna_rapidfire._fused._capture import capture_graph
 from optuna_rapidfire._fused._fused_pass import attention_kernels
 from optuna_rapidfire._fused._norms import rms_norm
 from optuna_rapidfire._fused._sampling import DecodeRequest, Sampling, penalize, warp
@@ -239,10 +240,8 @@ class LaunchedDecode:
             with torch.cuda.stream(side):
                 self._body(space)  # the step itself, and the warm-up the capture needs
             torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with _autocast(self), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._body(space)
-            space.graph = graph
+            with _autocast(self):
+                space.graph, _ = capture_graph(lambda: self._body(space))
             return
         space.graph.replay()
 
