@@ -3,12 +3,12 @@
 ``torch.cuda.graph`` empties the device allocator's cache and the page-locked host cache at every capture (so that
 a graph that reads host memory starts from a clean pool). The graphs this package captures (a decode step, a
 recorded training pass) read device memory only, and each capture costs the process what the caches held: freeing
-page-locked memory takes ~0.4 s per GB, and the next page-locked copy (a gang's members' states at a chunk's end:
-8 x 41 MB for 1B trials) allocates it again; the device's cached blocks are given back to the driver and allocated
-again by the next passes. A study captures a graph for each new decode shape (fewer slots once requests end) and
-each recorded pass layout, so these flushes recur while it runs. :func:`capture_graph` captures as
-``torch.cuda.graph`` does (a side stream, thread-local capture mode), emptying the device cache only when the
-device is short of free memory, and never the host cache.
+page-locked memory takes ~0.4 s per GB (a published measurement), and the next page-locked copy (a gang's members'
+states at a chunk's end: 8 x 41 MB for 1B trials) allocates it again; the device's cached blocks are given back to
+the driver and allocated again by the next passes. A study captures a graph for each new decode shape (fewer slots
+once requests end) and each recorded pass layout, so these flushes recur while it runs. :func:`capture_graph`
+captures as ``torch.cuda.graph`` does (a side stream, thread-local capture mode), emptying the device cache only
+when the device is short of free memory, and never the host cache.
 """
 
 from __future__ import annotations
