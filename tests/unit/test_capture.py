@@ -12,6 +12,7 @@ from optuna_rapidfire._fused import _capture
 from optuna_rapidfire._fused._capture import ROOM_BYTES, capture_graph, short_of_room
 
 GIB = 1 << 30
+created: list[_FakeGraph] = []
 
 
 def test_a_capture_empties_the_device_cache_only_when_the_device_is_short_of_room() -> None:
@@ -25,6 +26,8 @@ def test_a_capture_empties_the_device_cache_only_when_the_device_is_short_of_roo
 
 
 class _FakeGraph:
+    """A CUDA graph that records its capture's calls (every one made is kept in ``created``)."""
+
     fail_begin = False
 
     def __init__(self) -> None:
@@ -38,9 +41,6 @@ class _FakeGraph:
 
     def capture_end(self) -> None:
         self.calls.append("end")
-
-
-created: list[_FakeGraph] = []
 
 
 @pytest.fixture
