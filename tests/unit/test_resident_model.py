@@ -127,6 +127,27 @@ def test_a_snapshot_write_runs_off_the_caller_and_a_reader_waits_for_it(caplog: 
     assert written == ["a", "d"]
 
 
+def test_snapshot_writes_of_other_paths_go_on_beside_a_slow_one_and_one_paths_land_in_order() -> None:
+    """A gang's members' files are written by several threads at once; a path written twice gets its second write
+    after its first, however long the first takes."""
+    writes = _Writes()
+    release = threading.Event()
+    landed: list[str] = []
+
+    def slow_first() -> None:
+        release.wait(10)
+        landed.append("a1")
+
+    writes.submit("a", slow_first)
+    writes.submit("a", lambda: landed.append("a2"))
+    writes.submit("b", lambda: landed.append("b"))
+    writes.wait("b")  # another path's write is not held up by "a"'s
+    assert landed == ["b"]
+    release.set()
+    writes.wait()
+    assert landed == ["b", "a1", "a2"]
+
+
 def _modes(module: torch.nn.Module) -> dict[str, bool]:
     return {name: m.training for name, m in module.named_modules()}
 
