@@ -402,17 +402,13 @@ _DTYPES = {
 
 def safetensors_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> memoryview:
     """``tensors`` and ``metadata`` in the safetensors format, as ``safetensors.torch.load`` reads it: the header's
-    length, the JSON header padded to 8 bytes, then the tensors' bytes, by dtype (larger items first), then in the
-    order of the memory they lie in (:func:`_memory_order`: the same tensors as ``safetensors.torch.save`` writes,
-    not in its order, which the format leaves free).
+    length, the JSON header padded to 8 bytes, then the tensors' bytes, by dtype (larger items first) and name (the
+    same tensors as ``safetensors.torch.save`` writes, not always in its order).
 
-    The bytes are gathered by one operator whatever the number of tensors, each byte copied once and outside
-    Python's global lock, which another thread (the device's, training meanwhile) takes back at every operator it
-    runs. Tensors that lie back to back in one buffer (a snapshot's copies of one bulk run: a 1B trial's 513 weights
-    and moments are three buffers) are copied as one run: each copy of a CPU tensor of 32k elements or more is split
-    over the intra-op threads, and a gang's eight members serialising at once, 513 such copies each, took 75-146 ms
-    a checkpoint on an H100 host (16 cores) where one copy per buffer takes a few. Tensors of other dtypes or
-    layouts, or a big-endian machine, take safetensors' own writer.
+    The bytes are gathered by two operators per dtype (the buffer's region cut into views shaped like the tensors,
+    one copy into them all) whatever the number of tensors, each byte copied once: each runs outside Python's
+    global lock, which another thread (the device's, training meanwhile) takes back at every operator it runs.
+    Tensors of other dtypes or layouts, or a big-endian machine, take safetensors' own writer.
     """
     if sys.byteorder != "little" or any(
         t.dtype not in _DTYPES or t.layout != torch.strided or t.device.type != "cpu" or t.is_neg()
@@ -425,7 +421,7 @@ def safetensors_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str])
         }
         return memoryview(save(alone, metadata=metadata)).toreadonly()
     groups: dict[torch.dtype, list[str]] = {}
-    for name in _memory_order(tensors):
+    for name in sorted(tensors):
         groups.setdefault(tensors[name].dtype, []).append(name)
     dtypes = sorted(groups, key=lambda dtype: (-dtype.itemsize, _DTYPES[dtype]))
     header: dict[str, Any] = {"__metadata__": metadata}
@@ -440,60 +436,15 @@ def safetensors_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str])
     start = 8 + len(text)
     buffer = torch.empty(start + offset, dtype=torch.uint8)
     buffer[:start] = torch.frombuffer(bytearray(len(text).to_bytes(8, "little") + text), dtype=torch.uint8)
-    targets: list[torch.Tensor] = []
-    sources: list[torch.Tensor] = []
-    for dtype in dtypes:  # larger items first: each dtype's region starts aligned to its item size
-        chosen = [tensors[name] for name in groups[dtype]]
-        size = sum(t.nbytes for t in chosen)
-        if size:
-            region = buffer[start : start + size].view(dtype)
-            at = 0
-            for run in _runs(chosen):
-                count = sum(t.numel() for t in run)
-                targets.append(region[at : at + count].view(run[0].shape) if len(run) == 1 else region[at : at + count])
-                sources.append(run[0] if len(run) == 1 else _flat_run(run, count))
-                at += count
-        start += size
     with torch.no_grad():
-        torch._foreach_copy_(targets, sources)
+        for dtype in dtypes:  # larger items first: each dtype's region starts aligned to its item size
+            chosen = [tensors[name] for name in groups[dtype]]
+            size = sum(t.nbytes for t in chosen)
+            if size:
+                region = buffer[start : start + size].view(dtype)
+                torch._foreach_copy_(_compat.unflatten_dense_tensors(region, chosen), chosen)
+            start += size
     return buffer.numpy().data.toreadonly()
-
-
-def _memory_order(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """The names of ``tensors``: those of one buffer together, buffers in the order their first tensor comes, and
-    within a buffer by where the tensor starts (then name); an order that depends on the tensors and their
-    buffers' layouts, never on the buffers' addresses, so one snapshot gives the same bytes whoever serialises it."""
-    first: dict[tuple[int, torch.dtype], int] = {}
-    keys: dict[str, tuple[int, int, str]] = {}
-    for name, tensor in tensors.items():
-        storage = (
-            (tensor.untyped_storage().data_ptr(), tensor.dtype) if tensor.numel() else (-len(first) - 1, tensor.dtype)
-        )
-        rank = first.setdefault(storage, len(first))
-        keys[name] = (rank, int(tensor.storage_offset()), name)
-    return sorted(tensors, key=keys.__getitem__)
-
-
-def _runs(chosen: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``chosen`` cut into runs of contiguous tensors that lie back to back in one buffer (a tensor that is not
-    contiguous, or is empty, is a run of its own)."""
-    runs: list[list[torch.Tensor]] = []
-    end: tuple[int, int] | None = None  # the last run's buffer and the element after it
-    for tensor in chosen:
-        here = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
-        if runs and end == here and tensor.is_contiguous() and tensor.numel():
-            runs[-1].append(tensor)
-        else:
-            runs.append([tensor])
-        joinable = tensor.is_contiguous() and tensor.numel()
-        end = (here[0], here[1] + int(tensor.numel())) if joinable else None
-    return runs
-
-
-def _flat_run(run: list[torch.Tensor], count: int) -> torch.Tensor:
-    """The ``count`` elements of ``run`` (tensors back to back in one buffer) as one flat view of that buffer."""
-    first = run[0]
-    return first.as_strided((count,), (1,), first.storage_offset())
 
 
 def _numpy_state_to_json(state: dict[str, Any]) -> dict[str, Any]:

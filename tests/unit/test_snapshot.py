@@ -330,50 +330,6 @@ def test_the_blob_holds_what_safetensors_writes_for_every_dtype_and_shape_withou
             assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
 
 
-def test_the_blob_copies_a_buffers_tensors_lying_back_to_back_as_one_run_and_its_bytes_do_not_depend_on_addresses(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A snapshot's copies of one bulk run are views of one buffer (hundreds of a 1B trial's weights and moments):
-    the blob copies each buffer in one piece, the odd tensor (strided, alone, empty) apart, and the same tensors in
-    other buffers give the same bytes."""
-    from optuna_rapidfire import _compat
-
-    def made(seed: int) -> dict[str, torch.Tensor]:
-        torch.manual_seed(seed)
-        sources = [torch.randn(4, 3), torch.randn(5), torch.randn(2, 6), torch.randn(7)]
-        views = _compat.unflatten_dense_tensors(_compat.flatten_dense_tensors(sources), sources)
-        # Names out of the buffer's order, a step of another buffer between them, as a snapshot's parts are.
-        return {
-            "weights/b": views[1],
-            "optimizer/0/step": torch.tensor(3.0),
-            "weights/a": views[0],
-            "optimizer/0/exp_avg": views[2],
-            "optimizer/0/exp_avg_sq": views[3],
-            "strided": torch.randn(3, 4).t(),
-            "empty": torch.zeros(0, 2),
-            "i64": torch.arange(4),
-        }
-
-    pairs: list[int] = []
-    copy = torch._foreach_copy_
-
-    def counted(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-        pairs.append(len(targets))
-        copy(targets, sources)
-
-    monkeypatch.setattr(torch, "_foreach_copy_", counted)
-    tensors = made(0)
-    blob = safetensors_blob(tensors, {"m": "x"})
-    # One float32 copy for the buffer's four views, one each for the step, the strided and the empty tensor, one i64.
-    assert pairs == [5]
-    loaded = load(bytes(blob))
-    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], v) for k, v in tensors.items())
-    again = {name: tensor.clone() for name, tensor in made(0).items()}  # each tensor in a buffer of its own
-    keep = made(0)  # the same tensors in other buffers, at other addresses
-    assert bytes(safetensors_blob(keep, {"m": "x"})) == bytes(blob)
-    assert load(bytes(safetensors_blob(again, {"m": "x"}))).keys() == tensors.keys()
-
-
 def test_a_snapshots_blob_is_made_once_whichever_threads_ask(monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[str] = []
     serialized = snapshot_module.safetensors_blob
