@@ -89,7 +89,8 @@ RESUME_FAILED = PREFIX + "resume_failed"
 CHUNK_STATES_PREFIX = PREFIX + "chunk_states:"
 """Study system attr ``rapidfire:chunk_states:<trial number>``: the chunk states kept of that trial for clones
 to branch from, ``{"<chunks done>": link}`` (links as :data:`CHECKPOINT`'s; one kept in a worker's memory says
-which: ``"memory": "host:pid"``). A study attr, so it can be trimmed after the trial finished."""
+which, ``"memory": "host:pid"``, and has no hash: ``"sha256": None``). A study attr, so it can be trimmed after the
+trial finished."""
 
 CHECKPOINT = PREFIX + "checkpoint"
 """System attr: the trial's latest per-chunk checkpoint in the artifact store, ``{"artifact_id", "step",

@@ -135,7 +135,10 @@ class Checkpoints:
         link: dict[str, Any] = {
             "artifact_id": artifact_id,
             "step": snapshot.position.chunks_done,
-            "sha256": hashlib.sha256(blob).hexdigest(),
+            # A state kept in this process's memory is the blob itself, never copied or sent: no hash to check it
+            # against (41 ms of a 1B trial's checkpoint on an H100 host, paid by a lock-step gang's eight members
+            # at once while the device waits for their next chunk).
+            "sha256": hashlib.sha256(blob).hexdigest() if self.shared else None,
             "bytes": blob.nbytes,
         }
         if not self.shared:
@@ -280,7 +283,8 @@ def _load(store: ArtifactStore, study: optuna.Study, link: Any, trials: Collecti
             blob = reader.read()
     except Exception as error:
         raise CheckpointError(f"checkpoint {artifact_id} cannot be read ({type(error).__name__}: {error})") from None
-    if hashlib.sha256(blob).hexdigest() != link["sha256"]:
+    unhashed = link["sha256"] is None and isinstance(store, MemoryStore)  # this process's memory: the blob itself
+    if not unhashed and hashlib.sha256(blob).hexdigest() != link["sha256"]:
         raise CheckpointError(f"checkpoint {artifact_id} is corrupted (its SHA-256 does not match the link)")
     try:
         snapshot, study_name = TrialSnapshot.from_bytes(blob, source=f"checkpoint {artifact_id}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from optuna_rapidfire import control
 from optuna_rapidfire._engines import ENGINES
 from optuna_rapidfire._resident._snapshot import TrialSnapshot
 from optuna_rapidfire._study import _attrs
+from optuna_rapidfire._study._checkpoints import MEMORY
 
 NUM_CHUNKS = 6
 
@@ -284,7 +284,8 @@ def test_a_finished_trials_snapshot_file_is_its_last_checkpoint_taken_from_the_d
         snapshot, study_name = TrialSnapshot.from_bytes(blob)
         assert study_name == "kept" and snapshot.trial_number == number and snapshot.position.chunks_done == 2
         last_checkpoint = kept[f"{_attrs.CHUNK_STATES_PREFIX}{number}"]["2"]
-        assert hashlib.sha256(blob).hexdigest() == last_checkpoint["sha256"]  # the very bytes of the checkpoint
+        with MEMORY.open_reader(last_checkpoint["artifact_id"]) as kept_bytes:
+            assert kept_bytes.read() == blob  # the very bytes of the checkpoint
 
 
 def test_a_member_whose_state_cannot_be_copied_fails_alone(make_executor, monkeypatch) -> None:

@@ -98,6 +98,15 @@ def test_a_trial_keeps_its_last_chunk_states_and_once_finished_its_last_unless_a
         other.load_chunk(study, trial.number, 1)
 
 
+def test_a_link_without_a_hash_is_refused_from_an_artifact_store(tmp_path: Path) -> None:
+    """Only a state kept in this process's memory goes unhashed; a store's link that lost its hash reads as damaged."""
+    _, checkpoints, study, trial, first = _one_saved(tmp_path)
+    assert isinstance(first["sha256"], str) and len(first["sha256"]) == 64
+    with pytest.raises(CheckpointError, match="is corrupted"):
+        checkpoints.load(study, {**first, "sha256": None}, [trial.number])
+    assert checkpoints.load(study, first, [trial.number]).position.chunks_done == 1
+
+
 def test_the_budget_drops_the_oldest_states_but_never_a_trial_s_latest_and_says_so(tmp_path: Path, caplog) -> None:
     study = optuna.create_study(study_name="s")
     trial = study.ask()
@@ -120,6 +129,7 @@ def test_states_kept_in_memory_branch_clones_here_and_say_where_they_are_elsewhe
     checkpoints = Checkpoints(MEMORY)
     link = checkpoints.save(study, trial._trial_id, _snapshot(trial.number, 1))
     assert link["memory"] == MEMORY.where and _attrs.CHECKPOINT not in study.trials[0].system_attrs  # no retries
+    assert link["sha256"] is None  # the blob itself is kept: nothing a hash would catch
     assert checkpoints.load_chunk(study, trial.number, None).position.chunks_done == 1
     key = f"{_attrs.CHUNK_STATES_PREFIX}{trial.number}"
     study._storage.set_study_system_attr(study._study_id, key, {"1": {**link, "memory": "elsewhere:1"}})
