@@ -64,6 +64,26 @@ def test_adapters_built_among_others_are_what_peft_builds_with_every_adapter_in_
     assert ours.peft.active_adapter == "trial_3"
 
 
+def test_adapters_deleted_among_others_leave_what_peft_leaves_with_every_adapter_in_view(tiny_model: str) -> None:
+    """Deleting hides the other adapters from PEFT's walks: the model is left as PEFT's own deletion leaves it."""
+    ours, reference = _resident(tiny_model), _resident(tiny_model)
+    for resident in (ours, reference):
+        for index, config in enumerate(CONFIGS):
+            resident.add_adapter(f"trial_{index}", config, seed=100 + index)
+    assert ours.peft is not None and reference.peft is not None
+    for name in ("trial_1", "trial_3", "trial_0"):  # one in the middle, the active one, the first
+        active = ours.peft.active_adapter
+        ours.delete_adapter(name)
+        if name == active:  # as ResidentModel does: PEFT is pointed at another adapter first
+            reference._point_at(next(n for n in reference.peft.peft_config if n != name))
+        reference.peft.delete_adapter(name)
+        assert _lora_layout(ours.peft) == _lora_layout(reference.peft), name
+        assert list(ours.peft.peft_config) == list(reference.peft.peft_config)
+        theirs = dict(reference.peft.named_parameters())
+        assert all(torch.equal(param, theirs[key]) for key, param in ours.peft.named_parameters())
+    assert list(ours.peft.peft_config) == ["trial_2"] and ours.peft.active_adapter == "trial_2"
+
+
 def test_an_adapter_added_after_a_gang_was_trainable_is_the_only_trainable_one(tiny_model: str) -> None:
     resident = _resident(tiny_model)
     for index, config in enumerate(CONFIGS[:3]):
