@@ -141,6 +141,12 @@ class TrialSnapshot:
                 found = self._blobs[study_name] = safetensors_blob(*self._parts(study_name))
             return found
 
+    def blob_size(self, study_name: str = "") -> int:
+        """The bytes of :meth:`blob` (without making it, unless it is made already)."""
+        with self._blob_lock:
+            found = self._blobs.get(study_name)
+        return found.nbytes if found is not None else blob_size(*self._parts(study_name))
+
     def _parts(self, study_name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The blob's tensors by name and its header's metadata."""
         tensors = {f"weights/{k}": v for k, v in self.weights.items()}
@@ -224,12 +230,19 @@ class TrialSnapshot:
         return snapshot, str(meta.get("study_name", ""))
 
     def save(self, directory: str, study_name: str = "") -> None:
-        """Write the snapshot to ``directory/snapshot.safetensors`` atomically (old one or new one, never half)."""
+        """Write the snapshot to ``directory/snapshot.safetensors`` atomically (old one or new one, never half).
+
+        A snapshot kept unserialised (a chunk state in this process's memory) is not made to keep its blob too.
+        """
         os.makedirs(directory, exist_ok=True)
+        with self._blob_lock:  # the checkpoint's blob when it has one; else one made for the file alone, not kept
+            blob = self._blobs.get(study_name)
+        if blob is None:
+            blob = safetensors_blob(*self._parts(study_name))
         handle, staging = tempfile.mkstemp(prefix=".snapshot-", dir=directory)
         try:
             with os.fdopen(handle, "wb") as out:
-                out.write(self.blob(study_name))
+                out.write(blob)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(staging, os.path.join(directory, _FILE))
@@ -420,19 +433,7 @@ def safetensors_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str])
             for k, v in tensors.items()
         }
         return memoryview(save(alone, metadata=metadata)).toreadonly()
-    groups: dict[torch.dtype, list[str]] = {}
-    for name in sorted(tensors):
-        groups.setdefault(tensors[name].dtype, []).append(name)
-    dtypes = sorted(groups, key=lambda dtype: (-dtype.itemsize, _DTYPES[dtype]))
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for dtype in dtypes:
-        for name in groups[dtype]:
-            tensor, end = tensors[name], offset + tensors[name].nbytes
-            header[name] = {"dtype": _DTYPES[dtype], "shape": list(tensor.shape), "data_offsets": [offset, end]}
-            offset = end
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
+    text, groups, dtypes, offset = _layout(tensors, metadata)
     start = 8 + len(text)
     buffer = torch.empty(start + offset, dtype=torch.uint8)
     buffer[:start] = torch.frombuffer(bytearray(len(text).to_bytes(8, "little") + text), dtype=torch.uint8)
@@ -445,6 +446,37 @@ def safetensors_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str])
                 torch._foreach_copy_(_compat.unflatten_dense_tensors(region, chosen), chosen)
             start += size
     return buffer.numpy().data.toreadonly()
+
+
+def blob_size(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """The bytes of :func:`safetensors_blob`'s blob of ``tensors`` and ``metadata``, without making it."""
+    text, _, _, data = _layout(tensors, metadata)
+    return 8 + len(text) + data
+
+
+def _layout(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> tuple[bytes, dict[torch.dtype, list[str]], list[torch.dtype], int]:
+    """The blob's JSON header (padded to 8 bytes with its length), the tensors' names by dtype, the dtypes in the
+    order their regions come, and the bytes of the tensors."""
+    groups: dict[torch.dtype, list[str]] = {}
+    for name in sorted(tensors):
+        groups.setdefault(tensors[name].dtype, []).append(name)
+    dtypes = sorted(groups, key=lambda dtype: (-dtype.itemsize, _DTYPES.get(dtype, str(dtype))))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for dtype in dtypes:
+        for name in groups[dtype]:
+            tensor, end = tensors[name], offset + tensors[name].nbytes
+            header[name] = {
+                "dtype": _DTYPES.get(dtype, str(dtype)),
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, end],
+            }
+            offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return text, groups, dtypes, offset
 
 
 def _numpy_state_to_json(state: dict[str, Any]) -> dict[str, Any]:

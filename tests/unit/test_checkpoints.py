@@ -12,6 +12,7 @@ import pytest
 import torch
 from optuna.artifacts import FileSystemArtifactStore
 
+from optuna_rapidfire._resident import _snapshot as snapshot_module
 from optuna_rapidfire._resident._snapshot import TrialSnapshot
 from optuna_rapidfire._resident._state import Position, RngState, SwapState
 from optuna_rapidfire._study import _attrs
@@ -121,6 +122,32 @@ def test_the_budget_drops_the_oldest_states_but_never_a_trial_s_latest_and_says_
     other = study.ask()
     tiny.save(study, other._trial_id, _snapshot(other.number, 1))
     assert _kept(study, other.number) == [1]
+
+
+def test_a_state_kept_in_memory_is_serialised_only_when_read_and_each_reader_gets_its_own_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lock-step gang's members checkpoint at once while the device waits: a state kept in this process's memory
+    is kept as it was taken (no blob, no hash), its size still the blob's; reading it serialises it then, and what a
+    reader changes in its copy never reaches the kept state."""
+    made: list[int] = []
+    serialise = snapshot_module.safetensors_blob
+    monkeypatch.setattr(snapshot_module, "safetensors_blob", lambda *a: made.append(1) or serialise(*a))
+    study = optuna.create_study(study_name="s")
+    trial = study.ask()
+    snapshot = _snapshot(trial.number, 2)
+    link = Checkpoints(MEMORY).save(study, trial._trial_id, snapshot)
+    assert made == [] and link["sha256"] is None and link["bytes"] == len(snapshot.to_bytes("s"))
+    made.clear()
+    first = Checkpoints(MEMORY).load(study, link, [trial.number])
+    assert made == [1] and first is not snapshot and first.position.chunks_done == 2
+    for name, tensor in snapshot.weights.items():
+        assert torch.equal(first.weights[name], tensor)
+        first.weights[name].add_(1.0)  # a reader's training
+    second = Checkpoints(MEMORY).load(study, link, [trial.number])
+    assert all(torch.equal(second.weights[n], t) for n, t in snapshot.weights.items())
+    with MEMORY.open_reader(link["artifact_id"]) as reader:  # the bytes, for whoever reads the store
+        assert TrialSnapshot.from_bytes(reader.read())[0].position.chunks_done == 2
 
 
 def test_states_kept_in_memory_branch_clones_here_and_say_where_they_are_elsewhere() -> None:
