@@ -181,7 +181,11 @@ class DeviceRuntime:
             self._worker.start()
 
     def flush(self) -> None:
-        """Wait until the trials' snapshot files being written in the background are written."""
+        """Wait until the trials that ended have left the device and their snapshot files, written in the
+        background, are written."""
+        worker = self._worker
+        if worker is not None:
+            self.scheduler.settle(worker.is_alive)
         if self.engine is not None:
             self.engine.flush()
 

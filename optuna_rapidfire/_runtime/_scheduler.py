@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 
 _REQUESTED = {Decision.PAUSE: Request.PAUSE, Decision.FINISH: Request.FINISH, Decision.STOP: Request.RELEASE}
+_LEAVING = (Request.FINISH, Request.RELEASE)
 
 
 def _reports(scheduler: Scheduler, live: int, streaming: bool) -> Reports:
@@ -82,19 +83,21 @@ def _await(entry: Entry) -> None:
     entry.awaiting_since = time.monotonic()
 
 
-def _housekeeping(entry: Entry) -> tuple[Task, list[Entry]]:
+def _housekeeping(entry: Entry, entries: list[Entry]) -> tuple[Task, list[Entry]]:
     if entry.request is Request.PAUSE:
         entry.request, entry.status = None, Status.PAUSED
         return Task.PAUSE, [entry]
     # A finish or release request stays (the entry is not live) until the worker removes the entry.
-    return (Task.FINISH if entry.request is Request.FINISH else Task.RELEASE), [entry]
+    if entry.request is Request.FINISH:  # every trial finishing now (a gang's members): saved, then freed
+        return Task.FINISH, [e for e in entries if e.request is Request.FINISH]
+    return Task.RELEASE, [entry]
 
 
 def _chores(entries: list[Entry], draining: bool) -> tuple[Task, list[Entry]] | None:
     """Housekeeping first, then a build (none while ``draining``), or ``None``."""
     for e in entries:
         if e.request is not None:
-            return _housekeeping(e)
+            return _housekeeping(e, entries)
     for e in [] if draining else entries:
         if e.buildable:
             e.taken = True
@@ -387,6 +390,14 @@ class Scheduler:
         with self._cond:
             _forget(self, entry)
             self._cond.notify_all()
+
+    def settle(self, working: Callable[[], bool]) -> None:
+        """Wait until every trial that finished or was stopped has left the device (its state freed), while the
+        device is ``working`` (its worker alive): a driver completes its trial once its adapter is saved, before the
+        device frees its state."""
+        with self._cond:
+            while any(e.request in _LEAVING for e in self._entries.values()) and not self._closed and working():
+                self._cond.wait(timeout=0.1)
 
     def drain(self, draining: bool = True, on_late: Callable[[Entry], None] | None = None) -> list[Entry]:
         """Start nothing new (no build, no chunk) while ``draining``; housekeeping goes on, and chunks in flight

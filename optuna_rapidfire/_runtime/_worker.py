@@ -44,7 +44,7 @@ class Paused:
 
 @dataclass(frozen=True)
 class Saved:
-    """The trial's state is released and its final adapter copied off the device: ``write`` puts its files in
+    """The trial's final adapter is copied off the device (its state is freed next): ``write`` puts its files in
     ``path`` (the trial's driver calls it, once, before it records the path; by default they are there already)."""
 
     path: str
@@ -144,6 +144,9 @@ class DeviceWorker(threading.Thread):
                 events.emit(events.PassTrained(numbers, steps, seconds, self.engine.name))
             self.deliver_all([(member, result, None) for member, result in zip(entries, results, strict=True)])
             return
+        if task is Task.FINISH:
+            self._finish(entries)
+            return
         [entry] = entries
         if task is Task.BUILD:
             start = time.perf_counter()
@@ -167,13 +170,6 @@ class DeviceWorker(threading.Thread):
         elif task is Task.PAUSE:
             self.engine.pause(entry.built)
             entry.events.put(Paused())
-        elif task is Task.FINISH:
-            path = self._adapter_dir(entry)
-            write = self.engine.save_adapter(entry.built, path)  # the files: in the driver's thread
-            self.engine.save_snapshot(entry.built)
-            self.engine.release(entry.built)
-            self.scheduler.remove(entry)
-            entry.events.put(Saved(path, write))
         elif task is Task.RELEASE:
             if entry.runtime is not None:
                 # What a clone of this trial would start from, now that its state goes away.
@@ -181,6 +177,29 @@ class DeviceWorker(threading.Thread):
                 self.engine.release(entry.runtime)
             self.scheduler.remove(entry)
             entry.events.put(Released())
+
+    def _finish(self, entries: list[Entry]) -> None:
+        """Save the adapters of trials that finished (a gang's members finish together) and hand each driver its
+        files to write, then free the trials' states: the drivers write and complete their trials while the device
+        frees the others' (one after another, saving and freeing took a 1B gang's end 0.17-0.45 s on H100 hosts).
+        A trial whose adapter cannot be saved fails alone; one whose state cannot be freed once saved completes."""
+        saved: list[Entry] = []
+        for entry in entries:
+            try:
+                path = self._adapter_dir(entry)
+                write = self.engine.save_adapter(entry.built, path)  # the files: in the driver's thread
+                self.engine.save_snapshot(entry.built)
+            except Exception as error:  # this trial's failure only
+                self._fail(entry, error)
+                continue
+            entry.events.put(Saved(path, write))
+            saved.append(entry)
+        for entry in saved:
+            try:
+                self.engine.release(entry.built)
+            except Exception:  # its adapter is saved: the trial completes, and its state goes with the model
+                _logger.warning("Trial %d's state could not be freed after it finished.", entry.number, exc_info=True)
+            self.scheduler.remove(entry)
 
     def _stream(self, entries: list[Entry]) -> None:
         """Train a gang as a stream (:meth:`Engine.stream`): members join between passes and leave as their

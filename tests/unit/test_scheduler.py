@@ -103,6 +103,34 @@ def test_housekeeping_goes_before_builds_and_builds_before_training() -> None:
     assert _train(scheduler) == [2]  # the late trial at the least progress is not left behind
 
 
+def test_trials_finishing_together_are_one_finish_task_and_settle_waits_until_they_left() -> None:
+    """A gang's members finish at once: the device saves them all, then frees them (their drivers go on meanwhile);
+    settle() returns once every finished trial has left, or at once when the device no longer works."""
+    scheduler, entries = _scheduler(0, 1, 2)
+    _build_all(scheduler, 3)
+    assert _train(scheduler, fuse=True) == [0, 1, 2]
+    scheduler.decide(entries[0], Decision.FINISH)
+    scheduler.decide(entries[2], Decision.FINISH)
+    scheduler.decide(entries[1], Decision.STOP)  # a pruned one: released on its own
+    assert scheduler.next_task() == (Task.FINISH, [entries[0], entries[2]])
+    settled = threading.Event()
+    waiter = threading.Thread(target=lambda: (scheduler.settle(lambda: True), settled.set()))
+    waiter.start()
+    for entry in (entries[0], entries[2]):
+        assert not settled.wait(0.2)  # a finished trial still holds its state
+        scheduler.remove(entry)
+    assert scheduler.next_task() == (Task.RELEASE, [entries[1]])
+    assert not settled.wait(0.2)
+    scheduler.remove(entries[1])
+    assert settled.wait(5)
+    waiter.join(5)
+    late = Entry(number=3, trial_id=103, spec=None)
+    scheduler.add(late)
+    _build_all(scheduler, 1)
+    scheduler.decide(late, Decision.STOP)
+    scheduler.settle(lambda: False)  # a worker that died frees nothing more: no wait
+
+
 def test_a_paused_trial_is_not_waited_for_and_is_not_live() -> None:
     scheduler, (first, second) = _scheduler(0, 1)
     _build_all(scheduler, 2)
