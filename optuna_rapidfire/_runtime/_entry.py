@@ -99,6 +99,12 @@ class Entry:
         return self.status is Status.GONE
 
     @property
+    def leaving(self) -> bool:
+        """Gone, or its driver asked the device to save or free it (the device may be freeing it still, after the
+        driver got its answer): nothing more for its driver to ask."""
+        return self.status is Status.GONE or self.request in (Request.FINISH, Request.RELEASE)
+
+    @property
     def built(self) -> TrialRuntime:
         """The engine's runtime of a trial the device has built (an error to ask of one not built)."""
         if self.runtime is None:

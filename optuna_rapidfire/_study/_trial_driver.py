@@ -119,7 +119,7 @@ class TrialDriver:
             self.record.end("failed", (_attrs.FAIL_REASON, f"{type(error).__name__}: {error}"[:2000]))
             raise
         finally:
-            if self.entry is not None and not self.entry.gone:
+            if self.entry is not None and not self.entry.leaving:
                 self._leave(Decision.STOP)
             if self._lease is not None:
                 self._lease.release()
@@ -277,7 +277,7 @@ class TrialDriver:
         return self.record.deleted(reason)
 
     def _finished_elsewhere(self) -> NoReturn:
-        if self.entry is not None and not self.entry.gone:
+        if self.entry is not None and not self.entry.leaving:
             self._leave(Decision.STOP)
         self.shared.externally_finished.add(self.trial.number)
         self.record.finished_elsewhere()
