@@ -392,9 +392,8 @@ class Scheduler:
             self._cond.notify_all()
 
     def settle(self, working: Callable[[], bool]) -> None:
-        """Wait until every trial that finished or was stopped has left the device (its state freed), while the
-        device is ``working`` (its worker alive): a driver completes its trial once its adapter is saved, before the
-        device frees its state."""
+        """Wait, while the device is ``working``, until the trials that ended left it: a driver completes its trial
+        once its adapter is saved, before the device frees the trial's state."""
         with self._cond:
             while any(e.request in _LEAVING for e in self._entries.values()) and not self._closed and working():
                 self._cond.wait(timeout=0.1)

@@ -280,9 +280,10 @@ def test_under_promote_the_device_is_never_idle_while_a_trial_is_ready_and_leade
                 for entry in group:
                     scheduler.chunk_done(entry)
                     entry.events.put("chunk")
-            else:
-                scheduler.remove(group[0])
-                group[0].events.put("gone")
+            else:  # trials finishing together come as one group
+                for entry in group:
+                    scheduler.remove(entry)
+                    entry.events.put("gone")
 
     def watcher() -> None:
         idle_since = None  # since when the device has waited with a trial READY, without a break
@@ -316,7 +317,7 @@ def test_under_promote_the_device_is_never_idle_while_a_trial_is_ready_and_leade
         thread.join(10)
     assert idle_while_ready == []
     assert sum(len(trials) for what, trials in log if what == "train") == 4 * chunks
-    first_done = log.index(("finish", [0]))
+    first_done = next(i for i, (what, trials) in enumerate(log) if what == "finish" and 0 in trials)
     laggard_last = max(i for i, (what, trials) in enumerate(log) if what == "train" and 3 in trials)
     assert first_done < laggard_last
 
