@@ -14,7 +14,9 @@ Where a phase's busy time is well under its host time, the GPU waits for the hos
 the snapshot files and the finished trials' adapter files, written by other threads meanwhile, are summed apart
 (``background``).
 
-Writes ``grpo_timeline_<engine>.json`` and prints the table.
+Writes ``grpo_timeline_<engine>.json`` and prints the table; ``--spans`` also writes every recorded span, with the
+name of the thread it ran in (``grpo_spans_<engine>.json``: seconds from the study's start), to follow a chunk's end
+across the device's thread and the trials' threads (each trial's driver checkpoints, reports and decides there).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ PHASES = {
     "optuna_rapidfire._study._checkpoints:Checkpoints.save": "checkpoint (a trial's thread)",
     "optuna_rapidfire._resident._snapshot:TrialSnapshot.save": "snapshot file (the writer's thread)",
     "optuna_rapidfire._resident._adapter_files:_put_in_place": "adapter files (a trial's thread)",
+    "optuna_rapidfire._study._trial_driver:TrialDriver._after_chunk": "a chunk's end (a trial's thread)",
+    "optuna_rapidfire._study._trial_driver:TrialDriver._complete": "a trial's end (a trial's thread)",
 }
 """``module:Class.method`` or ``module:function`` -> the phase it opens (where the name is looked up at call
 time: a module's function is replaced in that module only)."""
@@ -90,6 +94,8 @@ BACKGROUND = (
     "checkpoint (a trial's thread)",
     "snapshot file (the writer's thread)",
     "adapter files (a trial's thread)",
+    "a chunk's end (a trial's thread)",
+    "a trial's end (a trial's thread)",
 )
 """Phases of threads beside the device's and the members': summed on their own (:func:`background`), never the
 phase a moment of the study belongs to."""
@@ -100,6 +106,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.spans: list[tuple[int, int, str, int]] = []
+        self.threads: dict[int, str] = {}  # each thread's name, by its id in ``spans``
         self._lock = threading.Lock()
         self._undo: list[tuple[Any, str, Any, bool]] = []
 
@@ -138,8 +145,10 @@ class Recorder:
                 return original(*args, **kwargs)
             finally:
                 end = time.time_ns()
+                thread = threading.current_thread()
                 with recorder._lock:
-                    recorder.spans.append((start, end, phase, threading.get_ident()))
+                    recorder.spans.append((start, end, phase, thread.ident or 0))
+                    recorder.threads.setdefault(thread.ident or 0, thread.name)
 
         return wrapper
 
@@ -230,6 +239,14 @@ def background(spans: list[tuple[int, int, str, int]]) -> dict[str, dict[str, fl
     return out
 
 
+def named_spans(recorder: Recorder, begin: int) -> list[tuple[float, float, str, str]]:
+    """The recorded spans as ``(start, end, phase, thread name)``, seconds from ``begin``, by start."""
+    return [
+        ((start - begin) / 1e9, (end - begin) / 1e9, phase, recorder.threads.get(thread, str(thread)))
+        for start, end, phase, thread in sorted(recorder.spans)
+    ]
+
+
 def device_intervals(profiler: Any) -> list[tuple[int, int]]:
     """Start and end (unix ns) of every kernel and copy the profiler saw on a device."""
     out = []
@@ -256,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--host-only", action="store_true", help="no device profile (a time-sliced study's millions of kernels)"
     )
+    parser.add_argument("--spans", action="store_true", help="also write every span with its thread's name")
     options = parser.parse_args(argv)
     bench = Bench(build_parser().parse_args(["--out", options.out, *(["--smoke"] if options.smoke else [])]))
     shape, sizes = ("tiny", SMOKE) if options.smoke else ("llama-3.2-1b", GPU)
@@ -308,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"grpo_timeline_{options.engine}.json").write_text(json.dumps(result, indent=1))
+    if options.spans:
+        (out / f"grpo_spans_{options.engine}.json").write_text(json.dumps(named_spans(recorder, begin)))
     print(f"{options.engine}: wall {wall:.2f} s, device busy {result['device_busy_seconds']}")
     for phase, (host, dev) in rows:
         print(f"  {phase:24s} host {host:7.3f} s   device busy {dev:7.3f} s")

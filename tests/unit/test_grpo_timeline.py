@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import inspect
+import threading
 
-from benchmarks.grpo_timeline import BACKGROUND, MEET, TURN, Busy, attribute, background, clock_offset
+from benchmarks.grpo_timeline import (
+    BACKGROUND,
+    MEET,
+    TURN,
+    Busy,
+    Recorder,
+    attribute,
+    background,
+    clock_offset,
+    named_spans,
+)
 
 
 def test_moments_go_to_the_running_member_or_the_innermost_phase_with_the_gpus_busy_time() -> None:
@@ -66,3 +77,20 @@ def test_every_phase_names_a_function_that_exists_and_is_put_back() -> None:
     finally:
         recorder.uninstall()
     assert all(inspect.getattr_static(owner, name) is original for owner, name, original, _ in undo)
+
+
+def test_spans_are_written_with_their_threads_names_in_seconds_from_the_studys_start() -> None:
+    """``--spans``: each wrapped call's span, named by the thread it ran in (a chunk's end on a trial's thread)."""
+    recorder = Recorder()
+    work = recorder._wrapped(lambda: None, "a chunk's end (a trial's thread)")
+    thread = threading.Thread(target=work, name="rapidfire-trial-3")
+    thread.start()
+    thread.join()
+    work()
+    begin = min(start for start, *_ in recorder.spans)
+    found = named_spans(recorder, begin)
+    assert [(phase, name) for _, _, phase, name in found] == [
+        ("a chunk's end (a trial's thread)", "rapidfire-trial-3"),
+        ("a chunk's end (a trial's thread)", threading.current_thread().name),
+    ]
+    assert found[0][0] == 0.0 and all(end >= start for start, end, _, _ in found)
