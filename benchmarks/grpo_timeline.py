@@ -106,7 +106,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.spans: list[tuple[int, int, str, int]] = []
-        self.threads: dict[int, str] = {}  # each thread's name, by its id in ``spans``
+        self.threads: list[str] = []  # the name of each span's thread (an ended thread's id may come again)
         self._lock = threading.Lock()
         self._undo: list[tuple[Any, str, Any, bool]] = []
 
@@ -148,7 +148,7 @@ class Recorder:
                 thread = threading.current_thread()
                 with recorder._lock:
                     recorder.spans.append((start, end, phase, thread.ident or 0))
-                    recorder.threads.setdefault(thread.ident or 0, thread.name)
+                    recorder.threads.append(thread.name)
 
         return wrapper
 
@@ -241,10 +241,10 @@ def background(spans: list[tuple[int, int, str, int]]) -> dict[str, dict[str, fl
 
 def named_spans(recorder: Recorder, begin: int) -> list[tuple[float, float, str, str]]:
     """The recorded spans as ``(start, end, phase, thread name)``, seconds from ``begin``, by start."""
-    return [
-        ((start - begin) / 1e9, (end - begin) / 1e9, phase, recorder.threads.get(thread, str(thread)))
-        for start, end, phase, thread in sorted(recorder.spans)
-    ]
+    return sorted(
+        ((start - begin) / 1e9, (end - begin) / 1e9, phase, name)
+        for (start, end, phase, _), name in zip(recorder.spans, recorder.threads, strict=True)
+    )
 
 
 def device_intervals(profiler: Any) -> list[tuple[int, int]]:
