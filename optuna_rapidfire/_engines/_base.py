@@ -122,6 +122,11 @@ class Engine(ABC):
         files and needs nothing of the device (the trial's driver calls it: the device trains on meanwhile)."""
         return self.trials.save_adapter(runtime, directory)
 
+    def save_adapters(self, trials: Sequence[tuple[TrialRuntime, str]]) -> list[Callable[[], None]]:
+        """:meth:`save_adapter` of each ``(runtime, directory)``, their weights copied off the device together (a
+        gang's members finishing at once)."""
+        return self.trials.save_adapters(trials)
+
     def release(self, runtime: TrialRuntime) -> None:
         """Free the trial's state; safe to call on a half-built or already released trial."""
         self.trials.release(runtime)

@@ -214,8 +214,17 @@ class DeviceTrials:
         """Start saving the trial's adapter in PEFT's format: what needs the device is done here, and the function
         returned writes the files (from any thread: :meth:`~optuna_rapidfire._resident._model.ResidentModel.
         adapter_saver`), then emits :class:`~optuna_rapidfire.events.AdapterSaved`."""
-        finish = self.resident.adapter_saver(runtime.state.adapter_name, directory)
-        return functools.partial(_adapter_written, finish, runtime.spec.number, directory)
+        return self.save_adapters([(runtime, directory)])[0]
+
+    def save_adapters(self, trials: Sequence[tuple[TrialRuntime, str]]) -> list[Callable[[], None]]:
+        """:meth:`save_adapter` of each ``(runtime, directory)``, their weights copied off the device together."""
+        savers = self.resident.adapter_savers(
+            [(runtime.state.adapter_name, directory) for runtime, directory in trials]
+        )
+        return [
+            functools.partial(_adapter_written, finish, runtime.spec.number, directory)
+            for finish, (runtime, directory) in zip(savers, trials, strict=True)
+        ]
 
     # -- parents and snapshots -------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
 
-from optuna_rapidfire._resident._snapshot import copied_to_cpu, safetensors_blob
+from optuna_rapidfire._resident._snapshot import copied_to_cpu, copied_to_cpu_apart, safetensors_blob
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -93,17 +93,35 @@ class AdapterWriter:
         model, which may go on training or drop the adapter meanwhile) writes the rest and puts the folder at
         ``directory``, replacing any there. The files are written into a staging folder beside ``directory`` first,
         so that a reader never sees half an adapter."""
-        parent = os.path.dirname(os.path.abspath(directory))
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
-        # Written into a folder made with the process's umask (mkdtemp's own is private to the user).
-        written = os.path.join(staging, "adapter")
+        return self.savers(peft, [(name, params, directory)], layers)[0]
+
+    def savers(
+        self, peft: PeftModel, adapters: list[tuple[str, dict[str, torch.Tensor], str]], layers: list[Any]
+    ) -> list[Callable[[], None]]:
+        """:meth:`saver` of each ``(name, params, directory)``: the weights of the plain adapters written directly
+        are copied to the host together, with one wait for the device (a gang's members finish together; one at a
+        time, each copy waited for the device and for Python's global lock held by the drivers writing files)."""
+        staged = [_staging(directory) for _, _, directory in adapters]
         try:
-            write = self._prepare(peft, name, params, layers, written)
+            direct = [self.direct is True and plain_lora(peft.peft_config[name]) for name, _, _ in adapters]
+            direct = [d and not _own_extras(layers, name) for d, (name, _, _) in zip(direct, adapters, strict=True)]
+            chosen = [i for i, d in enumerate(direct) if d]
+            copies = copied_to_cpu_apart([list(adapters[i][1].values()) for i in chosen])
+            writes: dict[int, Callable[[], None]] = {}
+            for i, tensors in zip(chosen, copies, strict=True):
+                name, params, _ = adapters[i]
+                writes[i] = _direct(peft, name, dict(zip(params, tensors, strict=True)), staged[i][1])
+            for i, (name, params, _) in enumerate(adapters):
+                if i not in writes:
+                    writes[i] = self._prepare(peft, name, params, layers, staged[i][1])
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            for staging, _ in staged:
+                shutil.rmtree(staging, ignore_errors=True)
             raise
-        return functools.partial(_put_in_place, write, written, directory, staging)
+        return [
+            functools.partial(_put_in_place, writes[i], written, directory, staging)
+            for i, ((_, _, directory), (staging, written)) in enumerate(zip(adapters, staged, strict=True))
+        ]
 
     def _prepare(
         self, peft: PeftModel, name: str, params: dict[str, torch.Tensor], layers: list[Any], directory: str
@@ -116,9 +134,9 @@ class AdapterWriter:
         plain = plain_lora(config) and not _own_extras(layers, name)
         if self.direct and plain:
             names = list(params)
-            tensors = dict(zip(names, copied_to_cpu([params[key] for key in names]), strict=True))
-            saved, mapping = _saved_config(peft, config)
-            return functools.partial(_write_direct, tensors, saved, mapping, directory)
+            return _direct(
+                peft, name, dict(zip(names, copied_to_cpu([params[key] for key in names]), strict=True)), directory
+            )
         peft.__dict__["create_or_update_model_card"] = _no_card  # a README per adapter: not ours to write
         try:
             peft.save_pretrained(directory, selected_adapters=[name], safe_serialization=True)
@@ -133,6 +151,21 @@ class AdapterWriter:
             with safe_open(os.path.join(directory, WEIGHTS_FILE), framework="pt") as saved_file:
                 self.direct = set(saved_file.keys()) == set(params)
         return _nothing
+
+
+def _staging(directory: str) -> tuple[str, str]:
+    """A staging folder beside ``directory`` and the path of the adapter's folder in it (made later, with the
+    process's umask: mkdtemp's own is private to the user)."""
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
+    return staging, os.path.join(staging, "adapter")
+
+
+def _direct(peft: PeftModel, name: str, tensors: dict[str, torch.Tensor], directory: str) -> Callable[[], None]:
+    """The writing of plain adapter ``name`` (its weights' host copies ``tensors``) into ``directory``."""
+    saved, mapping = _saved_config(peft, peft.peft_config[name])
+    return functools.partial(_write_direct, tensors, saved, mapping, directory)
 
 
 def _saved_config(peft: PeftModel, config: Any) -> tuple[Any, dict[str, str] | None]:

@@ -396,8 +396,13 @@ class ResidentModel:
     def adapter_saver(self, name: str, directory: str) -> Callable[[], None]:
         """:meth:`save_adapter` in two parts: this call does what needs the model, and the function returned writes
         the files from any thread (:meth:`~optuna_rapidfire._resident._adapter_files.AdapterWriter.saver`)."""
+        return self.adapter_savers([(name, directory)])[0]
+
+    def adapter_savers(self, adapters: list[tuple[str, str]]) -> list[Callable[[], None]]:
+        """:meth:`adapter_saver` of each ``(name, directory)``, their weights copied to the host together."""
         assert self.peft is not None
-        return self._writer.saver(self.peft, name, self.adapter_weights(name), self.adapter_layers(), directory)
+        chosen = [(name, self.adapter_weights(name), directory) for name, directory in adapters]
+        return self._writer.savers(self.peft, chosen, self.adapter_layers())
 
 
 class _Alone:

@@ -286,6 +286,45 @@ def test_adapters_written_directly_are_what_peft_saves(tiny_model: str, tmp_path
             assert torch.equal(param, own[name.replace(".default.", ".")]), name
 
 
+def test_adapters_saved_together_are_copied_with_one_wait_and_are_what_peft_saves(
+    tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gang's members finish together: their plain adapters' weights come off the device in one bulk copy (a DoRA
+    one among them is still saved by PEFT), and each folder holds what ``save_pretrained`` writes."""
+    from optuna_rapidfire._resident import _adapter_files
+
+    ours = _resident(tiny_model)
+    configs = [*CONFIGS[:3], LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=ATTENTION, task_type=None)]
+    for index, config in enumerate(configs):
+        ours.add_adapter(f"trial_{index}", config, seed=100 + index)
+    assert ours.peft is not None
+    with torch.no_grad():
+        for name, param in ours.peft.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn_like(param))
+    ours.save_adapter("trial_0", str(tmp_path / "first"))  # PEFT's, which shows plain adapters may go direct
+    groups: list[int] = []
+    copy_apart = _adapter_files.copied_to_cpu_apart
+    monkeypatch.setattr(
+        _adapter_files, "copied_to_cpu_apart", lambda found: groups.append(len(found)) or copy_apart(found)
+    )
+    writes = ours.adapter_savers([(f"trial_{i}", str(tmp_path / f"ours_{i}")) for i in (1, 2, 3)])
+    assert groups == [2]  # trial_1 and trial_2 in one copy; the DoRA adapter is PEFT's to save
+    with torch.no_grad():  # the copies were made: what the model does next is not in the files
+        for param in ours.adapter_params("trial_1"):
+            param.zero_()
+    for write in writes:
+        write()
+    for index in (1, 2, 3):
+        tensors, config = _saved(tmp_path / f"ours_{index}")
+        ours.peft.save_pretrained(str(tmp_path / "peft"), selected_adapters=[f"trial_{index}"])
+        reference, reference_config = _saved(tmp_path / "peft" / f"trial_{index}")
+        assert tensors.keys() == reference.keys() and config == reference_config, index
+        if index != 1:  # trial_1's weights were zeroed after its copy: its file keeps the values it had
+            assert all(torch.equal(tensors[key], reference[key]) for key in tensors), index
+    assert all(torch.count_nonzero(t) for t in _saved(tmp_path / "ours_1")[0].values())
+
+
 def test_adapters_off_computes_the_base_alone_as_peft_disable_adapter_does(tiny_model: str) -> None:
     """TRL's reference pass enters ``disable_adapter()``: ours turns every adapter layer off (PEFT's walks aside),
     computes what PEFT's own context computes, and turns them on again, after an error too."""

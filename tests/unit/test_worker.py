@@ -29,6 +29,12 @@ class _Engine:
             raise OSError("disk full")
         return lambda: None
 
+    def save_adapters(self, trials: list[tuple[Any, str]]) -> list[Any]:
+        self.log.append(f"save together {[runtime for runtime, _ in trials]}")
+        if any(runtime == self.broken_save for runtime, _ in trials):
+            raise OSError("disk full")
+        return [lambda: None for _ in trials]
+
     def save_snapshot(self, runtime: Any) -> None:
         self.log.append(f"snapshot {runtime}")
 
@@ -60,7 +66,28 @@ def test_trials_finishing_together_are_all_saved_before_any_is_freed_and_each_fa
     assert isinstance(got[1], Failed) and "disk full" in str(got[1].error)
     assert [g.path for g in got.values() if isinstance(g, Saved)] == ["adapter-0", "adapter-2", "adapter-3"]
     log = engine.log
+    assert log[0] == "save together [0, 1, 2, 3]"  # tried together first; one failed, so each alone
     last_save = max(log.index(f"save {n}") for n in (0, 2, 3))
     assert all(log.index(f"release {n}") > last_save for n in (0, 2, 3))  # every save first, then the frees
     assert log.count("release 1") == 1 and scheduler.entries() == []  # the failed one freed once; all left
     assert all(entry.events.empty() for entry in entries)  # one event each: the freeing failure is only logged
+
+
+def test_trials_finishing_together_have_their_adapters_copied_off_the_device_together() -> None:
+    scheduler = Scheduler(gather_seconds=0.0, schedule=schedule_from("lockstep"))
+    entries = [Entry(number=n, trial_id=100 + n, spec=None) for n in range(3)]
+    for entry in entries:
+        scheduler.add(entry)
+        scheduler.built(entry, runtime=entry.number)
+    engine = _Engine(broken_save=-1, broken_release=-1)
+    worker = DeviceWorker(engine, scheduler, adapter_dir=lambda e: f"adapter-{e.number}", check_metrics=print)  # type: ignore[arg-type]
+    for entry in entries:
+        scheduler.decide(entry, Decision.FINISH)
+    worker.start()
+    assert all(isinstance(entry.events.get(timeout=10), Saved) for entry in entries)
+    scheduler.settle(worker.is_alive)
+    scheduler.close()
+    worker.join(10)
+    assert engine.log[0] == "save together [0, 1, 2]" and not any(
+        line.startswith("save ") and "together" not in line for line in engine.log
+    )
