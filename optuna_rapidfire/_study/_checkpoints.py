@@ -74,9 +74,9 @@ class MemoryStore:
             if artifact_id not in self._blobs:
                 raise FileNotFoundError(f"no artifact {artifact_id} in the memory of {self.where}")
             found = self._blobs[artifact_id]
-        if isinstance(found, tuple):  # a kept snapshot: its blob, made now (or made already for its file)
+        if isinstance(found, tuple):  # a kept snapshot: its bytes, made for this reader (the snapshot keeps none)
             snapshot, study_name = found
-            return io.BytesIO(snapshot.blob(study_name))
+            return io.BytesIO(snapshot.to_bytes(study_name))
         return io.BytesIO(found)
 
     def write(self, artifact_id: str, content_body: BinaryIO) -> None:
