@@ -120,7 +120,7 @@ class Engine(ABC):
     def save_adapter(self, runtime: TrialRuntime, directory: str) -> Callable[[], None]:
         """Start saving the trial's adapter in PEFT's format into ``directory``: the function returned writes its
         files and needs nothing of the device (the trial's driver calls it: the device trains on meanwhile)."""
-        return self.trials.save_adapter(runtime, directory)
+        return self.trials.save_adapters([(runtime, directory)])[0]
 
     def save_adapters(self, trials: Sequence[tuple[TrialRuntime, str]]) -> list[Callable[[], None]]:
         """:meth:`save_adapter` of each ``(runtime, directory)``, their weights copied off the device together (a

@@ -210,21 +210,12 @@ class DeviceTrials:
             with contextlib.suppress(OSError):  # not empty: another trial's, or something of the user's
                 os.rmdir(folder)
 
-    def save_adapter(self, runtime: TrialRuntime, directory: str) -> Callable[[], None]:
-        """Start saving the trial's adapter in PEFT's format: what needs the device is done here, and the function
-        returned writes the files (from any thread: :meth:`~optuna_rapidfire._resident._model.ResidentModel.
-        adapter_saver`), then emits :class:`~optuna_rapidfire.events.AdapterSaved`."""
-        return self.save_adapters([(runtime, directory)])[0]
-
     def save_adapters(self, trials: Sequence[tuple[TrialRuntime, str]]) -> list[Callable[[], None]]:
-        """:meth:`save_adapter` of each ``(runtime, directory)``, their weights copied off the device together."""
-        savers = self.resident.adapter_savers(
-            [(runtime.state.adapter_name, directory) for runtime, directory in trials]
-        )
-        return [
-            functools.partial(_adapter_written, finish, runtime.spec.number, directory)
-            for finish, (runtime, directory) in zip(savers, trials, strict=True)
-        ]
+        """Start saving each ``(runtime, directory)``'s adapter (weights copied off the device together); each function
+        returned writes the files from any thread, then emits :class:`~optuna_rapidfire.events.AdapterSaved`."""
+        savers = self.resident.adapter_savers([(r.state.adapter_name, d) for r, d in trials])
+        ends = zip(savers, trials, strict=True)
+        return [functools.partial(_adapter_written, f, r.spec.number, d) for f, (r, d) in ends]
 
     # -- parents and snapshots -------------------------------------------------------------------
 

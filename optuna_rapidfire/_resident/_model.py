@@ -391,15 +391,11 @@ class ResidentModel:
 
     def save_adapter(self, name: str, directory: str) -> None:
         """Write adapter ``name`` in PEFT's format (``adapter_config.json`` + safetensors) to ``directory``."""
-        self.adapter_saver(name, directory)()
-
-    def adapter_saver(self, name: str, directory: str) -> Callable[[], None]:
-        """:meth:`save_adapter` in two parts: this call does what needs the model, and the function returned writes
-        the files from any thread (:meth:`~optuna_rapidfire._resident._adapter_files.AdapterWriter.saver`)."""
-        return self.adapter_savers([(name, directory)])[0]
+        self.adapter_savers([(name, directory)])[0]()
 
     def adapter_savers(self, adapters: list[tuple[str, str]]) -> list[Callable[[], None]]:
-        """:meth:`adapter_saver` of each ``(name, directory)``, their weights copied to the host together."""
+        """:meth:`save_adapter` of each ``(name, directory)`` in two parts: this call does what needs the model (the
+        weights copied to the host together), and each function returned writes the files from any thread."""
         assert self.peft is not None
         chosen = [(name, self.adapter_weights(name), directory) for name, directory in adapters]
         return self._writer.savers(self.peft, chosen, self.adapter_layers())
