@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
 
-from optuna_rapidfire._resident._snapshot import copied_to_cpu, copied_to_cpu_apart, safetensors_blob
+from optuna_rapidfire._resident._snapshot import copied_to_cpu_apart, safetensors_blob
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -83,37 +83,34 @@ class AdapterWriter:
     def __init__(self) -> None:
         self.direct: bool | None = None  # whether plain adapters are written directly (None: not known yet)
 
-    def saver(
-        self, peft: PeftModel, name: str, params: dict[str, torch.Tensor], layers: list[Any], directory: str
-    ) -> Callable[[], None]:
-        """Start saving adapter ``name`` (``params``: its parameters, keyed with the adapter's name removed, as
-        :meth:`~optuna_rapidfire._resident._model.ResidentModel.adapter_weights` gives them; ``layers``: the model's
-        adapter layers) into ``directory``: this call does what needs the model (copies the adapter's weights to the
-        host, or has PEFT save it), and the function returned (call it once, from any thread: it needs nothing of the
-        model, which may go on training or drop the adapter meanwhile) writes the rest and puts the folder at
-        ``directory``, replacing any there. The files are written into a staging folder beside ``directory`` first,
-        so that a reader never sees half an adapter."""
-        return self.savers(peft, [(name, params, directory)], layers)[0]
-
     def savers(
         self, peft: PeftModel, adapters: list[tuple[str, dict[str, torch.Tensor], str]], layers: list[Any]
     ) -> list[Callable[[], None]]:
-        """:meth:`saver` of each ``(name, params, directory)``: the weights of the plain adapters written directly
-        are copied to the host together, with one wait for the device (a gang's members finish together; one at a
-        time, each copy waited for the device and for Python's global lock held by the drivers writing files)."""
+        """Start saving each ``(name, params, directory)`` adapter (``params``: its parameters, keyed with the adapter's
+        name removed, as :meth:`~optuna_rapidfire._resident._model.ResidentModel.adapter_weights` gives them;
+        ``layers``: the model's adapter layers): this call does what needs the model (copies the weights of the plain
+        adapters written directly to the host, all together with one wait for the device, or has PEFT save the
+        others), and each function returned (call it once, from any thread: it needs nothing of the model, which may
+        go on training or drop the adapter meanwhile) writes the rest and puts the folder at its ``directory``,
+        replacing any there. The files are written into a staging folder beside ``directory`` first, so that a reader
+        never sees half an adapter."""
         staged = [_staging(directory) for _, _, directory in adapters]
+        writes: dict[int, Callable[[], None]] = {}
         try:
-            direct = [self.direct is True and plain_lora(peft.peft_config[name]) for name, _, _ in adapters]
-            direct = [d and not _own_extras(layers, name) for d, (name, _, _) in zip(direct, adapters, strict=True)]
-            chosen = [i for i, d in enumerate(direct) if d]
+            plain = [plain_lora(peft.peft_config[name]) and not _own_extras(layers, name) for name, _, _ in adapters]
+            if self.direct is None and any(plain):  # PEFT saves the first: it shows whether the rest may go direct
+                first = plain.index(True)
+                writes[first] = self._by_peft(peft, adapters[first][0], adapters[first][1], staged[first][1], True)
+            chosen = [i for i, p in enumerate(plain) if p and self.direct and i not in writes]
             copies = copied_to_cpu_apart([list(adapters[i][1].values()) for i in chosen])
-            writes: dict[int, Callable[[], None]] = {}
             for i, tensors in zip(chosen, copies, strict=True):
                 name, params, _ = adapters[i]
-                writes[i] = _direct(peft, name, dict(zip(params, tensors, strict=True)), staged[i][1])
+                saved, mapping = _saved_config(peft, peft.peft_config[name])
+                tensors_by_name = dict(zip(params, tensors, strict=True))
+                writes[i] = functools.partial(_write_direct, tensors_by_name, saved, mapping, staged[i][1])
             for i, (name, params, _) in enumerate(adapters):
                 if i not in writes:
-                    writes[i] = self._prepare(peft, name, params, layers, staged[i][1])
+                    writes[i] = self._by_peft(peft, name, params, staged[i][1], plain[i])
         except BaseException:
             for staging, _ in staged:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -123,20 +120,12 @@ class AdapterWriter:
             for i, ((_, _, directory), (staging, written)) in enumerate(zip(adapters, staged, strict=True))
         ]
 
-    def _prepare(
-        self, peft: PeftModel, name: str, params: dict[str, torch.Tensor], layers: list[Any], directory: str
+    def _by_peft(
+        self, peft: PeftModel, name: str, params: dict[str, torch.Tensor], directory: str, plain: bool
     ) -> Callable[[], None]:
-        """Start writing adapter ``name`` into ``directory``, a folder made here or by the function returned (it
-        must not exist; its parent must). A plain LoRA adapter written directly has its weights copied to the host
-        here, and the function returned writes its files: it needs nothing of the model, so any thread may call it,
-        while the device trains on. Any other adapter is saved by PEFT here (the function returned does nothing)."""
-        config = peft.peft_config[name]
-        plain = plain_lora(config) and not _own_extras(layers, name)
-        if self.direct and plain:
-            names = list(params)
-            return _direct(
-                peft, name, dict(zip(names, copied_to_cpu([params[key] for key in names]), strict=True)), directory
-            )
+        """Have PEFT save adapter ``name`` into ``directory`` (a folder made here: it must not exist; its parent
+        must); the function returned does nothing. The first ``plain`` adapter's file tells whether plain ones may be
+        written directly (its names are the parameters' own)."""
         peft.__dict__["create_or_update_model_card"] = _no_card  # a README per adapter: not ours to write
         try:
             peft.save_pretrained(directory, selected_adapters=[name], safe_serialization=True)
@@ -160,12 +149,6 @@ def _staging(directory: str) -> tuple[str, str]:
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
     return staging, os.path.join(staging, "adapter")
-
-
-def _direct(peft: PeftModel, name: str, tensors: dict[str, torch.Tensor], directory: str) -> Callable[[], None]:
-    """The writing of plain adapter ``name`` (its weights' host copies ``tensors``) into ``directory``."""
-    saved, mapping = _saved_config(peft, peft.peft_config[name])
-    return functools.partial(_write_direct, tensors, saved, mapping, directory)
 
 
 def _saved_config(peft: PeftModel, config: Any) -> tuple[Any, dict[str, str] | None]:

@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 
 
 _REQUESTED = {Decision.PAUSE: Request.PAUSE, Decision.FINISH: Request.FINISH, Decision.STOP: Request.RELEASE}
-_LEAVING = (Request.FINISH, Request.RELEASE)
 
 
 def _reports(scheduler: Scheduler, live: int, streaming: bool) -> Reports:
@@ -395,7 +394,7 @@ class Scheduler:
         """Wait, while the device is ``working``, until the trials that ended left it: a driver completes its trial
         once its adapter is saved, before the device frees the trial's state."""
         with self._cond:
-            while any(e.request in _LEAVING for e in self._entries.values()) and not self._closed and working():
+            while any(e.leaving for e in self._entries.values()) and not self._closed and working():
                 self._cond.wait(timeout=0.1)
 
     def drain(self, draining: bool = True, on_late: Callable[[Entry], None] | None = None) -> list[Entry]:

@@ -136,8 +136,7 @@ class Checkpoints:
         Returns:
             The new link.
         """
-        kept = isinstance(self.store, MemoryStore)  # the snapshot itself is kept: nothing to serialise or hash
-        blob = None if kept else snapshot.blob(study.study_name)
+        blob = snapshot.blob(study.study_name) if self.shared else None  # in memory: the snapshot itself is kept
         artifact_id = f"rapidfire-{uuid.uuid4().hex}"
         folder = _compat.artifact_folder(self.store)
         if folder is not None and not os.path.isdir(folder):
