@@ -12,6 +12,7 @@ import torch
 
 from optuna_rapidfire import _compat
 from optuna_rapidfire._resident._adapter_files import AdapterWriter
+from optuna_rapidfire._resident._injection import Injections
 from optuna_rapidfire._resident._walks import ModeSwitch, publish_checkpointing
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ class ResidentModel:
         self._params: dict[str, dict[str, torch.nn.Parameter]] = {}
         self._checkpointing: tuple[bool, str] = (False, "")
         self._writer = AdapterWriter()
+        self._injections = Injections()
         self._lock = threading.RLock()
         self._alone_depth = 0  # open alone() contexts
         # Counts every adapter added or removed: what is known of the adapters is stale once it changes.
@@ -150,6 +152,7 @@ class ResidentModel:
         with self._lock:
             if self.peft is not None and name in self.peft.peft_config:
                 raise RuntimeError(f"Adapter {name!r} already exists on {self.device}.")
+            signature = self._injections.signature(config)  # before PEFT's injection completes the config
             # The adapter's initial weights depend only on its seed, never on which trials came before.
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 torch.manual_seed(seed)
@@ -164,10 +167,11 @@ class ResidentModel:
                         # TRL calls train() and reads is_gradient_checkpointing at every step: no walks.
                         peft.__dict__["train"] = ModeSwitch(peft, lambda: self.adapters_version, self.hiding)
                         publish_checkpointing(peft, self.base)
+                        self._injections.learn(peft, name, signature)
                     else:
                         # PEFT's injection walks every module several times: the other adapters' are hidden.
                         with self.alone(name):
-                            self.peft.add_adapter(name, config)
+                            self._injections.add_adapter(self.peft, name, config, signature)
                 except BaseException:
                     self._layers = None
                     self._discard(name)

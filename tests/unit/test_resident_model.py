@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, PeftModel
 
 from optuna_rapidfire._engines._trials import _Writes
 from optuna_rapidfire._resident._model import ResidentModel, load_model
@@ -37,10 +37,23 @@ def _lora_layout(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return modules + [(name, tuple(p.shape)) for name, p in module.named_parameters()]
 
 
-def test_adapters_built_among_others_are_what_peft_builds_with_every_adapter_in_view(tiny_model: str) -> None:
+def test_adapters_built_among_others_are_what_peft_builds_with_every_adapter_in_view(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ours = _resident(tiny_model)
+    searched: list[str] = []  # the adapters PEFT's own add_adapter injected (searching the model for their targets)
+    peft_add = PeftModel.add_adapter
+
+    def add(self: PeftModel, name: str, *args: Any, **kwargs: Any) -> None:
+        searched.append(name)
+        peft_add(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(PeftModel, "add_adapter", add)
     for index, config in enumerate(CONFIGS):
         ours.add_adapter(f"trial_{index}", config, seed=100 + index)
+    monkeypatch.undo()
+    # The last config targets what the second did (rank, alpha and dropout aside): PEFT's search is skipped for it.
+    assert searched == ["trial_1", "trial_2"]
     # PEFT's own add_adapter with every adapter in view, the same seeds: the reference.
     reference = _resident(tiny_model)
     reference.add_adapter("trial_0", CONFIGS[0], seed=100)
@@ -54,6 +67,10 @@ def test_adapters_built_among_others_are_what_peft_builds_with_every_adapter_in_
     theirs = dict(reference.peft.named_parameters())
     for name, param in ours.peft.named_parameters():
         assert torch.equal(param, theirs[name]), name
+    assert {n: c.to_dict() for n, c in ours.peft.peft_config.items()} == {
+        n: c.to_dict() for n, c in reference.peft.peft_config.items()
+    }
+    assert ours.peft.base_model.targeted_module_names == reference.peft.base_model.targeted_module_names
     # Only the adapter added last is trainable; its weights are the ones adapter_params returns.
     trainable = [name for name, p in ours.peft.named_parameters() if p.requires_grad]
     assert trainable and all(".trial_3." in name for name in trainable)
