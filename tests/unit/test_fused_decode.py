@@ -500,3 +500,52 @@ def test_the_callers_layers_spare_the_walk_and_still_name_a_missing_adapter(
     assert decode(model, [request], PAD, layers=layers) == expected
     with pytest.raises(ValueError, match=re.escape("no adapter 'nope'")):
         decode(model, [DecodeRequest("nope", [[1]], 4)], PAD, layers=layers)
+
+
+def test_a_kept_workspace_loads_adapters_changed_in_place_or_rebuilt_under_their_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A workspace reuses what it found to load a gang's adapters while they are the same modules: an in-place
+    update (an optimizer step) reaches the next decode, and an adapter deleted and made again under its name
+    (another rank) is found again; each decode equals one through a new workspace."""
+    monkeypatch.setattr(_workspace, "_WORKSPACES", type(_workspace._WORKSPACES)())
+    torch.manual_seed(1)
+    config = small_llama_config(vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=None)
+    peft: Any = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"), "a")
+    peft.add_adapter("b", LoraConfig(r=8, target_modules="all-linear"))
+
+    def lora_b(adapter: str) -> list[torch.nn.Parameter]:
+        return [p for name, p in peft.named_parameters() if f"lora_B.{adapter}." in name]
+
+    with torch.no_grad():
+        for param in lora_b("a") + lora_b("b"):
+            param.normal_(std=0.5)
+    peft.eval()
+
+    def gang() -> list[list[list[int]]]:
+        requests = [
+            DecodeRequest(name, _prompts(seed, [5, 3]), 6, generator=_generator(seed))
+            for seed, name in ((7, "a"), (8, "b"))
+        ]
+        return decode(peft, requests, PAD)
+
+    def fresh() -> list[list[list[int]]]:
+        _workspace._WORKSPACES.clear()
+        return gang()
+
+    first = gang()
+    assert gang() == first == fresh()
+    with torch.no_grad():
+        for param in lora_b("a"):
+            param.add_(1.0)
+    updated = gang()
+    assert updated[0] != first[0] and updated[1] == first[1]
+    assert updated == fresh()
+    gang()  # the workspace kept again, holding the updated adapters
+    peft.delete_adapter("a")
+    peft.add_adapter("a", LoraConfig(r=2, target_modules="all-linear"))
+    with torch.no_grad():
+        for param in lora_b("a"):
+            param.normal_(std=0.5)
+    rebuilt = gang()
+    assert rebuilt[0] != updated[0] and rebuilt == fresh()
