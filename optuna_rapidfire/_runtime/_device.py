@@ -93,7 +93,8 @@ class DeviceSettings:
         reward_funcs: GRPO reward functions, or paths of reward models to load once on the device.
         memory_budget: Per-trial state kept on the device (``None``: ``"auto"``).
         extras: Executor-wide arguments for the TRL trainers.
-        check_metrics: Raises when a trial's first evaluation lacks the study's metric.
+        check_metrics: Given a one-batch evaluation of the first trial (to call where the study's metric is not
+            known to be reported), raises when the evaluations lack that metric.
     """
 
     model: ModelSource
@@ -112,7 +113,7 @@ class DeviceSettings:
     reward_funcs: Sequence[Callable[..., list[float]] | str]
     memory_budget: MemoryBudget | None
     extras: TrainerExtras
-    check_metrics: Callable[[dict[str, float]], None]
+    check_metrics: Callable[[Callable[[], dict[str, float]]], None]
 
 
 class DeviceRuntime:

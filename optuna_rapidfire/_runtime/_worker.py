@@ -6,6 +6,7 @@ scheduler (what to do next) and each trial's event queue (what happened).
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -99,9 +100,10 @@ class DeviceWorker(threading.Thread):
         engine: Carries out builds and chunks.
         scheduler: Gives the tasks.
         adapter_dir: Gives the folder of an entry's final adapter.
-        check_metrics: Called, before any training, with the metrics of a one-batch evaluation of
-            the first trial built; a :class:`SetupError` raised there ends the study (for instance
-            when the executor's ``metric`` is not among the evaluation's metrics).
+        check_metrics: Called, before any training, with a one-batch evaluation of the first trial built (a
+            function returning its metrics, which it calls unless the metric is known to be reported); a
+            :class:`SetupError` raised there ends the study (for instance when the executor's ``metric`` is not
+            among the evaluation's metrics).
     """
 
     def __init__(
@@ -109,7 +111,7 @@ class DeviceWorker(threading.Thread):
         engine: Engine,
         scheduler: Scheduler,
         adapter_dir: Callable[[Entry], str],
-        check_metrics: Callable[[dict[str, float]], None],
+        check_metrics: Callable[[Callable[[], dict[str, float]]], None],
     ) -> None:
         super().__init__(name="rapidfire-device-worker", daemon=True)
         self.engine = engine
@@ -153,7 +155,7 @@ class DeviceWorker(threading.Thread):
             runtime = self.engine.build(entry.spec)
             entry.runtime = runtime
             if not self._checked:
-                self._check_metrics(self.engine.evaluate(runtime, max_batches=1))
+                self._check_metrics(functools.partial(self.engine.evaluate, runtime, max_batches=1))
                 self._checked = True
             branch = self.engine.branch(runtime)
             done, total = (branch.step if branch is not None else 0), self.engine.total_chunks(runtime)

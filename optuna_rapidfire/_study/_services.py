@@ -23,6 +23,8 @@ from optuna_rapidfire._study._commands import register_dashboard_form
 from optuna_rapidfire._trainers import TrainerExtras, TrainerKind, kind_for
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from peft import PeftConfig
     from transformers import TrainingArguments
 
@@ -132,10 +134,17 @@ class StudyServices:
             check_metrics=self.check_metrics,
         )
 
-    def check_metrics(self, metrics: dict[str, float]) -> None:
-        """The first evaluation's metrics must hold the metric (raises ``SetupError``, which ends the study)."""
+    def check_metrics(self, evaluate: Callable[[], dict[str, float]]) -> None:
+        """The evaluations' metrics must hold the metric (raises ``SetupError``, which ends the study): ``eval_loss``
+        and the trainer's own default metric (GRPO's ``eval_reward``) always are, any other metric is looked for in a
+        one-batch evaluation of the first trial (``evaluate()``), before any training."""
         from optuna_rapidfire._runtime._worker import SetupError
 
+        with self._lock:
+            kind = self._kind
+        if kind is not None and self.metric in ("eval_loss", kind.default_metric):
+            return
+        metrics = evaluate()
         if self.metric not in metrics:
             raise SetupError(
                 f"metric={self.metric!r} is not among the evaluation's metrics {sorted(metrics)}. "

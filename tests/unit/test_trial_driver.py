@@ -10,6 +10,7 @@ paused through the device's paused list.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import socket
@@ -652,3 +653,27 @@ def test_ctrl_c_while_a_trial_is_being_paused_ends_it_as_interrupted(services: S
     assert trial.user_attrs[_attrs.STATUS] == "interrupted"
     assert device.scheduler.decisions == [(0, Decision.PAUSE), (0, Decision.STOP)]
     assert len(device.paused) == 0 and device.slots.free() == 1
+
+
+@pytest.mark.parametrize(
+    ("metric", "evaluated"), [(None, False), ("loss", False), ("eval_entropy", True), ("bleu", True)]
+)
+def test_only_a_metric_the_trainer_may_not_report_is_looked_for_in_a_first_evaluation(
+    services: StudyServices, metric: str | None, evaluated: bool
+) -> None:
+    """``eval_loss`` and the trainer's default metric are reported by every evaluation: no one-batch evaluation
+    before training for them; any other metric is looked for there, and its absence ends the study."""
+    services = StudyServices(dataclasses.replace(services.config, metric=metric))
+    services.check_config(_configure(_study().ask()), _study())
+    calls: list[int] = []
+
+    def evaluate() -> dict[str, float]:
+        calls.append(1)
+        return {"eval_loss": 0.5, "eval_entropy": 0.25}
+
+    if metric == "bleu":
+        with pytest.raises(SetupError, match=r"metric='eval_bleu' is not among the evaluation's metrics"):
+            services.check_metrics(evaluate)
+    else:
+        services.check_metrics(evaluate)
+    assert len(calls) == int(evaluated)

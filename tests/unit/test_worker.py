@@ -44,6 +44,10 @@ class _Engine:
             raise RuntimeError("cannot free")
 
 
+def _adapter_dir(entry: Entry) -> str:
+    return f"adapter-{entry.number}"
+
+
 def test_trials_finishing_together_are_all_saved_before_any_is_freed_and_each_failure_stays_its_own() -> None:
     """A gang's members finish at once: each driver gets its adapter to write before the device frees the states
     (the drivers complete meanwhile); a save that fails fails that trial alone; a state that cannot be freed once
@@ -54,7 +58,7 @@ def test_trials_finishing_together_are_all_saved_before_any_is_freed_and_each_fa
         scheduler.add(entry)
         scheduler.built(entry, runtime=entry.number)
     engine = _Engine(broken_save=1, broken_release=2)
-    worker = DeviceWorker(engine, scheduler, adapter_dir=lambda e: f"adapter-{e.number}", check_metrics=print)  # type: ignore[arg-type]
+    worker = DeviceWorker(engine, scheduler, adapter_dir=_adapter_dir, check_metrics=lambda evaluate: None)  # type: ignore[arg-type]
     for entry in entries:
         scheduler.decide(entry, Decision.FINISH)
     worker.start()
@@ -80,7 +84,7 @@ def test_trials_finishing_together_have_their_adapters_copied_off_the_device_tog
         scheduler.add(entry)
         scheduler.built(entry, runtime=entry.number)
     engine = _Engine(broken_save=-1, broken_release=-1)
-    worker = DeviceWorker(engine, scheduler, adapter_dir=lambda e: f"adapter-{e.number}", check_metrics=print)  # type: ignore[arg-type]
+    worker = DeviceWorker(engine, scheduler, adapter_dir=_adapter_dir, check_metrics=lambda evaluate: None)  # type: ignore[arg-type]
     for entry in entries:
         scheduler.decide(entry, Decision.FINISH)
     worker.start()
