@@ -17,13 +17,16 @@ class Lease:
     """One slot held by one trial; :meth:`release` gives it back, once (later calls do nothing).
 
     A lease the pool takes for a trial it is about to start is *starting* until :meth:`registered` (its trial
-    reached the device) or :meth:`release`: the device then knows a new trial is on its way.
+    reached the device) or :meth:`release`: the device then knows a new trial is on its way. Such a lease is
+    *pooled*: the pool gives it back once Optuna has told the trial's end, so that the trial started in its place
+    is sampled after the sampler saw this one end (a clone sampler exploits a winner after a loser is pruned).
     """
 
     def __init__(self, slots: Slots, *, starting: bool = False) -> None:
         self._slots = slots
         self.held = True
         self.starting = starting
+        self.pooled = starting
         self.since = time.monotonic()
 
     def registered(self) -> None:

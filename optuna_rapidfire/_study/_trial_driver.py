@@ -121,7 +121,7 @@ class TrialDriver:
         finally:
             if self.entry is not None and not self.entry.leaving:
                 self._leave(Decision.STOP)
-            if self._lease is not None:
+            if self._lease is not None and not self._lease.pooled:  # the pool's: given back once the trial is told
                 self._lease.release()
             # A retry elsewhere resumes from the last state (its checkpoint); a failed state is not kept.
             self.record.keep_chunk_states(last=state != "FAIL" or elsewhere)

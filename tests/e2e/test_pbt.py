@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import optuna
 import pytest
@@ -62,3 +63,31 @@ def test_pruned_losers_are_replaced_by_warm_perturbed_clones_of_winners(
     for step in range(branch):  # its curve continues the parent's
         assert clone.intermediate_values[step] == parent.intermediate_values[step]
     assert clone.state in (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+class _Recording(optuna.samplers.RandomSampler):
+    """Records when trials are sampled and told; telling takes a while (a sampler updating its model)."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.calls: list[tuple[str, int]] = []
+
+    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        self.calls.append(("sampled", trial.number))
+        super().before_trial(study, trial)
+
+    def after_trial(self, study, trial, state, values) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append(("told", trial.number))
+        time.sleep(0.5)  # a trial started in this one's slot meanwhile would be sampled before it was told
+        self.calls.append(("told done", trial.number))
+        super().after_trial(study, trial, state, values)
+
+
+def test_the_trial_started_in_an_ended_trials_slot_is_sampled_after_that_trial_was_told(make_executor) -> None:
+    """A clone sampler exploits a winner when a loser is pruned (``after_trial``): the trial that takes the loser's
+    slot must be sampled after that, not as soon as the device freed the slot."""
+    sampler = _Recording()
+    study = optuna.create_study(sampler=sampler)
+    executor = make_executor(num_chunks=1, max_concurrent_trials=1)
+    executor.optimize(study, configure, n_trials=3)
+    assert sampler.calls == [(what, n) for n in range(3) for what in ("sampled", "told", "told done")]
