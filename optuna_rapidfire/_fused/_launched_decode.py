@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -167,8 +169,7 @@ class LaunchedDecode:
             for j in range(rows):
                 real.append(j < len(r.prompts))
                 prompts.append(r.prompts[j] if j < len(r.prompts) else [self.pad])  # an idle row
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device, dtype=torch.bool)
+        ids, mask = left_padded(prompts, width, self.pad, device)
         real_rows = torch.tensor(real, device=device)
         # A reused workspace's cache holds an earlier decode's keys and values; masked columns still enter the
         # attention's products (with weight 0), so a non-finite value left there would spread: zeros instead.
@@ -347,8 +348,7 @@ def _prefill(decode: LaunchedDecode, space: Workspace, requests: list[DecodeRequ
     for bucket in length_buckets([len(p) for p in prompts], _BUCKET_TOKENS):
         chosen = [prompts[i] for i in bucket]
         wide = max(len(p) for p in chosen)
-        ids = torch.tensor([[decode.pad] * (wide - len(p)) + p for p in chosen], device=device)
-        mask = torch.tensor([[0] * (wide - len(p)) + [1] * len(p) for p in chosen], device=device, dtype=torch.bool)
+        ids, mask = left_padded(chosen, wide, decode.pad, device)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         columns = torch.arange(wide, device=device)
         # Causal over the real tokens; a padding query sees itself (no row of the mask is empty).
@@ -446,6 +446,19 @@ def length_buckets(lengths: Sequence[int], pass_tokens: int) -> list[list[int]]:
         runs.append(order[start : ends[i - 1]])
         i = cut[i]
     return runs[::-1]
+
+
+def left_padded(
+    prompts: Sequence[Sequence[int]], width: int, pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` left-padded with ``pad`` to ``width`` columns (rows x width), and where the tokens are (a boolean
+    mask): built in NumPy, a copy each to the device (nested lists through ``torch.tensor`` took ~4 ms a gang decode
+    of 128 rows)."""
+    lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
+    mask = np.arange(width)[None, :] >= (width - lengths)[:, None]
+    ids = np.full((len(prompts), width), pad, dtype=np.int64)
+    ids[mask] = np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64, count=int(lengths.sum()))
+    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
 def _padded(request: DecodeRequest, rows: int) -> DecodeRequest:
