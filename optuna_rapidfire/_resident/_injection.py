@@ -9,8 +9,11 @@ creating the adapter's weights (an H100 host: 231 ms a trial, 121 of them creati
 proposes configs that differ in rank, alpha, dropout and rsLoRA far more often than in targets; an adapter whose
 config differs from an earlier one's in those fields only wraps the same modules, in the same order, and each of
 them gets what PEFT's injection gives it: the same call (``_create_and_replace``, which draws the weights from the
-global generator in the same order), then PEFT's own dtype cast. What PEFT's injection does besides (the active
-adapter, ``requires_grad``) the resident model sets itself right after, whichever way the adapter was made.
+global generator in the same order), then PEFT's own dtype cast; its config is stored completed as PEFT's injection
+completed the earlier one's (all-linear targets listed, default targets filled in). What PEFT's injection does besides
+(the active adapter, ``requires_grad``) the resident model sets itself right after, whichever way the adapter was made.
+The parity test (``tests/unit/test_resident_model.py``) compares the model, its weights and its stored configs with
+PEFT's own ``add_adapter``.
 
 Configs with anything PEFT's search does more for (replicated layers, modules to save, trainable tokens, target
 parameters, tied targets) or of another class than ``LoraConfig`` always take PEFT's own ``add_adapter``.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -45,13 +49,23 @@ def _jsonable(value: Any) -> Any:
     return sorted(value, key=repr) if isinstance(value, (set, frozenset)) else repr(value)
 
 
+@dataclass
+class _Known:
+    """What PEFT's injection did for an adapter of one signature: the fields of its config it completed (all-linear
+    targets listed, default targets filled in), with their values, and the modules it wrapped, in the model's order,
+    each as ``(name, parent, attribute)``."""
+
+    completed: dict[str, Any]
+    wrapped: list[tuple[str, torch.nn.Module, str]]
+
+
 class Injections:
     """The modules each kind of adapter wrapped (by its config, less :data:`VARYING`), to add the next one of that
-    kind without PEFT's search. One per resident model; used from its thread only."""
+    kind without PEFT's search. One per resident model; used from its thread only. Learnt from adapters that
+    ``PeftModel.add_adapter`` added (``get_peft_model`` also records the base model's path in the first config)."""
 
     def __init__(self) -> None:
-        # signature -> (the config PEFT stored for the adapter it found the modules for, [(name, parent, attribute)])
-        self._known: dict[str, tuple[PeftConfig, list[tuple[str, torch.nn.Module, str]]]] = {}
+        self._known: dict[str, _Known] = {}
 
     @staticmethod
     def signature(config: PeftConfig) -> str | None:
@@ -67,14 +81,24 @@ class Injections:
         kept = {name: value for name, value in fields.items() if name not in VARYING}
         return json.dumps(kept, sort_keys=True, default=_jsonable)
 
-    def learn(self, peft: PeftModel, name: str, signature: str | None) -> None:
-        """Record the modules adapter ``name`` (just injected by PEFT, its config's :meth:`signature` given) wraps, in
-        the model's order, for the next adapter of that signature. Call it where the model shows that adapter alone
-        (``ResidentModel.alone``): a walk of every module."""
+    def add_adapter(self, peft: PeftModel, name: str, config: PeftConfig, signature: str | None) -> None:
+        """``peft.add_adapter(name, config)``, without PEFT's search when an adapter of the same ``signature`` was
+        added before (``config`` is stored as PEFT would store it). Call it where the model shows no other adapter
+        (``ResidentModel.alone``)."""
+        if signature is None:
+            peft.add_adapter(name, config)
+            return
+        if self._add(peft, name, config, signature):
+            return
+        given = config.to_dict()
+        peft.add_adapter(name, config)
+        self._learn(peft, name, signature, given)
+
+    def _learn(self, peft: PeftModel, name: str, signature: str, given: dict[str, Any]) -> None:
+        """Record what PEFT's injection of adapter ``name`` did (``given``: its config's fields before), for the next
+        adapter of its ``signature``: a walk of every module the model shows."""
         from peft.tuners.lora import LoraLayer
 
-        if signature is None or signature in self._known:
-            return
         tuner: Any = peft.base_model  # PEFT's LoraModel (its private steps are what its injection calls)
         named = dict(tuner.model.named_modules())
         wrapped = []
@@ -84,34 +108,31 @@ class Injections:
             ):
                 parent_key, _, attribute = key.rpartition(".")
                 wrapped.append((key, named[parent_key], attribute))
+        stored = peft.peft_config[name]
+        completed = {
+            field: copy.deepcopy(getattr(stored, field))
+            for field, value in stored.to_dict().items()
+            if field not in VARYING and given.get(field) != value and hasattr(stored, field)
+        }
         if wrapped:
-            self._known[signature] = (peft.peft_config[name], wrapped)
+            self._known[signature] = _Known(completed, wrapped)
 
-    def add_adapter(self, peft: PeftModel, name: str, config: PeftConfig, signature: str | None) -> None:
-        """``peft.add_adapter(name, config)``, without PEFT's search when an adapter of the same ``signature`` was
-        added before. Call it where the model shows no other adapter (``ResidentModel.alone``)."""
-        if not self._add(peft, name, config, signature):
-            peft.add_adapter(name, config)
-            self.learn(peft, name, signature)
-
-    def _add(self, peft: PeftModel, name: str, config: PeftConfig, signature: str | None) -> bool:
+    def _add(self, peft: PeftModel, name: str, config: PeftConfig, signature: str) -> bool:
         """Add adapter ``name`` of ``config`` on the modules recorded for its signature, as PEFT's injection would;
         ``False`` (nothing done) when none are recorded."""
-        known = self._known.get(signature) if signature is not None else None
+        known = self._known.get(signature)
         if known is None:
             return False
-        template, wrapped = known
-        stored = copy.deepcopy(template)  # what PEFT stored for an adapter of the same targets, with this one's fields
-        for field in VARYING:
-            setattr(stored, field, getattr(config, field))
-        tuner: Any = peft.base_model  # PEFT's LoraModel (its private steps are what its injection calls)
-        peft.peft_config[name] = stored
+        for field, value in known.completed.items():  # as PEFT's injection completes the config it stores
+            setattr(config, field, copy.deepcopy(value))
+        tuner: Any = peft.base_model
+        peft.peft_config[name] = config
         try:
-            tuner._check_new_adapter_config(stored)
-            for key, parent, attribute in wrapped:
-                tuner._create_and_replace(stored, name, getattr(parent, attribute), attribute, parent, current_key=key)
+            tuner._check_new_adapter_config(config)
+            for key, parent, attribute in known.wrapped:
+                tuner._create_and_replace(config, name, getattr(parent, attribute), attribute, parent, current_key=key)
             targeted = set(tuner.targeted_module_names)
-            tuner.targeted_module_names.extend(key for key, _, _ in wrapped if key not in targeted)
+            tuner.targeted_module_names.extend(key for key, _, _ in known.wrapped if key not in targeted)
             tuner._cast_adapter_dtype(adapter_name=name, autocast_adapter_dtype=True)
         except BaseException:
             peft.peft_config.pop(name, None)

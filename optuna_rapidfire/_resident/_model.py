@@ -167,7 +167,6 @@ class ResidentModel:
                         # TRL calls train() and reads is_gradient_checkpointing at every step: no walks.
                         peft.__dict__["train"] = ModeSwitch(peft, lambda: self.adapters_version, self.hiding)
                         publish_checkpointing(peft, self.base)
-                        self._injections.learn(peft, name, signature)
                     else:
                         # PEFT's injection walks every module several times: the other adapters' are hidden.
                         with self.alone(name):

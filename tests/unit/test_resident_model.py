@@ -37,9 +37,24 @@ def _lora_layout(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return modules + [(name, tuple(p.shape)) for name, p in module.named_parameters()]
 
 
+# All-linear targets (which PEFT's injection lists in the config it stores), rsLoRA and dropout changing between them.
+ALL_LINEAR_CONFIGS = [
+    LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+    LoraConfig(r=8, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM", use_rslora=True),
+    LoraConfig(r=2, lora_alpha=4, lora_dropout=0.1, target_modules="all-linear", task_type="CAUSAL_LM"),
+]
+
+
+@pytest.mark.parametrize(
+    ("configs", "searched_for"),
+    [(CONFIGS, ["trial_1", "trial_2"]), (ALL_LINEAR_CONFIGS, ["trial_1"])],
+    ids=["mixed-targets", "all-linear"],
+)
 def test_adapters_built_among_others_are_what_peft_builds_with_every_adapter_in_view(
-    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch, configs: list[LoraConfig], searched_for: list[str]
 ) -> None:
+    """An adapter whose config differs from one PEFT's add_adapter injected before only in rank, alpha, rsLoRA or
+    dropout skips PEFT's search of the model; whichever way, the model and its stored configs are PEFT's own."""
     ours = _resident(tiny_model)
     searched: list[str] = []  # the adapters PEFT's own add_adapter injected (searching the model for their targets)
     peft_add = PeftModel.add_adapter
@@ -49,16 +64,16 @@ def test_adapters_built_among_others_are_what_peft_builds_with_every_adapter_in_
         peft_add(self, name, *args, **kwargs)
 
     monkeypatch.setattr(PeftModel, "add_adapter", add)
-    for index, config in enumerate(CONFIGS):
+    for index, config in enumerate(configs):
         ours.add_adapter(f"trial_{index}", config, seed=100 + index)
     monkeypatch.undo()
     # The last config targets what the second did (rank, alpha and dropout aside): PEFT's search is skipped for it.
-    assert searched == ["trial_1", "trial_2"]
+    assert searched == searched_for
     # PEFT's own add_adapter with every adapter in view, the same seeds: the reference.
     reference = _resident(tiny_model)
-    reference.add_adapter("trial_0", CONFIGS[0], seed=100)
+    reference.add_adapter("trial_0", configs[0], seed=100)
     assert reference.peft is not None
-    for index, config in enumerate(CONFIGS[1:], start=1):
+    for index, config in enumerate(configs[1:], start=1):
         with torch.random.fork_rng():
             torch.manual_seed(100 + index)
             reference.peft.add_adapter(f"trial_{index}", config)
@@ -72,13 +87,14 @@ def test_adapters_built_among_others_are_what_peft_builds_with_every_adapter_in_
     }
     assert ours.peft.base_model.targeted_module_names == reference.peft.base_model.targeted_module_names
     # Only the adapter added last is trainable; its weights are the ones adapter_params returns.
+    last = f"trial_{len(configs) - 1}"
     trainable = [name for name, p in ours.peft.named_parameters() if p.requires_grad]
-    assert trainable and all(".trial_3." in name for name in trainable)
-    assert {id(p) for p in ours.adapter_params("trial_3")} == {
+    assert trainable and all(f".{last}." in name for name in trainable)
+    assert {id(p) for p in ours.adapter_params(last)} == {
         id(p) for _, p in ours.peft.named_parameters() if p.requires_grad
     }
     # Each layer's active adapter is the new one, and a forward pass sees it.
-    assert ours.peft.active_adapter == "trial_3"
+    assert ours.peft.active_adapter == last
 
 
 def test_adapters_deleted_among_others_leave_what_peft_leaves_with_every_adapter_in_view(tiny_model: str) -> None:
