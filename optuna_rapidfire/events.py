@@ -158,12 +158,13 @@ class GangTrained:
 
 @dataclass(frozen=True)
 class Decoded:
-    """A decode batch of GRPO trials' generation requests ran (one trial's alone, or a gang's together): one request
-    per trial, ``rows`` prompts in all (the widest ``prompt_width`` tokens), ``new_tokens`` generated, in ``seconds``
+    """A decode batch of GRPO trials' generation requests ran (one trial's alone, or a gang's together): one request per
+    trial, ``rows`` prompts in all (the widest ``prompt_width`` tokens), ``new_tokens`` generated, in ``seconds``
     (the device's time: synchronized while anyone listens). ``phase``: what the decode served, ``"train"`` (a
-    training step), ``"eval"`` (an evaluation), ``"check"`` (the one-batch check of the first trial's metrics) or
-    ``"mixed"``; ``sampling``: the first request's sampling settings, as the decode applied them;
-    ``completions``: each trial's completions (token ids, one tuple per prompt), in the order of ``trials``."""
+    training step), ``"eval"`` (an evaluation), ``"check"`` (the one-batch check of the first trial's metrics, for a
+    metric other than ``eval_loss`` or the trainer's default) or ``"mixed"``; ``sampling``: the first request's
+    sampling settings, as the decode applied them; ``completions``: each trial's completions (token ids, one tuple
+    per prompt), in the order of ``trials``."""
 
     trials: tuple[int, ...]
     rows: int
@@ -196,8 +197,9 @@ class Compiled:
 class Evaluated:
     """Trials were evaluated: a gang together in shared forward passes (``shared``), or one trial alone by its own
     trainer's loop. ``phase``: ``"eval"`` (after a chunk) or ``"check"`` (the first batches, to learn the metrics'
-    names, when the first trial is built). ``batch_tokens[i]``: the loss tokens of each of ``trials[i]``'s eval
-    micro-batches in a shared evaluation (empty alone)."""
+    names, when the first trial is built and the metric is not ``eval_loss`` or the trainer's default).
+    ``batch_tokens[i]``: the loss tokens of each of ``trials[i]``'s eval micro-batches in a shared evaluation (empty
+    alone)."""
 
     trials: tuple[int, ...]
     shared: bool
