@@ -51,6 +51,11 @@ if TYPE_CHECKING:
 
 
 _REQUESTED = {Decision.PAUSE: Request.PAUSE, Decision.FINISH: Request.FINISH, Decision.STOP: Request.RELEASE}
+FINISH_GATHER_SECONDS = 0.05
+"""How long a trial's FINISH waits, after its chunk was delivered, for the mates it trained beside to decide: members
+of a gang ending together are saved together (one bulk copy) and freed after every one is saved, rather than in
+groups of the drivers that happened to decide first (their decisions came ~2 ms apart on an H100 host, and a second
+group then waited ~0.1 s for the first one's saves and frees)."""
 
 
 def _reports(scheduler: Scheduler, live: int, streaming: bool) -> Reports:
@@ -92,16 +97,32 @@ def _housekeeping(entry: Entry, entries: list[Entry]) -> tuple[Task, list[Entry]
     return Task.RELEASE, [entry]
 
 
-def _chores(entries: list[Entry], draining: bool) -> tuple[Task, list[Entry]] | None:
-    """Housekeeping first, then a build (none while ``draining``), or ``None``."""
+def _chores(entries: list[Entry], draining: bool) -> tuple[Task, list[Entry]] | float | None:
+    """Housekeeping first, then a build (none while ``draining``), or ``None``; a number: seconds to wait for the mates
+    of a finishing trial to decide (:data:`FINISH_GATHER_SECONDS`; nothing is built meanwhile)."""
+    wait: float | None = None
     for e in entries:
+        if e.request is Request.FINISH:
+            left = _finish_wait(e, entries)
+            if left > 0:
+                wait = left if wait is None else min(wait, left)
+                continue
         if e.request is not None:
             return _housekeeping(e, entries)
+    if wait is not None:
+        return wait
     for e in [] if draining else entries:
         if e.buildable:
             e.taken = True
             return Task.BUILD, [e]
     return None
+
+
+def _finish_wait(entry: Entry, entries: list[Entry]) -> float:
+    """How much longer the FINISH of ``entry`` waits for mates that have not decided (<= 0: none, or long enough)."""
+    if not any(o.number in entry.mates and o.status is Status.AWAITING and o.request is None for o in entries):
+        return 0.0
+    return FINISH_GATHER_SECONDS - (time.monotonic() - entry.awaiting_since)
 
 
 def _forget(scheduler: Scheduler, entry: Entry) -> None:
@@ -288,6 +309,8 @@ class Scheduler:
     def _next(self, fuse: bool) -> tuple[tuple[Task, list[Entry]] | None, float | None]:
         entries = sorted(self._entries.values(), key=lambda e: e.number)
         chore = _chores(entries, self._draining)
+        if isinstance(chore, float):
+            return None, chore
         if chore is not None or self._draining:
             return chore, None
         live = [e for e in entries if e.live]
@@ -332,7 +355,8 @@ class Scheduler:
     def side_task(self) -> tuple[Task, list[Entry]] | None:
         """Housekeeping or a build to do between two passes of a stream (never a TRAIN), or ``None``; never blocks."""
         with self._cond:
-            return _chores(sorted(self._entries.values(), key=lambda e: e.number), self._closed or self._draining)
+            chore = _chores(sorted(self._entries.values(), key=lambda e: e.number), self._closed or self._draining)
+        return None if isinstance(chore, float) else chore  # a finish waiting for its mates: later, between passes
 
     def join(self, room: int, fits: Callable[[Entry], bool]) -> list[Entry]:
         """The trials that take free slots of a stream now (at most ``room``, marked TRAINING), as the schedule

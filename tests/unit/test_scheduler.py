@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from optuna_rapidfire._runtime import _scheduler as _scheduler_module
 from optuna_rapidfire._runtime._entry import Decision, Entry, Stopped, Task
 from optuna_rapidfire._runtime._scheduler import Scheduler
 from optuna_rapidfire._runtime._schedules import schedule_from
@@ -129,6 +130,35 @@ def test_trials_finishing_together_are_one_finish_task_and_settle_waits_until_th
     _build_all(scheduler, 1)
     scheduler.decide(late, Decision.STOP)
     scheduler.settle(lambda: False)  # a worker that died frees nothing more: no wait
+
+
+def test_a_finish_waits_a_moment_for_the_mates_that_have_not_decided_then_goes_alone() -> None:
+    """Drivers of a gang's members decide a few ms apart: the first FINISH waits for its undecided mates (up to
+    FINISH_GATHER_SECONDS after its chunk), so that they are saved together; a mate that decides later than that does
+    not hold it back."""
+    scheduler, entries = _scheduler(0, 1, 2)
+    _build_all(scheduler, 3)
+    assert _train(scheduler, fuse=True) == [0, 1, 2]
+    scheduler.decide(entries[0], Decision.FINISH)
+
+    def others() -> None:
+        time.sleep(_scheduler_module.FINISH_GATHER_SECONDS / 5)
+        scheduler.decide(entries[1], Decision.FINISH)
+        scheduler.decide(entries[2], Decision.FINISH)
+
+    deciding = threading.Thread(target=others)
+    deciding.start()
+    assert scheduler.next_task() == (Task.FINISH, entries)
+    deciding.join(5)
+
+    scheduler, entries = _scheduler(0, 1)
+    _build_all(scheduler, 2)
+    assert _train(scheduler, fuse=True) == [0, 1]
+    scheduler.decide(entries[0], Decision.FINISH)
+    assert scheduler.side_task() is None  # a stream's side task does not wait: later
+    start = time.monotonic()
+    assert scheduler.next_task() == (Task.FINISH, [entries[0]])  # the mate is still deciding: alone, after a moment
+    assert time.monotonic() - start < 5
 
 
 def test_a_paused_trial_is_not_waited_for_and_is_not_live() -> None:
