@@ -137,9 +137,8 @@ class Scheduler:
     """Thread-safe table of the trials of one device.
 
     Args:
-        gather_seconds: How long the device waits for the first wave of a study to register: the first
-            chunk starts once every trial expected has registered, or nothing has registered or been built
-            for this long.
+        gather_seconds: How long the device waits for the first wave of a study to register: the first chunk
+            starts once every trial expected has registered, or nothing has registered or been built for this long.
         schedule: Which ready trials train next (:class:`PromoteSchedule` by default, as the executor's).
     """
 
@@ -309,10 +308,8 @@ class Scheduler:
     def _next(self, fuse: bool) -> tuple[tuple[Task, list[Entry]] | None, float | None]:
         entries = sorted(self._entries.values(), key=lambda e: e.number)
         chore = _chores(entries, self._draining)
-        if isinstance(chore, float):
-            return None, chore
         if chore is not None or self._draining:
-            return chore, None
+            return (None, chore) if isinstance(chore, float) else (chore, None)
         live = [e for e in entries if e.live]
         if not live:
             return None, None
@@ -356,7 +353,7 @@ class Scheduler:
         """Housekeeping or a build to do between two passes of a stream (never a TRAIN), or ``None``; never blocks."""
         with self._cond:
             chore = _chores(sorted(self._entries.values(), key=lambda e: e.number), self._closed or self._draining)
-        return None if isinstance(chore, float) else chore  # a finish waiting for its mates: later, between passes
+        return None if isinstance(chore, float) else chore  # a finish waiting for its mates: later
 
     def join(self, room: int, fits: Callable[[Entry], bool]) -> list[Entry]:
         """The trials that take free slots of a stream now (at most ``room``, marked TRAINING), as the schedule
