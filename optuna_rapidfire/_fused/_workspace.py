@@ -117,7 +117,6 @@ class Workspace:
         self.pad = new(1)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._loading: _Loading | None = None  # what the last load copied (reused for the same adapters)
-        self._zeroed: tuple[str | None, ...] | None = None  # the adapters the zeroed parts were zeroed for
         tensors = [*self.keys, *self.values, *self.down.values(), *self.up.values()]
         tensors += [getattr(self.sampling, field.name) for field in fields(self.sampling)]
         tensors += [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
@@ -130,17 +129,14 @@ class Workspace:
 
         What to copy where is found once for the slots' adapters (:class:`_Loading`: a walk of every targeted
         projection and slot, some 500 module lookups for a gang of 8 on 64 projections, ~8 ms of host time on an
-        H100 host) and reused while those adapters are the same modules; what must be zero is zeroed again only
-        after the workspace held other adapters."""
+        H100 host) and reused while those adapters are the same modules; what must be zero is zeroed when it is found
+        (only the loads of one set of adapters write the workspace meanwhile, never into those parts)."""
         key = tuple(names)
         loading = self._loading
         if loading is None or loading.names != key or not loading.current():
             loading = self._loading = _Loading.of(self, lm, key)
-            self._zeroed = None  # a rebuilt adapter may have another rank
-        if self._zeroed != key:
             if loading.zeros:
                 torch._foreach_zero_(loading.zeros)
-            self._zeroed = key
         downs, ups = loading.weights()
         if downs:
             with torch.no_grad():
