@@ -219,6 +219,17 @@ def set_grpo_generation(trainer: Any, generate: Any) -> None:
     trainer._generate_single_turn = generate
 
 
+def grpo_tokenization(trainer: Any) -> Any:
+    """``GRPOTrainer._tokenize_prompts``: a batch's prompts rendered with the chat template and encoded, as
+    ``(token ids per prompt, images, multimodal fields)`` (TRL 1.16). No public hook."""
+    return trainer._tokenize_prompts
+
+
+def set_grpo_tokenization(trainer: Any, tokenize: Any) -> None:
+    """Replace ``GRPOTrainer._tokenize_prompts`` on this trainer (see :func:`grpo_tokenization`)."""
+    trainer._tokenize_prompts = tokenize
+
+
 def grpo_logps(trainer: Any) -> Any:
     """``GRPOTrainer._get_per_token_logps_and_entropies``: the per-token log-probabilities (and entropies) of
     completion tokens that TRL's GRPO loss is computed from (TRL 1.16). No public hook."""

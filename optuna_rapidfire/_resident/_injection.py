@@ -9,9 +9,10 @@ creating the adapter's weights (an H100 host: 231 ms a trial, 121 of them creati
 proposes configs that differ in rank, alpha, dropout and rsLoRA far more often than in targets; an adapter whose
 config differs from an earlier one's in those fields only wraps the same modules, in the same order, and each of
 them gets what PEFT's injection gives it: the same call (``_create_and_replace``, which draws the weights from the
-global generator in the same order), then PEFT's own dtype cast; its config is stored completed as PEFT's injection
-completed the earlier one's (all-linear targets listed, default targets filled in). What PEFT's injection does besides
-(the active adapter, ``requires_grad``) the resident model sets itself right after, whichever way the adapter was made.
+global generator in the same order), then PEFT's own dtype cast (over those modules only); its config is stored
+completed as PEFT's injection completed the earlier one's (all-linear targets listed, default targets filled in).
+What PEFT's injection does besides (the active adapter, ``requires_grad``) the resident model sets itself right
+after, whichever way the adapter was made.
 The parity test (``tests/unit/test_resident_model.py``) compares the model, its weights and its stored configs with
 PEFT's own ``add_adapter``.
 
@@ -133,8 +134,21 @@ class Injections:
                 tuner._create_and_replace(config, name, getattr(parent, attribute), attribute, parent, current_key=key)
             targeted = set(tuner.targeted_module_names)
             tuner.targeted_module_names.extend(key for key, _, _ in known.wrapped if key not in targeted)
-            tuner._cast_adapter_dtype(adapter_name=name, autocast_adapter_dtype=True)
+            _cast(tuner, name, [getattr(parent, attribute) for _, parent, attribute in known.wrapped])
         except BaseException:
             peft.peft_config.pop(name, None)
             raise
         return True
+
+
+def _cast(tuner: Any, name: str, layers: list[torch.nn.Module]) -> None:
+    """PEFT's dtype cast of adapter ``name`` (``tuner._cast_adapter_dtype``), over ``layers``, the modules that hold
+    it, rather than a walk of the whole model (PEFT 0.18 and later: its function that takes the modules to walk)."""
+    import torch
+    from peft.tuners import tuners_utils
+
+    cast = getattr(tuners_utils, "cast_adapter_dtype", None)
+    if cast is None:
+        tuner._cast_adapter_dtype(adapter_name=name, autocast_adapter_dtype=True)
+    else:
+        cast(torch.nn.ModuleList(layers), adapter_name=name, autocast_adapter_dtype=True)

@@ -26,9 +26,9 @@ CONFIGS = [
 ]
 
 
-def _resident(tiny_model: str) -> ResidentModel:
+def _resident(tiny_model: str, dtype: torch.dtype = torch.float32) -> ResidentModel:
     model, tokenizer = load_model(tiny_model, tokenizer=None, model_kwargs={})
-    return ResidentModel(model, tokenizer, CPU)
+    return ResidentModel(model.to(dtype), tokenizer, CPU)
 
 
 def _lora_layout(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
@@ -46,16 +46,25 @@ ALL_LINEAR_CONFIGS = [
 
 
 @pytest.mark.parametrize(
-    ("configs", "searched_for"),
-    [(CONFIGS, ["trial_1", "trial_2"]), (ALL_LINEAR_CONFIGS, ["trial_1"])],
-    ids=["mixed-targets", "all-linear"],
+    ("configs", "searched_for", "dtype"),
+    [
+        (CONFIGS, ["trial_1", "trial_2"], torch.float32),
+        (ALL_LINEAR_CONFIGS, ["trial_1"], torch.float32),
+        (CONFIGS, ["trial_1", "trial_2"], torch.bfloat16),
+    ],
+    ids=["mixed-targets", "all-linear", "mixed-targets-bf16"],
 )
 def test_adapters_built_among_others_are_what_peft_builds_with_every_adapter_in_view(
-    tiny_model: str, monkeypatch: pytest.MonkeyPatch, configs: list[LoraConfig], searched_for: list[str]
+    tiny_model: str,
+    monkeypatch: pytest.MonkeyPatch,
+    configs: list[LoraConfig],
+    searched_for: list[str],
+    dtype: torch.dtype,
 ) -> None:
     """An adapter whose config differs from one PEFT's add_adapter injected before only in rank, alpha, rsLoRA or
-    dropout skips PEFT's search of the model; whichever way, the model and its stored configs are PEFT's own."""
-    ours = _resident(tiny_model)
+    dropout skips PEFT's search of the model; whichever way, the model and its stored configs are PEFT's own (on a
+    bf16 base too, whose adapters' weights PEFT's cast makes float32)."""
+    ours = _resident(tiny_model, dtype)
     searched: list[str] = []  # the adapters PEFT's own add_adapter injected (searching the model for their targets)
     peft_add = PeftModel.add_adapter
 
@@ -70,7 +79,7 @@ def test_adapters_built_among_others_are_what_peft_builds_with_every_adapter_in_
     # The last config targets what the second did (rank, alpha and dropout aside): PEFT's search is skipped for it.
     assert searched == searched_for
     # PEFT's own add_adapter with every adapter in view, the same seeds: the reference.
-    reference = _resident(tiny_model)
+    reference = _resident(tiny_model, dtype)
     reference.add_adapter("trial_0", configs[0], seed=100)
     assert reference.peft is not None
     for index, config in enumerate(configs[1:], start=1):
@@ -81,7 +90,10 @@ def test_adapters_built_among_others_are_what_peft_builds_with_every_adapter_in_
     assert _lora_layout(ours.peft) == _lora_layout(reference.peft)  # same modules, same order
     theirs = dict(reference.peft.named_parameters())
     for name, param in ours.peft.named_parameters():
+        assert param.dtype == theirs[name].dtype, name
         assert torch.equal(param, theirs[name]), name
+    if dtype != torch.float32:
+        assert all(p.dtype == torch.float32 for name, p in ours.peft.named_parameters() if "lora_" in name)
     assert {n: c.to_dict() for n, c in ours.peft.peft_config.items()} == {
         n: c.to_dict() for n, c in reference.peft.peft_config.items()
     }

@@ -9,6 +9,7 @@ import torch
 
 from optuna_rapidfire._trainers._base import TrainerExtras, TrainerKind, reference_is_the_base
 from optuna_rapidfire._trainers.grpo._gang import GENERATION_TURNS
+from optuna_rapidfire._trainers.grpo._prompts import share_tokenized_prompts
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Hashable
@@ -71,7 +72,7 @@ class GRPOKind(TrainerKind):
 
         assert resident.peft is not None, "the trial's adapter is created before its trainer"
         with reference_is_the_base(resident, args):
-            return GRPOTrainer(
+            trainer = GRPOTrainer(
                 model=resident.peft,
                 reward_funcs=list(extras.reward_funcs),
                 args=cast("GRPOConfig", args),
@@ -79,6 +80,8 @@ class GRPOKind(TrainerKind):
                 processing_class=resident.tokenizer,
                 reward_processing_classes=list(extras.reward_processing_classes) or None,
             )
+        share_tokenized_prompts(trainer)  # the trials of a device tokenize each prompt once
+        return trainer
 
     def prepare(self, trainer: Trainer, dataset: Dataset, split: str) -> Dataset:
         return dataset
