@@ -211,6 +211,8 @@ class TrialRuntime:
     released: bool = False
     # The last chunk's checkpoint (see DeviceTrials.snapshot) and where the trial stood when it was taken.
     kept_snapshot: tuple[tuple[int, int, int], TrialSnapshot] | None = field(default=None, repr=False)
+    # Where the trial stood when its snapshot file was last handed to the writers (DeviceTrials.save_snapshot).
+    saved_at: tuple[int, int, int] | None = None
 
     def prepare(self, dataset: Dataset, split: str) -> Dataset:
         return self.spec.kind.prepare(self.trainer, dataset, split)

@@ -263,6 +263,15 @@ class DeviceWorker(threading.Thread):
                 result.snapshot_seconds = time.perf_counter() - start
             self.scheduler.chunk_done(entry, mates)
             entry.events.put(result)
+        # A trial's state after its last chunk is what clones of it start from, whether it then finishes or stops:
+        # its file is started now, while the drivers report (a gang's members ending together wrote eight files of
+        # 41 MB after their ends, the study's end waiting for them); the end's own save finds it handed over.
+        for entry, result, _ in checked:
+            if not isinstance(result, BaseException) and result.last and result.snapshot is not None:
+                try:
+                    self.engine.save_snapshot(entry.built)
+                except Exception:  # saved again when the trial ends
+                    _logger.debug("Trial %d's last snapshot could not be handed over.", entry.number, exc_info=True)
 
     def _fail(self, entry: Entry, error: BaseException) -> None:
         text = "".join(traceback.format_exception(error))

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from optuna_rapidfire._engines._trials import _boundary, _kept
+from optuna_rapidfire._engines._trials import DeviceTrials, _boundary, _kept
 from optuna_rapidfire._resident import _snapshot as snapshot_module
 from optuna_rapidfire._resident._snapshot import TrialSnapshot, safetensors_blob
 from optuna_rapidfire._resident._state import Position, RngState, SwapState
@@ -374,3 +374,21 @@ def test_a_kept_checkpoint_serves_the_trials_snapshot_file_only_while_the_trial_
         runtime.kept_snapshot = (_boundary(runtime), snapshot)
         move()
         assert _kept(runtime) is None
+
+
+def test_a_trials_snapshot_file_is_handed_to_the_writers_once_per_point_it_stands_at(tmp_path: Path) -> None:
+    """The last chunk's delivery hands the trial's state over, and its end asks again: one file write, unless the
+    trial moved in between."""
+    snapshot, state, _ = _snapshot()
+    spec = SimpleNamespace(state_dir=str(tmp_path), number=3, study_name="s")
+    runtime = SimpleNamespace(state=state, history=[{"eval_loss": 1.5}], kept_snapshot=None, saved_at=None, spec=spec)
+    runtime.kept_snapshot = (_boundary(runtime), snapshot)
+    writes: list[str] = []
+    trials = SimpleNamespace(_writes=SimpleNamespace(submit=lambda path, write: writes.append(path)))
+    DeviceTrials.save_snapshot(trials, runtime)  # type: ignore[arg-type]
+    DeviceTrials.save_snapshot(trials, runtime)  # type: ignore[arg-type]
+    assert writes == [str(tmp_path / "trial-3")]
+    state.position.optimizer_steps += 1  # trained on: its state is another one (copied from the device here)
+    trials.snapshots = lambda pairs: [snapshot for _ in pairs]
+    DeviceTrials.save_snapshot(trials, runtime)  # type: ignore[arg-type]
+    assert len(writes) == 2

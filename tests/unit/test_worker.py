@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from optuna_rapidfire._engines._types import ChunkResult
 from optuna_rapidfire._runtime._entry import Decision, Entry
 from optuna_rapidfire._runtime._scheduler import Scheduler
 from optuna_rapidfire._runtime._schedules import schedule_from
@@ -95,3 +97,21 @@ def test_trials_finishing_together_have_their_adapters_copied_off_the_device_tog
     assert engine.log[0] == "save together [0, 1, 2]" and not any(
         line.startswith("save ") and "together" not in line for line in engine.log
     )
+
+
+def test_a_trials_last_chunk_hands_its_snapshot_file_over_as_its_chunk_is_delivered() -> None:
+    """The state after a trial's last chunk is what clones of it start from, whether it then finishes or stops: its
+    file goes to the writers as the chunk reaches the driver, not only at the trial's end (a gang's members ending
+    together had eight files to write while the study's end waited); other chunks' states are not written."""
+    scheduler = Scheduler(gather_seconds=0.0, schedule=schedule_from("lockstep"))
+    entries = [Entry(number=n, trial_id=100 + n, spec=SimpleNamespace(checkpoint=True)) for n in range(3)]  # type: ignore[arg-type]
+    for entry in entries:
+        scheduler.add(entry)
+        scheduler.built(entry, runtime=entry.number)
+    engine = _Engine(broken_save=-1, broken_release=-1)
+    engine.snapshots = lambda trials: [f"state of {runtime}" for runtime, _ in trials]  # type: ignore[attr-defined]
+    worker = DeviceWorker(engine, scheduler, adapter_dir=_adapter_dir, check_metrics=lambda evaluate: None)  # type: ignore[arg-type]
+    results = [ChunkResult(step=1, metrics={"eval_loss": 1.0}, last=n != 1) for n in range(3)]
+    worker.deliver_all([(entry, result, frozenset()) for entry, result in zip(entries, results, strict=True)])
+    assert [entry.events.get_nowait() for entry in entries] == results
+    assert engine.log == ["snapshot 0", "snapshot 2"]  # the last chunks' only
