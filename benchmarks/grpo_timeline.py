@@ -55,7 +55,7 @@ PHASES = {
     "optuna_rapidfire._engines._trials:DeviceTrials.snapshots": "snapshot",
     "optuna_rapidfire._resident._snapshot:copied_to_cpu_apart": "snapshot: copies",
     "optuna_rapidfire._engines._trials:DeviceTrials.evaluate": "evaluate",
-    "optuna_rapidfire._trainers.grpo._turns:Turns._give_turn": "members' turns",
+    "optuna_rapidfire._trainers.grpo._turns:Turns._sweep": "members' turns",
     "optuna_rapidfire._trainers.grpo._turns:Turns.meet": MEET,
     "optuna_rapidfire._trainers.grpo._generation:Generation.decode": "decode",
     "optuna_rapidfire._fused._launched_decode:_prefill": "decode: prefill",

@@ -62,6 +62,7 @@ class _Member:
     answer: Any = _NOTHING
     thread: threading.Thread | None = field(default=None, repr=False)
     go: _Baton = field(default_factory=_Baton, repr=False)  # its turn
+    after: _Member | None = field(default=None, repr=False)  # whom it hands the turn to (None: the coordinator)
 
 
 class Turns(Generic[Request, Answer]):
@@ -85,7 +86,9 @@ class Turns(Generic[Request, Answer]):
         self._name = name
         self._setup = setup
         # A turn is handed over by giving the baton of whoever runs next (a member's ``go``, or ``_back`` for the
-        # coordinator): only that thread wakes, whatever the number of members.
+        # coordinator): only that thread wakes, whatever the number of members. The members ready to run go in a
+        # sweep: each hands the turn straight to the next, the last back to the coordinator (one thread switch a
+        # member, where a turn to and from the coordinator took two).
         self._back = _Baton()
         self._local = threading.local()
         self.member_seconds = 0.0  # host time the members ran their own code (all runs of this object)
@@ -108,11 +111,11 @@ class Turns(Generic[Request, Answer]):
             )
             member.thread.start()
         while not all(member.done for member in members):
-            for member in members:
-                if not member.done and member.request is _NOTHING:
-                    start = time.perf_counter()
-                    self._give_turn(member)
-                    self.member_seconds += time.perf_counter() - start
+            ready = [member for member in members if not member.done and member.request is _NOTHING]
+            if ready:
+                start = time.perf_counter()
+                self._sweep(ready)
+                self.member_seconds += time.perf_counter() - start
             waiting = [member for member in members if not member.done and member.request is not _NOTHING]
             if not waiting:
                 continue
@@ -145,17 +148,24 @@ class Turns(Generic[Request, Answer]):
         if member is None:
             raise RuntimeError("Turns.meet() is called from inside a member's work only.")
         member.request = request
-        self._back.give()
+        self._pass_on(member)
         member.go.take()
         answer, member.answer = member.answer, _NOTHING
         if isinstance(answer, BaseException):
             raise answer
         return answer
 
-    def _give_turn(self, member: _Member) -> None:
-        """Let ``member`` run until it finishes or meets."""
-        member.go.give()
+    def _sweep(self, ready: list[_Member]) -> None:
+        """Let each member of ``ready`` run in turn until it finishes or meets, each handing the turn to the next."""
+        for member, after in zip(ready, [*ready[1:], None], strict=True):
+            member.after = after
+        ready[0].go.give()
         self._back.take()
+
+    def _pass_on(self, member: _Member) -> None:
+        """``member`` stopped (it met or ended): the next member of its sweep runs, or the coordinator."""
+        after, member.after = member.after, None
+        (self._back if after is None else after.go).give()
 
     def _body(self, member: _Member) -> None:
         self._local.member = member
@@ -168,7 +178,7 @@ class Turns(Generic[Request, Answer]):
             member.outcome = error
         finally:
             member.done = True
-            self._back.give()
+            self._pass_on(member)
 
 
 def each_alone_after_failure(
