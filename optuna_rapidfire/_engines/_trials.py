@@ -266,14 +266,11 @@ class DeviceTrials:
         return snapshots
 
     def save_snapshot(self, runtime: TrialRuntime) -> None:
-        """Write the trial's state to its snapshot folder (what clones of it start from), once it trained.
-
-        The state is copied to the host here (unless its chunk's checkpoint holds it); the file is written by a
-        background thread (a reader of the folder waits for it: :meth:`flush`) while the device trains on. A state
-        already handed over (the trial has not moved since) is not written again.
-        """
+        """Write the trial's state to its snapshot folder (what clones of it start from), once it trained: copied to
+        the host here (unless its chunk's checkpoint holds it), written by a background thread (a reader of the folder
+        waits for it: :meth:`flush`) while the device trains on; not again while the trial has not moved."""
         boundary = _boundary(runtime)
-        if runtime.state.position.chunks_done > 0 and runtime.saved_at != boundary:  # not handed over at this point
+        if runtime.state.position.chunks_done > 0 and runtime.saved_at != boundary:
             snapshot, study = _kept(runtime) or self.snapshots([(runtime, False)])[0], runtime.spec.study_name
             directory = os.path.join(runtime.spec.state_dir, f"trial-{runtime.spec.number}")
             self._writes.submit(directory, lambda: snapshot.save(directory, study))
