@@ -91,8 +91,15 @@ def test_another_chat_setting_tokenizes_again_and_tools_or_images_take_trls_path
     other = _trainer(copy.deepcopy(tokenizer), calls)
     assert share_tokenized_prompts(other)
     assert other._tokenize_prompts(prompts)[0] == plain_ids and len(calls) == 3
-    # Trainers with tools or environments, or vision-language ones, keep TRL's own tokenization.
-    for settings in ({"tools": [len]}, {"environment_factories": {None: object}}, {"_is_vlm": True}):
+    # Trainers with tools or environments, vision-language ones, or a tokenizer that cannot key a weak dictionary,
+    # keep TRL's own tokenization.
+    unhashable = type("Unhashable", (), {"__hash__": None})()
+    for settings in (
+        {"tools": [len]},
+        {"environment_factories": {None: object}},
+        {"_is_vlm": True},
+        {"processing_class": unhashable},
+    ):
         trainer = _trainer(tokenizer, calls, **settings)
         assert not share_tokenized_prompts(trainer)
     # A prompt that is not JSON (an image object in a message) goes to TRL every time.

@@ -41,8 +41,11 @@ def share_tokenized_prompts(trainer: Any) -> bool:
         setting = json.dumps([trainer.chat_template, trainer.chat_template_kwargs], sort_keys=True)
     except (AttributeError, TypeError, ValueError):
         return False
-    with _LOCK:
-        store = _STORES.setdefault(tokenizer, {})
+    try:
+        with _LOCK:
+            store = _STORES.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be a weak dictionary's key: TRL's own tokenization
+        return False
     original = _compat.grpo_tokenization(trainer)
 
     def tokenize(prompts: list[Any]) -> tuple[list[list[int]], Any, dict[str, Any]]:
