@@ -221,8 +221,14 @@ def set_grpo_generation(trainer: Any, generate: Any) -> None:
 
 def grpo_tokenization(trainer: Any) -> Any:
     """``GRPOTrainer._tokenize_prompts``: a batch's prompts rendered with the chat template and encoded, as
-    ``(token ids per prompt, images, multimodal fields)`` (TRL 1.16). No public hook."""
-    return trainer._tokenize_prompts
+    ``(token ids per prompt, images, multimodal fields)`` (TRL 1.16); ``None`` where TRL has none. No public hook."""
+    return getattr(trainer, "_tokenize_prompts", None)
+
+
+def grpo_vision(trainer: Any) -> bool:
+    """``GRPOTrainer._is_vlm``: whether the trainer's processing class handles images (TRL 1.16). No public
+    attribute."""
+    return bool(getattr(trainer, "_is_vlm", False))
 
 
 def set_grpo_tokenization(trainer: Any, tokenize: Any) -> None:

@@ -102,6 +102,7 @@ def test_another_chat_setting_tokenizes_again_and_tools_or_images_take_trls_path
     ):
         trainer = _trainer(tokenizer, calls, **settings)
         assert not share_tokenized_prompts(trainer)
+    assert not share_tokenized_prompts(types.SimpleNamespace())  # a TRL without the method: nothing to share
     # A prompt that is not JSON (an image object in a message) goes to TRL every time.
     image = object()
     odd = [[{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image", "image": image}]}]]

@@ -31,10 +31,13 @@ _LOCK = threading.Lock()
 def share_tokenized_prompts(trainer: Any) -> bool:
     """Make ``trainer`` (a ``GRPOTrainer``) look its prompts' token ids up among those its tokenizer produced for
     any trainer of the same setting before; ``False`` (nothing changed) where its tokenization does more than
-    render and encode text."""
+    render and encode text, or where its TRL tokenizes elsewhere."""
+    original = _compat.grpo_tokenization(trainer)
+    if original is None:
+        return False
     if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None) is not None:
         return False
-    if getattr(trainer, "_is_vlm", False):
+    if _compat.grpo_vision(trainer):
         return False
     tokenizer = trainer.processing_class
     try:
@@ -46,7 +49,6 @@ def share_tokenized_prompts(trainer: Any) -> bool:
             store = _STORES.setdefault(tokenizer, {})
     except TypeError:  # a tokenizer that cannot be a weak dictionary's key: TRL's own tokenization
         return False
-    original = _compat.grpo_tokenization(trainer)
 
     def tokenize(prompts: list[Any]) -> tuple[list[list[int]], Any, dict[str, Any]]:
         keys = _keys(prompts)
