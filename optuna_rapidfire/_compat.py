@@ -387,6 +387,29 @@ def point_peft_at(peft: Any, layers: list[Any], name: str) -> None:
     peft.__dict__["active_adapter"] = name
 
 
+def inject_lora_on(peft: Any, name: str, config: Any, wrapped: list[tuple[str, Any, str]]) -> None:
+    """What ``PeftModel.add_adapter`` does for a LoRA adapter ``name`` (its ``config`` stored already) once it has found
+    the modules to wrap, on ``wrapped`` (``(name, parent, attribute)`` each, in the model's order): the tuner's
+    ``_check_new_adapter_config``, ``_create_and_replace`` on each module, the targeted names, and the adapter's dtype
+    cast over those modules (``cast_adapter_dtype``, PEFT 0.18 and later; before, ``_cast_adapter_dtype``'s walk of
+    the model). Checked against PEFT 0.21; the public way, ``add_adapter``, searches the whole model first."""
+    import torch
+    from peft.tuners import tuners_utils
+
+    tuner = peft.base_model
+    tuner._check_new_adapter_config(config)
+    for key, parent, attribute in wrapped:
+        tuner._create_and_replace(config, name, getattr(parent, attribute), attribute, parent, current_key=key)
+    targeted = set(tuner.targeted_module_names)
+    tuner.targeted_module_names.extend(key for key, _, _ in wrapped if key not in targeted)
+    cast = getattr(tuners_utils, "cast_adapter_dtype", None)
+    if cast is None:
+        tuner._cast_adapter_dtype(adapter_name=name, autocast_adapter_dtype=True)
+    else:
+        layers = torch.nn.ModuleList(getattr(parent, attribute) for _, parent, attribute in wrapped)
+        cast(layers, adapter_name=name, autocast_adapter_dtype=True)
+
+
 def lr_at(scheduler: Any, steps: int) -> float:
     """The learning rate an LR schedule gives the first parameter group after ``steps`` optimizer steps, without
     moving it: ``base_lrs`` times ``lr_lambdas`` for ``LambdaLR`` (every schedule of transformers), else the

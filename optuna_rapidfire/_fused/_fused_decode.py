@@ -179,8 +179,8 @@ class _Decode:
 
         prompts = [p for r in self.requests for p in r.prompts]
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.device)
-        prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        ids, mask = _launched_decode.left_padded(prompts, width, self.pad, self.device)
+        prompt_mask = mask.long()
         cache = DynamicCache(config=self.lm.config)
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # as HF positions left-padded rows
         logits = self._forward(ids, prompt_mask, positions, cache)

@@ -27,6 +27,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from optuna_rapidfire import _compat
+
 if TYPE_CHECKING:
     import torch
     from peft import PeftConfig, PeftModel
@@ -100,7 +102,7 @@ class Injections:
         adapter of its ``signature``: a walk of every module the model shows."""
         from peft.tuners.lora import LoraLayer
 
-        tuner: Any = peft.base_model  # PEFT's LoraModel (its private steps are what its injection calls)
+        tuner: Any = peft.base_model  # PEFT's LoraModel
         named = dict(tuner.model.named_modules())
         wrapped = []
         for key, module in named.items():
@@ -126,29 +128,10 @@ class Injections:
             return False
         for field, value in known.completed.items():  # as PEFT's injection completes the config it stores
             setattr(config, field, copy.deepcopy(value))
-        tuner: Any = peft.base_model
         peft.peft_config[name] = config
         try:
-            tuner._check_new_adapter_config(config)
-            for key, parent, attribute in known.wrapped:
-                tuner._create_and_replace(config, name, getattr(parent, attribute), attribute, parent, current_key=key)
-            targeted = set(tuner.targeted_module_names)
-            tuner.targeted_module_names.extend(key for key, _, _ in known.wrapped if key not in targeted)
-            _cast(tuner, name, [getattr(parent, attribute) for _, parent, attribute in known.wrapped])
+            _compat.inject_lora_on(peft, name, config, known.wrapped)
         except BaseException:
             peft.peft_config.pop(name, None)
             raise
         return True
-
-
-def _cast(tuner: Any, name: str, layers: list[torch.nn.Module]) -> None:
-    """PEFT's dtype cast of adapter ``name`` (``tuner._cast_adapter_dtype``), over ``layers``, the modules that hold
-    it, rather than a walk of the whole model (PEFT 0.18 and later: its function that takes the modules to walk)."""
-    import torch
-    from peft.tuners import tuners_utils
-
-    cast = getattr(tuners_utils, "cast_adapter_dtype", None)
-    if cast is None:
-        tuner._cast_adapter_dtype(adapter_name=name, autocast_adapter_dtype=True)
-    else:
-        cast(torch.nn.ModuleList(layers), adapter_name=name, autocast_adapter_dtype=True)

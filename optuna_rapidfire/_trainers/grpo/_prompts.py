@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 from optuna_rapidfire import _compat
 
@@ -66,7 +66,7 @@ def share_tokenized_prompts(trainer: Any) -> bool:
                 store.clear()
             for i, own in zip(missing, ids, strict=True):
                 found[i] = store[(setting, keys[i])] = list(own)
-        return [list(ids) for ids in found if ids is not None], None, {}
+        return [list(ids) for ids in cast("list[list[int]]", found)], None, {}  # every prompt's ids found now
 
     _compat.set_grpo_tokenization(trainer, tokenize)
     return True
